@@ -1,0 +1,396 @@
+"""Client: what a training script holds to snapshot and resume one run exactly.
+
+::
+
+    ckpt = Client("checkpoints", run="gpt-small", data_version="wikitext-v3")
+    ckpt.track(model=model, optimizer=opt, scheduler=sched, scaler=scaler)
+    batches = ckpt.batches(loader)
+    step = ckpt.restore()
+    ...
+    ckpt.snapshot(step, metric=val_loss)
+    ckpt.close()
+
+The client captures state at the step boundary (tracked objects, every RNG stream,
+the data cursor) and hands a frozen plan to the writer: by default the daemon serving
+the root (started when none runs; see handoff.py), or, with ``daemon=False``, the
+writer in this process, synchronously.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from snapd.options import Options
+from snapd.recovery import RecoveryPlan, plan_recovery
+from snapd.store import RunStore, SnapshotId
+from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
+from snapd.writer import write_snapshot
+from snapd_client.cursor import BatchStream
+from snapd_client.handle import SnapshotHandle
+from snapd_client.handoff import Handoff, Sources
+from snapd_client.journal import Journal
+from snapd_client.restore import Loaded, load_for_resume, load_weights, type_name
+from snapd_client.rng import RngStreams
+from snapd_client.state import flatten
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+MODES = ("resume", "warm_start")
+
+
+def _say(message: str) -> None:
+    """One line to the operator on stderr: what a restore decided."""
+    print(f"snapd: {message}", file=sys.stderr, flush=True)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's elements as raw bytes in C order, on CPU (copied only if needed)."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class Client:
+    """Snapshots and resumes the tracked state of one run (one rank) under a root.
+
+    ``daemon`` (default ``Options.daemon``, True; env ``SNAPD_DAEMON``): hand
+    snapshots to the daemon serving ``root``, started at the first snapshot() when
+    none runs; False writes them in this process before snapshot() returns. Other
+    keyword arguments override fields of :class:`snapd.options.Options`.
+    """
+
+    def __init__(self, root: str, run: str, data_version: Optional[str] = None, *,
+                 rank: Optional[int] = None, options: Optional[Options] = None,
+                 daemon: Optional[bool] = None, **option_overrides: Any) -> None:
+        self.store = RunStore(root, run)
+        self.store.ensure()
+        self.run = run
+        self.data_version = data_version
+        self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        self.options = (options or Options.resolve()).replace(**option_overrides) \
+            if option_overrides else (options or Options.resolve())
+        self.rng = RngStreams()
+        self._tracked: Dict[str, Any] = {}
+        self._stream: Optional[BatchStream] = None
+        self._handles: List[SnapshotHandle] = []
+        self.lineage: Dict[str, Any] = {"id": 0, "mode": "fresh", "parent": None}
+        self.restored: Optional[Loaded] = None
+        self.restored_from: Optional[str] = None  # "hot" (daemon memory) or "disk"
+        self.daemon = self.options.daemon if daemon is None else daemon
+        self._handoff = Handoff(self.store, self.rank, self.options) if self.daemon else None
+        self._hooks: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook
+        self._journal: Optional[Journal] = None
+        self.recovery: Optional[RecoveryPlan] = None
+        self._closed = False
+
+    @property
+    def journal(self) -> Journal:
+        """This rank's state log, opened at first use (its open repairs a torn tail)."""
+        if self._journal is None:
+            self._journal = Journal(self.store, self.rank, self.rng, self.options)
+        return self._journal
+
+    @property
+    def skipped(self) -> List[int]:
+        """Steps whose snapshot was skipped because the previous one was busy."""
+        return self._handoff.skipped if self._handoff else []
+
+    @property
+    def daemon_pid(self) -> Optional[int]:
+        conn = self._handoff.conn if self._handoff else None
+        return conn.daemon_pid if conn is not None else None
+
+    # --- what is tracked -----------------------------------------------------------
+
+    def track(self, **objects: Any) -> "Client":
+        """Track objects with state_dict()/load_state_dict(), or torch.Generators.
+
+        ``None`` values are ignored, so optional objects need no ``if``.
+        """
+        for name, obj in objects.items():
+            if obj is None:
+                continue
+            if not _NAME.match(name):
+                raise ValueError(f"track({name}=...): names must be identifiers")
+            if isinstance(obj, torch.Generator):
+                self.rng.add_generator(name, obj)
+            elif callable(getattr(obj, "state_dict", None)) and \
+                    callable(getattr(obj, "load_state_dict", None)):
+                self._tracked[name] = obj
+            else:
+                raise TypeError(f"track({name}=...): a {type_name(obj)} has no "
+                                "state_dict()/load_state_dict(); wrap it in an object "
+                                "that has both")
+        return self
+
+    def batches(self, loader: Iterable, *, fast_forward: str = "skip") -> BatchStream:
+        """The resumable batch stream over ``loader`` (see docs/cursor.md)."""
+        if self._stream is not None:
+            raise RuntimeError("batches() was already called; one data cursor per client")
+        self._stream = BatchStream(loader, self.rng, fast_forward=fast_forward)
+        return self._stream
+
+    # --- snapshot ------------------------------------------------------------------
+
+    def _object_plan(self, name: str,
+                     obj: Any) -> Tuple[ObjectPlan, List[Tuple[str, torch.Tensor]]]:
+        """An object's skeleton, and its tensor leaves (the live tensors, not copies)."""
+        state = obj.state_dict()
+        flat = flatten(state, name)
+        metadata = getattr(state, "_metadata", None)
+        return (ObjectPlan(name, type_name(obj), flat.skeleton, [],
+                           flatten(dict(metadata), name).skeleton if metadata else None),
+                list(zip(flat.paths, flat.tensors)))
+
+    def _capture(self, step: int, metric: Optional[float]) -> Tuple[SnapshotPlan, Sources]:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"snapshot(step={step!r}): step counts completed updates, "
+                             "a non-negative int")
+        pieces = [self._object_plan(n, o) for n, o in self._tracked.items()]
+        plan = SnapshotPlan(
+            run=self.run, step=step, lineage=dict(self.lineage),
+            objects=[obj for obj, _ in pieces], rng=self.rng.capture(),
+            cursor=self._stream.state() if self._stream is not None else None,
+            metric=None if metric is None else float(metric),
+            data_version=self.data_version, rank=self.rank)
+        return plan, [pairs for _, pairs in pieces]
+
+    def capture(self, step: int, metric: Optional[float] = None) -> SnapshotPlan:
+        """The frozen plan of a snapshot at this step boundary, tensor bytes copied."""
+        plan, sources = self._capture(step, metric)
+        for obj, pairs in zip(plan.objects, sources):
+            obj.tensors = [TensorSource(path, str(t.dtype).removeprefix("torch."),
+                                        list(t.shape), tensor_bytes(t), str(t.device))
+                           for path, t in pairs]
+        return plan
+
+    def snapshot(self, step: int, metric: Optional[float] = None) -> SnapshotHandle:
+        """Snapshot the tracked state at this step boundary; returns a handle.
+
+        Through the daemon it returns once the tensors are staged (``mode="wait"``)
+        or at once (``mode="overlap"``: the next ``optimizer.step()`` waits for the
+        copy). ``daemon=False`` writes here, synchronously.
+        """
+        self._check_open()
+        started = time.perf_counter()
+        handle = self._hand_over(step, metric)
+        # The stall: how long this call kept the loop from its next update.
+        self.journal.event("snapshot", event="staged", step=step, metric=metric,
+                           stall=time.perf_counter() - started,
+                           waited=handle.stall_seconds, mode=self.options.mode
+                           if self._handoff is not None else "in-process")
+        self.journal.sync()  # the steps a snapshot covers are durable before it is
+        handle.add_done_callback(self._record_outcome)
+        # Only handles close() may still have to wait for or raise are kept.
+        self._handles = [h for h in self._handles if h.pending] + [handle]
+        return handle
+
+    def _hand_over(self, step: int, metric: Optional[float]) -> SnapshotHandle:
+        if self._handoff is not None:
+            plan, sources = self._capture(step, metric)
+            if self.options.mode == "overlap":
+                self._hook_optimizers()
+            handle = self._handoff.snapshot(plan, sources, self._deferrable(sources))
+        else:
+            handle = SnapshotHandle(step)
+            plan = self.capture(step, metric)
+            try:
+                handle.set_result(write_snapshot(self.store, plan, self.options))
+            except Exception as e:  # reported through the handle, as a daemon's would be
+                handle.set_error(e)
+        handle.plan_state = (plan.rng, plan.cursor)
+        return handle
+
+    def _record_outcome(self, handle: SnapshotHandle) -> None:
+        """The lifecycle record of a snapshot; a committed one carries the full RNG
+        states and cursor, and the last resume and replay verdict (recovery reads back
+        no further than the last commit)."""
+        if self._journal is None or self._journal.closed:
+            return
+        if handle.skipped:
+            self._journal.event("snapshot", event="skipped", step=handle.step)
+        elif handle.failed:
+            self._journal.event("snapshot", event="failed", step=handle.step,
+                                error=str(handle.error))
+        else:
+            result = handle.result
+            rng, cursor = getattr(handle, "plan_state", (None, None))
+            self._journal.event(
+                "snapshot", event="committed", step=handle.step,
+                name=getattr(result, "name", None) or result.sid.name,
+                bytes=getattr(result, "bytes", None) or getattr(result, "bytes_written", 0),
+                seconds=result.seconds, rng=rng, cursor=cursor,
+                last_resume=self._journal.last_resume, last_replay=self._journal.verdict)
+
+    def _deferrable(self, sources: Sources) -> List[List[bool]]:
+        """Overlap mode: the leaves only ``optimizer.step()`` changes, copied later.
+
+        Those are the parameters of tracked optimizers and the optimizers' state.
+        Everything else (module buffers change in forward; schedulers, scalers and
+        user objects whenever they like) is copied before snapshot() returns.
+        """
+        if self.options.mode != "overlap":
+            return [[False] * len(pairs) for pairs in sources]
+        optimizers = {n for n, o in self._tracked.items()
+                      if isinstance(o, torch.optim.Optimizer)}
+        stepped = {p.data_ptr() for n in optimizers for g in self._tracked[n].param_groups
+                   for p in g["params"]}
+        flags = []
+        for (name, obj), pairs in zip(self._tracked.items(), sources):
+            if name in optimizers:
+                flags.append([path.startswith(".state.") for path, _ in pairs])
+            elif isinstance(obj, torch.nn.Module):
+                flags.append([t.numel() > 0 and t.data_ptr() in stepped for _, t in pairs])
+            else:
+                flags.append([False] * len(pairs))
+        return flags
+
+    def _hook_optimizers(self) -> None:
+        for obj in self._tracked.values():
+            if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooks:
+                self._hooks[id(obj)] = obj.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        """No update may start before the overlap copy of the weights is done."""
+        if self._handoff is not None:
+            self._handoff.wait_copies()
+
+    def log(self, step: int, *, samples: Optional[Iterable[int]] = None,
+            **scalars: float) -> None:
+        """Append this step's record: time, cursor, RNG digests, ``scalars``.
+
+        One write, no fsync (grouped by time; forced at snapshot() and close()). After
+        a resume, each recomputed step is checked against the interrupted run's
+        record (ReplayDivergence, or a warning with ``replay_check="warn"``).
+        ``samples``: the dataset indices this step consumed, when the loop knows them;
+        ``snapd batch RUN STEP`` prints them.
+        """
+        self._check_open()
+        cursor = [self._stream.epoch, self._stream.index] if self._stream else None
+        self.journal.step(step, cursor, scalars,
+                          None if samples is None else [int(i) for i in samples])
+
+    # --- restore -------------------------------------------------------------------
+
+    def restore(self, mode: str = "resume", *, _omit: Iterable[str] = ()) -> int:
+        """Put back the newest good snapshot; returns the step to continue from.
+
+        ``mode="resume"`` continues the same run exactly; ``"warm_start"`` loads module
+        weights only and starts a new lineage at step 0. ``_omit`` (tests, diagnosis)
+        leaves named pieces out: an object name, ``rng:<stream>`` or ``cursor``.
+        """
+        self._check_open()
+        if mode not in MODES:
+            raise ValueError(f"restore(mode={mode!r}): choose 'resume' or 'warm_start'")
+        if mode == "warm_start":
+            return self._warm_start()
+        hot = None
+        if self._handoff is not None and self.options.hot_restore:
+            self._handoff.wait_copies()
+            hot = self._handoff.hot_source()  # never starts a daemon just to restore
+        self.recovery = plan_recovery(self.store, self.rank)  # the log: no tensor file
+        loaded = load_for_resume(self.store, self._tracked, self.rng,
+                                 data_version=self.data_version,
+                                 need_cursor=self._stream is not None, tensor_source=hot)
+        if loaded is None:
+            if self.recovery.reached:
+                _say(f"run {self.run}: no snapshot to resume from; training had reached "
+                     f"step {self.recovery.reached}; starting at step 0")
+            return 0
+        self.restored_from = "hot" if hot is not None and hot.used else "disk"
+        self._apply(loaded, set(_omit))
+        self.restored = loaded
+        self.lineage = dict(loaded.manifest["lineage"])
+        return self._begin_resume(loaded, sorted(_omit))
+
+    def _begin_resume(self, loaded: Loaded, omitted: List[str]) -> int:
+        """Log the resume, arm the replay check, and say what will happen."""
+        step, reached = loaded.manifest["step"], self.recovery.reached
+        self.journal.resume(step=step, snapshot=loaded.sid.name, mode="resume",
+                            lineage=self.lineage, reached=reached,
+                            recompute=max(0, (reached or step) - step),
+                            restored_from=self.restored_from, refused=loaded.refused,
+                            omitted=omitted)
+        checked = self.journal.begin_replay(step, reached)
+        message = f"run {self.run}: resuming from step {step} ({self.restored_from})"
+        if reached is not None and reached > step:
+            message += (f"; training had reached {reached}; {reached - step} updates will "
+                        f"be recomputed" + (" and checked" if checked else ""))
+        _say(message)
+        return step
+
+    def _apply(self, loaded: Loaded, omit: set) -> None:
+        for name, obj in self._tracked.items():
+            if name not in omit:
+                obj.load_state_dict(loaded.states[name])
+        self.rng.restore(loaded.manifest["rng"],
+                         omit=[o.split(":", 1)[1] for o in omit if o.startswith("rng:")])
+        if self._stream is not None and "cursor" not in omit:
+            self._stream.load(loaded.manifest["cursor"])
+
+    def _warm_start(self) -> int:
+        modules = {n: o for n, o in self._tracked.items() if isinstance(o, torch.nn.Module)}
+        loaded = load_weights(self.store, modules)
+        committed = self.store.committed()
+        new_id = max((s.lineage for s in committed), default=-1) + 1
+        parent = None
+        if loaded is not None:
+            for name, state in loaded.states.items():
+                modules[name].load_state_dict(state)
+            parent = {"run": self.run, "snapshot": loaded.sid.name,
+                      "step": loaded.manifest["step"]}
+        else:
+            warnings.warn(f"warm_start: no snapshot in {self.store.path}; starting fresh")
+        self.lineage = {"id": new_id, "mode": "warm_start", "parent": parent}
+        self.restored = loaded
+        self.journal.resume(step=0, snapshot=parent and parent["snapshot"],
+                            mode="warm_start", lineage=self.lineage)
+        _say(f"run {self.run}: warm start (lineage {new_id}) from "
+             f"{parent['snapshot'] if parent else 'nothing'}: weights only, step 0")
+        return 0
+
+    # --- shutdown ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for every snapshot handed off; raise the first failure not yet seen."""
+        if self._closed:
+            return
+        self._closed = True
+        first: Optional[BaseException] = None
+        try:
+            if self._handoff is not None:
+                self._handoff.drain()
+            for handle in self._handles:
+                try:
+                    handle.wait()  # a daemon's: bounded by its liveness and the timeout
+                except BaseException as e:  # keep waiting on the rest, raise the first
+                    first = first or e
+        finally:
+            for hook in self._hooks.values():
+                hook.remove()
+            if self._handoff is not None:
+                self._handoff.close()
+            if self._journal is not None:
+                self._journal.close()
+        if first is not None:
+            raise first
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"Client for run {self.run!r} is closed")
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

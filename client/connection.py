@@ -1,0 +1,248 @@
+"""Talk to the daemon serving a root, starting one when none answers.
+
+Every wait in the training process is bounded twice: by ``Options.timeout`` without
+any sign of life (a frame from the daemon; a ``ping`` is sent when it has been quiet),
+and by a liveness check of the daemon's pid every 0.2 s. A dead or hung daemon thus
+becomes :class:`DaemonUnavailable` in the trainer, never a hang. One background
+thread reads the socket: replies go to the request waiting on their id, events
+(``committed``, ``failed``) to the client's callback, and a lost connection fails
+every pending request and is reported to the client once.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, Optional
+
+import psutil
+
+from snapd import errors
+from snapd import protocol as proto
+from snapd.errors import DaemonUnavailable, SnapdError
+
+SOCKET_NAME = ".snapd.sock"
+LOG_NAME = ".snapd.log"
+SPAWN_TIMEOUT = 30.0
+POLL = 0.2
+EXIT_ALREADY_RUNNING = 2  # `snapd serve` exit code when another daemon holds the root
+
+
+def error_from(kind: str, message: str) -> BaseException:
+    """The exception a daemon's error ``kind`` names: a snapd error or a builtin.
+
+    Only classes are looked up by name, in two fixed places; nothing is executed.
+    """
+    cls = getattr(errors, kind, None) or getattr(builtins, kind, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(message)
+        except TypeError:  # a class that needs more than a message
+            pass
+    return SnapdError(f"{kind}: {message}")
+
+
+def try_connect(root: str) -> Optional[socket.socket]:
+    """A socket connected to the root's daemon, or None when none listens."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(os.path.join(root, SOCKET_NAME))
+        return sock
+    except OSError as e:
+        sock.close()
+        if e.errno in (errno.ENOENT, errno.ECONNREFUSED):
+            return None  # no daemon, or a socket a dead one left behind
+        raise DaemonUnavailable(f"{root}/{SOCKET_NAME}: cannot connect ({e})") from e
+
+
+def spawn_daemon(root: str, timeout: float = SPAWN_TIMEOUT) -> socket.socket:
+    """Start ``snapd serve --root`` detached (it outlives us) and connect to it."""
+    log_path = os.path.join(root, LOG_NAME)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "snapd", "serve", "--root", root],
+            start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            close_fds=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sock = try_connect(root)
+        if sock is not None:
+            return sock
+        code = proc.poll()
+        # Exit code 2: another daemon won the race for the root; keep connecting.
+        if code is not None and code != EXIT_ALREADY_RUNNING:
+            raise DaemonUnavailable(f"the daemon for {root} exited with code {code} "
+                                    f"while starting; see {log_path}")
+        time.sleep(0.05)
+    raise DaemonUnavailable(f"no daemon answered on {root}/{SOCKET_NAME} within "
+                            f"{timeout:.0f} s of starting one; see {log_path}")
+
+
+class _Pending:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reply: Any = None
+
+
+class DaemonConnection:
+    """One client's connection: hello, requests with bounded waits, events."""
+
+    def __init__(self, root: str, run: str, rank: int, timeout: float, *,
+                 on_event: Callable[[Any], None] = lambda m: None,
+                 on_lost: Callable[[BaseException], None] = lambda e: None,
+                 spawn: bool = True) -> None:
+        self.root = os.path.abspath(root)
+        self.run, self.rank, self.timeout = run, rank, timeout
+        self.on_event, self.on_lost = on_event, on_lost
+        sock = try_connect(self.root)
+        if sock is None:
+            if not spawn:
+                raise DaemonUnavailable(f"no daemon is serving {self.root}")
+            sock = spawn_daemon(self.root, max(SPAWN_TIMEOUT, timeout))
+        self._sock = sock
+        self._ids = itertools.count(1)
+        self._pending: Dict[int, _Pending] = {}
+        self._lock = threading.Lock()       # pending table and lost state
+        self._send_lock = threading.Lock()  # frames from several threads never interleave
+        self.lost: Optional[DaemonUnavailable] = None
+        self.last_heard = time.monotonic()
+        self._last_ping = 0.0
+        self.daemon_pid = self._hello()
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name=f"snapd-conn-{self.daemon_pid}")
+        self._reader.start()
+
+    def _hello(self) -> int:
+        self._sock.settimeout(self.timeout)
+        try:
+            proto.send(self._sock, proto.Hello(proto.PROTOCOL_VERSION, os.getpid(),
+                                               self.run, self.rank), id=0)
+            reply = proto.from_wire(proto.recv(self._sock))
+        except (OSError, EOFError, proto.ProtocolError) as e:
+            self._sock.close()
+            raise DaemonUnavailable(f"the daemon for {self.root} did not answer hello "
+                                    f"within {self.timeout} s ({e})") from e
+        if isinstance(reply, proto.Error):
+            self._sock.close()
+            raise error_from(reply.kind, reply.message)
+        if not isinstance(reply, proto.Welcome):
+            self._sock.close()
+            raise DaemonUnavailable(f"the daemon for {self.root} answered hello with "
+                                    f"{reply.op!r}")
+        self._sock.settimeout(None)
+        return reply.daemon_pid
+
+    # --- the reader thread ---------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                data = proto.recv(self._sock)
+                self.last_heard = time.monotonic()
+                message = proto.from_wire(data)
+                if "re" in data:
+                    with self._lock:
+                        pending = self._pending.pop(data["re"], None)
+                    if pending is not None:
+                        pending.reply = message
+                        pending.event.set()
+                elif isinstance(message, (proto.Committed, proto.Failed)):
+                    self.on_event(message)
+        except (OSError, EOFError, proto.ProtocolError) as e:
+            self._lose(DaemonUnavailable(f"lost the daemon (pid {self.daemon_pid}) "
+                                         f"serving {self.root}: {e}"))
+        except Exception as e:  # a bug here must fail the waiters, not strand them
+            self._lose(DaemonUnavailable(f"the connection to the daemon serving "
+                                         f"{self.root} failed: {e!r}"))
+
+    def _lose(self, error: DaemonUnavailable) -> None:
+        """Fail every waiter and tell the client, once."""
+        with self._lock:
+            if self.lost is not None:
+                return
+            self.lost = error
+            pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            p.event.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.on_lost(error)
+
+    # --- liveness and bounded waits ------------------------------------------------
+
+    def daemon_alive(self) -> bool:
+        try:
+            return psutil.Process(self.daemon_pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def check(self, what: str, since: float = 0.0) -> None:
+        """Raise DaemonUnavailable if the daemon is gone, or silent past the timeout
+        (counted from ``since`` at the earliest: quiet before a wait is no symptom)."""
+        if self.lost is not None:
+            raise self.lost
+        if not self.daemon_alive():
+            self._lose(DaemonUnavailable(f"the daemon (pid {self.daemon_pid}) serving "
+                                         f"{self.root} is gone while waiting for {what}"))
+            raise self.lost
+        quiet = time.monotonic() - max(self.last_heard, since)
+        if quiet > self.timeout:
+            self._lose(DaemonUnavailable(
+                f"the daemon (pid {self.daemon_pid}) serving {self.root} has not "
+                f"answered for {quiet:.1f} s (timeout {self.timeout} s) while waiting "
+                f"for {what}; it may be hung: `snapd status --root {self.root}`"))
+            raise self.lost
+        if quiet > min(self.timeout / 4, 5.0) and \
+                time.monotonic() - self._last_ping > min(self.timeout / 4, 5.0):
+            self._last_ping = time.monotonic()
+            self._send(proto.Ping(), next(self._ids))  # its pong refreshes last_heard
+
+    def wait_for(self, event: threading.Event, what: str) -> None:
+        """Wait for ``event`` while the daemon lives and answers."""
+        since = time.monotonic()
+        while not event.wait(POLL):
+            self.check(what, since)
+
+    def _send(self, message: Any, req_id: int) -> None:
+        try:
+            with self._send_lock:
+                proto.send(self._sock, message, id=req_id)
+        except OSError as e:
+            self._lose(DaemonUnavailable(f"cannot send {message.op} to the daemon "
+                                         f"serving {self.root}: {e}"))
+            raise self.lost from e
+
+    def request(self, message: Any) -> Any:
+        """Send a request and return its reply; an ``error`` reply is raised."""
+        pending = _Pending()
+        req_id = next(self._ids)
+        with self._lock:
+            if self.lost is not None:
+                raise self.lost
+            self._pending[req_id] = pending
+        self._send(message, req_id)
+        self.wait_for(pending.event, f"the reply to {message.op}")
+        if pending.reply is None:
+            raise self.lost or DaemonUnavailable(f"no reply to {message.op}")
+        if isinstance(pending.reply, proto.Error):
+            raise error_from(pending.reply.kind, pending.reply.message)
+        return pending.reply
+
+    def close(self) -> None:
+        with self._lock:
+            if self.lost is None:
+                self.lost = DaemonUnavailable(f"connection to {self.root} closed")
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()

@@ -1,0 +1,309 @@
+"""The resumable batch stream that ``Client.batches(loader)`` returns.
+
+snapd owns the iteration for two reasons. It counts the batches the loop has
+*consumed* (``epoch``, ``index``), not those the workers prefetched. And creating an
+epoch's iterator draws random numbers (the workers' base seed, ``RandomSampler``'s
+shuffle seed), so each epoch opens by capturing every RNG stream just before
+``iter(loader)``: the *epoch-start RNG*. :meth:`BatchStream.load` puts those states
+back, recreates the epoch iterator positioned at ``index``, then returns every stream
+to where it found it: opening the epoch draws what it drew the first time, and the
+caller's restored streams are untouched, whichever of the two is restored first.
+
+Positioning (``last_fast_forward["mode"]``; docs/cursor.md says what is exact when):
+``skip`` for a map-style ``DataLoader``: for one ``iter(loader)`` its index sampler is
+replaced by one that first advances ``index`` steps, so no consumed sample is fetched
+or sent to a worker. ``loader_state`` for a loader with ``state_dict()`` (torchdata's
+``StatefulDataLoader``). ``replay`` otherwise, or when asked: fetch and discard the
+epoch's consumed batches, the only exact way when a ``DataLoader``'s workers draw.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from typing import Any, Iterable, Iterator, Mapping, Optional
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from snapd.errors import CorruptSnapshot, IncompatibleState, UnsupportedState
+
+from .rng import RngState, RngStreams
+
+FAST_FORWARD_MODES = ("skip", "replay")
+STATE_VERSION = 1
+_TENSOR = "__snapd_tensor__"
+
+
+def to_plain(value: Any, path: str = "loader_state") -> Any:
+    """A copy of ``value`` that msgpack carries: each tensor becomes
+    ``{"__snapd_tensor__": True, "dtype", "shape", "data": raw bytes}``, tuples lists."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        return {_TENSOR: True, "dtype": str(value.dtype).removeprefix("torch."),
+                "shape": list(value.shape), "data": flat.view(torch.uint8).numpy().tobytes()}
+    if isinstance(value, dict):
+        return {k: to_plain(v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    raise UnsupportedState(f"{path}: a {type(value).__name__} cannot be stored without "
+                           "pickle; return tensors, numbers, strings, lists or dicts")
+
+
+def from_plain(value: Any) -> Any:
+    """The inverse of :func:`to_plain` (tuples come back as lists)."""
+    if isinstance(value, dict):
+        if value.get(_TENSOR) is not True:
+            return {k: from_plain(v) for k, v in value.items()}
+        dtype = getattr(torch, str(value["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptSnapshot(f"cursor.loader_state: unknown tensor dtype {value['dtype']!r}",
+                                  field="cursor.loader_state")
+        data = bytes(value["data"])  # frombuffer refuses an empty buffer: pad, then cut
+        raw = torch.frombuffer(bytearray(data or b"\0"), dtype=torch.uint8)[:len(data)]
+        return raw.view(dtype).reshape(value["shape"])
+    if isinstance(value, list):
+        return [from_plain(v) for v in value]
+    return value
+
+
+def _private_generators(loader: Any) -> list:
+    """The loader's own generator and its sampler's, each once (often the same object)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    found: list = []
+    owners = (loader, getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None))
+    for owner in owners:
+        gen = getattr(owner, "generator", None)
+        if isinstance(gen, torch.Generator) and not any(gen is g for g in found):
+            found.append(gen)
+    return found
+
+
+def _consume(it: Iterator, count: int) -> None:
+    # islice into a zero-length deque drops without keeping; past the end it just stops.
+    collections.deque(itertools.islice(it, count), maxlen=0)
+
+
+def _persistent(loader: Any) -> bool:
+    """Does iter(loader) reuse one worker iterator across epochs?"""
+    return bool(getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0))
+
+
+class _SkipSampler:
+    """Stands in for a loader's index sampler during one ``iter(loader)``; its iterator
+    drops ``count`` of the real sampler's indices before the first.
+
+    ``iter()`` calls the real sampler's ``iter()`` at once, as the loader would (twice
+    with workers: base iterator, then _reset; the last one is used). The drop is lazy,
+    like the real sampler's first draw, so the draws keep their order (base seed, then
+    shuffle seed); :meth:`skip` forces it while the epoch-start RNG is still in place.
+    """
+
+    def __init__(self, inner: Iterable, count: int) -> None:
+        self.inner, self._count, self._it, self._pending = inner, count, iter(()), 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> "_SkipSampler":
+        self._it, self._pending = iter(self.inner), self._count
+        return self
+
+    def skip(self) -> None:
+        _consume(self._it, self._pending)
+        self._pending = 0
+
+    def __next__(self):
+        if self._pending:
+            self.skip()
+        return next(self._it)
+
+
+def _iter_with(loader: DataLoader, stand_in: Any) -> Iterator:
+    """``iter(loader)`` drawing its indices from ``stand_in``, for this call only.
+
+    DataLoader.__setattr__ refuses ``batch_sampler``/``sampler`` after init, hence
+    object.__setattr__. Each loader iterator keeps its own ``_index_sampler`` copy, and a
+    persistent one's ``_reset`` (every later epoch) reads that copy, not the loader's:
+    both are swapped and both are put back.
+    """
+    name = "batch_sampler" if loader._auto_collation else "sampler"
+    original, live, it = getattr(loader, name), loader._iterator, None
+    object.__setattr__(loader, name, stand_in)
+    if live is not None:
+        live._index_sampler = stand_in
+    try:
+        it = iter(loader)
+    finally:
+        object.__setattr__(loader, name, original)
+        for holder in (live, it):
+            if getattr(holder, "_index_sampler", None) is stand_in:
+                holder._index_sampler = original
+    return it
+
+
+class BatchStream:
+    """Batches of ``loader``, epoch after epoch, with a cursor that resumes exactly.
+
+    ``next(stream)`` crosses epoch boundaries by itself; ``for batch in stream`` yields
+    the rest of the current epoch (all of it when the epoch has not begun). ``epoch`` is
+    the current epoch (0-based), ``index`` the batches consumed in it.
+    """
+
+    def __init__(self, loader: Iterable, rng: RngStreams, fast_forward: str = "skip") -> None:
+        if fast_forward not in FAST_FORWARD_MODES:
+            raise ValueError(f"fast_forward={fast_forward!r}; choose one of {FAST_FORWARD_MODES}")
+        self.loader, self.fast_forward, self._rng = loader, fast_forward, rng
+        self.epoch, self.index = 0, 0  # the current epoch; batches consumed in it
+        self.last_fast_forward: Optional[dict] = None  # {"mode", "batches", "seconds"} of load()
+        self._it: Optional[Iterator] = None   # the open epoch's iterator
+        self._epoch_rng: RngState = {}        # every stream just before its iter(loader)
+        self._iter_rng: RngState = {}         # persistent workers: _epoch_rng of the live
+        #                                       worker iterator's birth (later epochs _reset it)
+        self._stateful = callable(getattr(loader, "state_dict", None)) and \
+            callable(getattr(loader, "load_state_dict", None))
+        # A private generator moves as the loader shuffles: it is an RNG stream like any other.
+        for i, gen in enumerate(_private_generators(loader)):
+            rng.add_generator("loader" if i == 0 else f"loader.{i}", gen)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # batches per epoch, as the loader counts them
+
+    def __iter__(self) -> Iterator:
+        while True:
+            try:
+                batch = self._pull()
+            except StopIteration:
+                return
+            yield batch
+
+    def __next__(self) -> Any:
+        fresh = self._it is None
+        try:
+            return self._pull()
+        except StopIteration:
+            if fresh:  # a whole epoch without a batch: going on would spin forever
+                raise
+        return self._pull()  # the open epoch was used up: the first batch of the next
+
+    def _pull(self) -> Any:
+        if self._it is None:
+            self._epoch_rng = self._rng.capture()
+            self._it = self._iter_loader()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._it, self._epoch_rng = None, {}
+            self.epoch, self.index = self.epoch + 1, 0
+            raise
+        self.index += 1
+        return batch
+
+    def _iter_loader(self, stand_in: Any = None) -> Iterator:
+        """``iter(loader)``; notes the birth of a persistent worker iterator, whose base
+        seed came from this epoch's RNG while later epochs only _reset it."""
+        before = getattr(self.loader, "_iterator", None)
+        it = iter(self.loader) if stand_in is None else _iter_with(self.loader, stand_in)
+        if _persistent(self.loader) and it is not before:
+            self._iter_rng = self._epoch_rng
+        return it
+
+    def state(self) -> dict:
+        """The cursor at this instant, in plain values msgpack carries (no tensors)."""
+        live = _persistent(self.loader) and getattr(self.loader, "_iterator", None) is not None
+        # Never while no iterator exists: StatefulDataLoader.state_dict() would create one.
+        stateful = self._stateful and (self._it is not None or live)
+        reused = live and self._iter_rng is not self._epoch_rng
+        return {"version": STATE_VERSION, "epoch": self.epoch, "index": self.index,
+                "epoch_rng": dict(self._epoch_rng),
+                "iter_rng": dict(self._iter_rng) if reused else {},
+                "loader_state": to_plain(self.loader.state_dict()) if stateful else None}
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``: the next batch is the one the uninterrupted run
+        yielded next, and later epochs match too. Every RNG stream is left as found."""
+        epoch, index, epoch_rng, iter_rng, loader_state = self._parse(state)
+        mode = self._mode()
+        self._drop_iterator()
+        self.epoch, self.index, self._epoch_rng, self._iter_rng = epoch, 0, epoch_rng, iter_rng
+        now, started = self._rng.capture(), time.perf_counter()
+        try:
+            # Mid-epoch, a stateful loader rebuilds its iterator from its own state instead.
+            if iter_rng and not (self._stateful and epoch_rng):
+                self._revive_workers(iter_rng, loader_state)
+            if epoch_rng:
+                self._rng.restore(epoch_rng)
+                self._it = self._position(mode, index, loader_state)
+                self.index = index
+        finally:
+            self._rng.restore(now)
+        self.last_fast_forward = {"mode": mode, "batches": self.index,
+                                  "seconds": time.perf_counter() - started}
+
+    def _mode(self) -> str:
+        if self.fast_forward == "replay":
+            return "replay"
+        if self._stateful:
+            return "loader_state"
+        map_style = isinstance(self.loader, DataLoader) and \
+            not isinstance(self.loader.dataset, IterableDataset)
+        return "skip" if map_style else "replay"  # no sampler to skip with otherwise
+
+    def _drop_iterator(self) -> None:
+        """Forget any live iterator, so the next iter(loader) creates one (workers exit)."""
+        self._it = None
+        if self._stateful:
+            self.loader.load_state_dict({})
+        elif hasattr(self.loader, "_iterator"):
+            self.loader._iterator = None
+
+    def _revive_workers(self, iter_rng: RngState, loader_state: Optional[dict]) -> None:
+        """Persistent workers: the uninterrupted run was reusing a worker iterator born in
+        an earlier epoch, and reusing one draws no base seed. Give birth to one now (from
+        the RNG of the original birth, sending no index), so the next open only resets it."""
+        self._rng.restore(iter_rng)
+        if self._stateful:  # between epochs; its state carries the base seed (it prefetches)
+            self.loader.load_state_dict(from_plain(loader_state or {}))
+            iter(self.loader)
+        else:
+            _iter_with(self.loader, _SkipSampler((), 0))
+
+    def _position(self, mode: str, index: int, loader_state: Optional[dict]) -> Iterator:
+        """The open epoch's iterator, ``index`` batches in. Runs under the epoch-start RNG."""
+        if mode == "loader_state":
+            if loader_state is None:
+                raise IncompatibleState("cursor.loader_state is missing: the snapshot's loader had "
+                                        "no state_dict(); resume with that loader, or with "
+                                        "fast_forward='replay'", field="cursor.loader_state")
+            self.loader.load_state_dict(from_plain(loader_state))
+            return self._iter_loader()
+        if mode == "skip":
+            stand_in = _SkipSampler(self.loader._index_sampler, index)
+            it = self._iter_loader(stand_in)
+            stand_in.skip()
+            return it
+        it = self._iter_loader()
+        _consume(it, index)  # replay: fetch and drop
+        return it
+
+    def _parse(self, state: Mapping[str, Any]):
+        try:
+            epoch, index, epoch_rng = state["epoch"], state["index"], dict(state["epoch_rng"])
+            iter_rng = dict(state.get("iter_rng") or {})
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptSnapshot(f"cursor state is malformed ({e!r}); it needs epoch, index "
+                                  "and epoch_rng", field="cursor") from e
+        for name, value in (("epoch", epoch), ("index", index)):
+            if type(value) is not int or value < 0:
+                raise CorruptSnapshot(f"cursor.{name} is {value!r}, not a count",
+                                      field=f"cursor.{name}")
+        if index and not epoch_rng:
+            raise CorruptSnapshot("cursor.epoch_rng is empty although batches were consumed",
+                                  field="cursor.epoch_rng")
+        for name, streams in (("epoch_rng", epoch_rng), ("iter_rng", iter_rng)):
+            if streams:
+                self._rng.check(streams, source=f"cursor.{name}")
+        return epoch, index, epoch_rng, iter_rng, state.get("loader_state")

@@ -1,0 +1,281 @@
+"""The daemon path of snapshot(): a slot, the staging copy, the hand-off, the events.
+
+A slot of the arena is the client's until ``submit`` and the daemon's until the
+``committed``/``failed`` event for it (docs/protocol.md). ``_inflight`` maps each slot
+the client cannot use to the handle of the snapshot in it; the reader thread frees
+slots as events arrive, and frees them all, failing their handles with
+DaemonUnavailable, when the daemon is lost. The next snapshot() then warns, starts a
+new daemon and a new arena (the old daemon, if only hung, unlinks the old one when it
+notices the dropped connection), and carries on.
+
+Overlap mode: tensors that only ``optimizer.step()`` changes (parameters of tracked
+optimizers, optimizer state) are copied by one background thread while the trainer
+runs the next forward and backward; the client's step pre-hook calls
+:meth:`Handoff.wait_copies` so no update starts before its copy is done. CUDA copies
+are enqueued on the arena's side stream inside snapshot() in both modes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from snapd import protocol as proto
+from snapd.format import dtype_name
+from snapd.errors import DaemonUnavailable, SnapdError
+from snapd.options import Options
+from snapd.plan import SnapshotPlan, TensorSource, to_descriptor
+from snapd.store import RunStore, SnapshotId
+from snapd.writer import CommitResult
+from snapd_client.connection import POLL, DaemonConnection, error_from
+from snapd_client.handle import SnapshotHandle
+from snapd_client.hot import HotSource
+from snapd_client.staging import Arena, layout, nbytes_of, slot_size_for
+
+Sources = Sequence[Sequence[Tuple[str, torch.Tensor]]]
+SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
+                  "best_mode", "hot_restore")
+
+
+class Handoff:
+    """One client's link to the daemon: connection, arena, slots, in-flight handles."""
+
+    def __init__(self, store: RunStore, rank: int, options: Options) -> None:
+        self.store, self.rank, self.options = store, rank, options
+        self.conn: Optional[DaemonConnection] = None
+        self.arena: Optional[Arena] = None
+        self.skipped: List[int] = []          # steps skipped by on_busy="skip"
+        self._inflight: dict = {}             # slot -> SnapshotHandle
+        self._lost: List[int] = []            # steps lost with a daemon, not yet warned
+        self._cond = threading.Condition()    # reentrant: _lose may run inside a wait
+        self._copied: Optional[threading.Event] = None
+        self._worker: Optional[ThreadPoolExecutor] = None
+
+    # --- snapshot ------------------------------------------------------------------
+
+    def snapshot(self, plan: SnapshotPlan, sources: Sources,
+                 deferred: Sequence[Sequence[bool]]) -> SnapshotHandle:
+        """Stage ``sources`` (per plan object, its (path, tensor) leaves); hand off.
+
+        ``deferred`` marks the tensors an overlap-mode snapshot may copy after
+        returning. Daemon trouble is reported through the handle, never raised.
+        """
+        self.wait_copies()
+        handle = SnapshotHandle(plan.step)
+        offsets, need = layout([t for pairs in sources for _, t in pairs])
+        try:
+            if not self._wait_for_room(handle, need):
+                return handle
+            conn = self._connect()
+            slot = self._reserve(conn, need, handle)
+        except SnapdError as e:
+            handle.set_error(e)
+            return handle
+        handle._waiter = lambda ev: conn.wait_for(ev, f"the commit of step {plan.step}")
+        try:
+            job = self._stage(plan, sources, deferred, offsets, slot)
+        except Exception as e:  # the slot is ours again; the handle reports why
+            self._release(slot, handle, e)
+            return handle
+        if self.options.mode == "overlap":
+            self._copied = threading.Event()
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="snapd-stage")
+            self._worker.submit(self._complete, conn, *job, handle, self._copied)
+        else:
+            self._complete(conn, *job, handle, None)
+        return handle
+
+    def _stage(self, plan: SnapshotPlan, sources: Sources,
+               deferred: Sequence[Sequence[bool]], offsets: List[int], slot: int):
+        """Copy what must be copied now; returns what _complete needs for the rest."""
+        flat = [t for pairs in sources for _, t in pairs]
+        flags = [d for ds in deferred for d in ds]
+        # CUDA copies are only enqueued here, so they are never deferred.
+        now = [(t, o) for t, o, d in zip(flat, offsets, flags) if not d or t.is_cuda]
+        later = [(t, o) for t, o, d in zip(flat, offsets, flags) if d and not t.is_cuda]
+        arena = self.arena
+        arena.stage(slot, [t for t, _ in now], [o for _, o in now])
+        return arena, slot, later, self._descriptor(plan, sources, offsets, arena, slot)
+
+    def _descriptor(self, plan: SnapshotPlan, sources: Sources, offsets: List[int],
+                    arena: Arena, slot: int) -> dict:
+        """The plan over the slot, as the daemon will rebuild it."""
+        it = iter(offsets)
+        nested = []
+        for obj, pairs in zip(plan.objects, sources):
+            offs = [next(it) for _ in pairs]
+            nested.append(offs)
+            obj.tensors = [TensorSource(path, dtype_name(t.dtype), list(t.shape),
+                                        arena.buffer(slot, off, nbytes_of(t)), str(t.device))
+                           for (path, t), off in zip(pairs, offs)]
+        desc = to_descriptor(plan, nested)
+        for obj in plan.objects:
+            for t in obj.tensors:
+                t.data.release()  # the arena's mapping must not stay exported
+        return desc
+
+    def _complete(self, conn: DaemonConnection, arena: Arena, slot: int, later: list,
+                  desc: dict, handle: SnapshotHandle,
+                  copied: Optional[threading.Event]) -> None:
+        """Finish the copy, then submit. Runs inline, or on the worker in overlap."""
+        try:
+            arena.stage(slot, [t for t, _ in later], [o for _, o in later])
+            arena.wait()
+        except Exception as e:
+            self._release(slot, handle, e)
+            return
+        finally:
+            if copied is not None:
+                copied.set()
+        try:
+            conn.request(proto.Submit(self.store.run, self.rank, handle.step, slot, desc,
+                                      {k: getattr(self.options, k) for k in SUBMIT_OPTIONS}))
+        except Exception as e:  # the handle reports it; the trainer carries on
+            self._release(slot, handle, e)
+
+    def wait_copies(self) -> None:
+        """Block until the overlap copy in progress has landed (the step pre-hook)."""
+        copied = self._copied
+        if copied is not None:
+            copied.wait()
+
+    # --- slots -----------------------------------------------------------------------
+
+    def _has_room(self, need: int) -> bool:
+        if self.arena is None or need > self.arena.slot_bytes:
+            return not self._inflight  # a new arena replaces this one once idle
+        return len(self._inflight) < self.arena.slots
+
+    def _wait_for_room(self, handle: SnapshotHandle, need: int) -> bool:
+        """Backpressure: wait for a slot (stall), or skip, by ``on_busy``."""
+        with self._cond:
+            if self._has_room(need):
+                return True
+            if self.options.on_busy == "skip":
+                self.skipped.append(handle.step)
+                handle.set_skipped()
+                return False
+            start = time.monotonic()
+            while not self._has_room(need):
+                self._cond.wait(POLL)
+                try:
+                    if self.conn is not None:
+                        self.conn.check("a free staging slot", start)
+                except DaemonUnavailable:
+                    pass  # the loss freed every slot; _connect starts a new daemon
+            handle.stall_seconds = time.monotonic() - start
+            return True
+
+    def _reserve(self, conn: DaemonConnection, need: int, handle: SnapshotHandle) -> int:
+        """A free slot of an arena large enough, attached to the daemon."""
+        if self.arena is None or need > self.arena.slot_bytes:
+            old, self.arena = self.arena, None
+            if old is not None:
+                old.close()  # idle (see _has_room); the daemon drops its mapping too
+            arena = Arena(slot_size_for(need), self.options.slots)
+            try:
+                conn.request(proto.Attach(self.store.run, self.rank, arena.name,
+                                          arena.size, arena.slots))
+            except BaseException:
+                arena.close()
+                raise
+            self.arena = arena
+        with self._cond:
+            slot = min(set(range(self.arena.slots)) - set(self._inflight))
+            self._inflight[slot] = handle
+        return slot
+
+    def _release(self, slot: int, handle: SnapshotHandle,
+                 error: Optional[BaseException] = None, result=None) -> None:
+        with self._cond:
+            if self._inflight.get(slot) is handle:
+                del self._inflight[slot]
+                self._cond.notify_all()
+        if error is not None:
+            handle.set_error(error)
+        else:
+            handle.set_result(result)
+
+    # --- the daemon ------------------------------------------------------------------
+
+    def _connect(self, spawn: bool = True) -> DaemonConnection:
+        """The live connection; after a loss, warn, then find (or start) a daemon."""
+        if self.conn is not None and self.conn.lost is None:
+            return self.conn
+        if self.conn is not None:
+            self._forget_daemon()
+            self.conn = None
+        self.conn = DaemonConnection(self.store.root, self.store.run, self.rank,
+                                     self.options.timeout, on_event=self._on_event,
+                                     on_lost=self._on_lost, spawn=spawn)
+        return self.conn
+
+    def _forget_daemon(self) -> None:
+        with self._cond:
+            lost, self._lost = self._lost, []
+        what = (f"the snapshot(s) of step(s) {', '.join(map(str, lost))} did not commit"
+                if lost else "no snapshot was in flight")
+        warnings.warn(f"the snapd daemon serving {self.store.root} was lost "
+                      f"({self.conn.lost}); {what}. Starting a new daemon.",
+                      RuntimeWarning, stacklevel=5)
+        self.conn.close()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+    def _on_event(self, event) -> None:
+        """Reader thread: a committed/failed event frees its slot."""
+        with self._cond:
+            handle = self._inflight.get(event.slot)
+        if handle is None or handle.step != event.step:
+            return  # not ours (or already failed locally): nothing to free
+        if isinstance(event, proto.Committed):
+            sid = SnapshotId.parse(event.name)
+            result = CommitResult(sid, self.store.snapshot_path(sid) if sid else event.name,
+                                  event.bytes, event.seconds)
+            self._release(event.slot, handle, result=result)
+        else:
+            self._release(event.slot, handle, error_from(event.kind, event.message))
+
+    def _on_lost(self, error: DaemonUnavailable) -> None:
+        with self._cond:
+            handles, self._inflight = list(self._inflight.values()), {}
+            self._lost += [h.step for h in handles]
+            self._cond.notify_all()
+        for h in handles:
+            h.set_error(error)
+
+    # --- restore and shutdown ----------------------------------------------------------
+
+    def hot_source(self) -> Optional[HotSource]:
+        """The daemon's held copy of this run, if a daemon already serves the root."""
+        try:
+            reply = self._connect(spawn=False).request(proto.HotGet(self.store.run,
+                                                                    self.rank))
+        except SnapdError:
+            return None  # no daemon (or none that answers): restore reads the files
+        if not reply.shm or not reply.snapshot or not isinstance(reply.plan, dict):
+            return None
+        return HotSource(reply.shm, reply.snapshot, reply.plan)
+
+    def drain(self) -> None:
+        """Finish every staging copy and submit started (submits are bounded)."""
+        self.wait_copies()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def close(self) -> None:
+        """Unlink the arena and hang up (after the handles are resolved)."""
+        self.drain()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        if self.conn is not None:
+            self.conn.close()

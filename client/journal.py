@@ -1,0 +1,124 @@
+"""The client's side of the state log: one record per step, lifecycle records, and the
+replay proof after a resume.
+
+Replay proof: a resume from snapshot S of a run that had reached step R recomputes
+S+1..R. The interrupted run logged each of those steps; as the resumed run logs them
+again, each new record is compared with the old one. The first difference names its
+cause, checked in this order, because an earlier piece perturbs the later ones:
+
+1. ``cursor``: the batch position differs (the data stream was not restored);
+2. ``rng:<stream>``: that stream's digest differs (it was not restored, or the step
+   drew a different number of values from it);
+3. ``scalar:<name>``: the RNG streams and cursor match but a logged scalar (the loss)
+   differs: numerical nondeterminism with identical inputs.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Dict, Optional
+
+from snapd.errors import ReplayDivergence
+from snapd.logwriter import LogWriter
+from snapd.options import Options
+from snapd.recovery import expected_steps
+from snapd.store import RunStore
+from snapd_client.rng import RngStreams
+
+
+class ReplayWarning(UserWarning):
+    """A recomputed step differs from the interrupted run (replay_check='warn')."""
+
+
+def compare(old: Dict[str, Any], new: Dict[str, Any]) -> Optional[tuple]:
+    """(cause, detail) of the first difference between two step records, or None."""
+    if old.get("cursor") != new.get("cursor"):
+        return "cursor", f"cursor (epoch, batch) was {old.get('cursor')}, now {new.get('cursor')}"
+    old_rng, new_rng = old.get("rng") or {}, new.get("rng") or {}
+    for stream in sorted(set(old_rng) | set(new_rng)):
+        if old_rng.get(stream) != new_rng.get(stream):
+            return f"rng:{stream}", f"the {stream!r} random stream's digest differs"
+    old_s, new_s = old.get("scalars") or {}, new.get("scalars") or {}
+    for name in sorted(set(old_s) | set(new_s)):
+        if old_s.get(name) != new_s.get(name):
+            return (f"scalar:{name}", f"{name} was {old_s.get(name)!r}, now "
+                    f"{new_s.get(name)!r} with identical RNG streams and cursor "
+                    "(numerical nondeterminism)")
+    return None
+
+
+class Journal:
+    """Writes one rank's log records; checks replayed steps against the old ones."""
+
+    def __init__(self, store: RunStore, rank: int, rng: RngStreams, opts: Options) -> None:
+        self.store, self.rank, self.rng, self.opts = store, rank, rng, opts
+        self.writer = LogWriter(store.path, rank, segment_bytes=opts.log_segment_bytes,
+                                flush_interval=opts.log_flush_interval)
+        self._expected: Dict[int, Dict[str, Any]] = {}
+        self._replay: Optional[Dict[str, Any]] = None
+        self.verdict: Optional[Dict[str, Any]] = None
+        self.last_resume: Optional[Dict[str, Any]] = None
+        self.closed = False
+
+    def step(self, step: int, cursor: Optional[list], scalars: Dict[str, Any],
+             samples: Optional[list] = None) -> None:
+        record = {"kind": "step", "step": step, "time": time.time(), "cursor": cursor,
+                  "rng": self.rng.live_digests(),
+                  "scalars": {k: float(v) for k, v in scalars.items()}}
+        if samples is not None:
+            record["samples"] = samples
+        self.writer.append(record)
+        if self._replay is not None:
+            self._check(record)
+
+    def event(self, kind: str, **fields: Any) -> Dict[str, Any]:
+        record = {"kind": kind, "time": time.time(), **fields}
+        self.writer.append(record)
+        return record
+
+    # --- replay proof ----------------------------------------------------------------
+
+    def begin_replay(self, snapshot_step: int, reached: Optional[int]) -> int:
+        """Load the old records of the steps to recompute; returns how many."""
+        if reached is None or reached <= snapshot_step or self.opts.replay_check == "off":
+            return 0
+        self._expected = expected_steps(self.store, self.rank, snapshot_step, reached)
+        self._replay = {"from": snapshot_step, "to": reached, "checked": 0}
+        return len(self._expected)
+
+    def _check(self, record: Dict[str, Any]) -> None:
+        replay, step = self._replay, record["step"]
+        old = self._expected.pop(step, None)
+        if old is not None:
+            replay["checked"] += 1
+            found = compare(old, record)
+            if found is not None:
+                self._finish("diverged", step=step, cause=found[0], detail=found[1])
+                message = (f"replay check: step {step} differs from the interrupted run: "
+                           f"{found[1]} (cause {found[0]}); the resumed run is not the "
+                           "same run. See docs/operations.md, 'replay divergence'")
+                if self.opts.replay_check == "raise":
+                    raise ReplayDivergence(message, step=step, cause=found[0])
+                warnings.warn(message, ReplayWarning, stacklevel=3)
+                return
+        if step >= replay["to"] or not self._expected:
+            self._finish("match", step=step)
+
+    def _finish(self, verdict: str, **fields: Any) -> None:
+        replay, self._replay, self._expected = self._replay, None, {}
+        self.verdict = self.event("replay", verdict=verdict, **{
+            "from": replay["from"], "to": replay["to"], "checked": replay["checked"],
+            **fields})
+
+    def sync(self) -> None:
+        self.writer.sync()
+
+    def resume(self, **fields: Any) -> Dict[str, Any]:
+        """The resume record; kept, so that later committed records can carry it."""
+        self.last_resume = self.event("resume", **fields)
+        return self.last_resume
+
+    def close(self) -> None:
+        self.closed = True
+        self.writer.close()

@@ -1,0 +1,185 @@
+"""The staging arena: one shared-memory file, allocated once per client and reused.
+
+A snapshot's tensors are copied into a *slot* of the arena; the daemon maps the same
+file and writes the slot to disk, so the trainer's only cost is one memory copy.
+Why one file and not a segment per tensor: the number of mappings and descriptors
+stays bounded (one) whatever the model, and the pages are faulted in once, at
+allocation, so that no snapshot pays for page faults on the training path.
+
+Layout: ``slots`` equal slots back to back, each a multiple of the page size. Inside a
+slot each tensor starts at a 64-byte aligned offset (cache lines, and any dtype's
+alignment), in plan order; :func:`layout` computes the offsets.
+
+On CUDA the arena is page-locked once (``cudaHostRegister``), so device-to-host
+copies are truly asynchronous; they run on a side stream that first waits for the
+compute stream (the values are those at ``stage()`` time) and end with an event that
+:meth:`Arena.wait` synchronizes on.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+from typing import List, Optional, Sequence
+
+import torch
+
+from snapd.errors import InsufficientSpace, SnapdError
+
+SHM_DIR = "/dev/shm"
+ALIGN = 64
+SLOT_ROUND = 2 << 20  # slots grow in 2 MiB steps (huge-page friendly, few regrowths)
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def layout(tensors: Sequence[torch.Tensor]) -> tuple[List[int], int]:
+    """Each tensor's offset within a slot (64-byte aligned), and the bytes needed."""
+    offsets, end = [], 0
+    for t in tensors:
+        start = _align(end, ALIGN)
+        offsets.append(start)
+        end = start + nbytes_of(t)
+    return offsets, end
+
+
+def slot_size_for(needed: int) -> int:
+    return max(SLOT_ROUND, _align(needed, SLOT_ROUND))
+
+
+class Arena:
+    """A shared-memory file of ``slots`` equal slots, mapped and faulted in.
+
+    The file is ``/dev/shm/snapd-<uid>-<pid>-<nonce>``, mode 0600, created with
+    ``O_EXCL`` so that no other file is ever reused or followed.
+    """
+
+    def __init__(self, slot_bytes: int, slots: int = 1) -> None:
+        if slots not in (1, 2):
+            raise ValueError(f"slots={slots}: the staging arena has 1 or 2 slots")
+        self.slot_bytes = _align(max(slot_bytes, 1), mmap.PAGESIZE)
+        self.slots = slots
+        self.size = self.slot_bytes * slots
+        self.name = f"snapd-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        self._map = self._create()
+        self._u8: Optional[torch.Tensor] = torch.frombuffer(self._map, dtype=torch.uint8)
+        # Touch every page now, so the first snapshot copies into warm memory.
+        self._u8.zero_()
+        self._registered = False
+        self._stream = None
+        self._event = None
+        self._pending: list = []  # CUDA sources kept alive until their copy is done
+
+    def _create(self) -> mmap.mmap:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # fallocate, not ftruncate: a full /dev/shm is an error here, never a
+            # SIGBUS later while copying.
+            os.posix_fallocate(fd, 0, self.size)
+            return mmap.mmap(fd, self.size)
+        except OSError as e:
+            os.unlink(self.path)
+            cls = InsufficientSpace if e.errno == errno.ENOSPC else SnapdError
+            raise cls(f"{self.path}: cannot allocate a {self.size}-byte staging arena "
+                      f"({e}); free space in {SHM_DIR} or use slots=1") from e
+        finally:
+            os.close(fd)  # the mapping keeps the file; one descriptor, briefly
+
+    @property
+    def closed(self) -> bool:
+        return self._u8 is None
+
+    def view(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + nbytes)`` of a slot, as a uint8 tensor."""
+        if self._u8 is None:
+            raise SnapdError(f"staging arena {self.name} is closed")
+        if not 0 <= slot < self.slots or offset < 0 or offset + nbytes > self.slot_bytes:
+            raise SnapdError(f"arena {self.name}: [{offset}, {offset + nbytes}) of slot "
+                             f"{slot} lies outside its {self.slot_bytes}-byte slots")
+        base = slot * self.slot_bytes + offset
+        return self._u8[base:base + nbytes]
+
+    def buffer(self, slot: int, offset: int, nbytes: int) -> memoryview:
+        """The same bytes as a memoryview (what a plan's TensorSource holds)."""
+        return memoryview(self._map)[slot * self.slot_bytes + offset:][:nbytes]
+
+    def stage(self, slot: int, tensors: Sequence[torch.Tensor],
+              offsets: Sequence[int]) -> None:
+        """Copy each tensor into its place in ``slot``.
+
+        CPU tensors are copied before this returns (``copy_`` releases the GIL, so a
+        background thread may call this). CUDA tensors are only enqueued on the side
+        stream; call :meth:`wait` before the slot is handed to the daemon.
+        """
+        with torch.no_grad():
+            for t, off in zip(tensors, offsets):
+                n = nbytes_of(t)
+                if n == 0:
+                    continue
+                dst = self.view(slot, off, n).view(t.dtype).view(t.shape)
+                if t.device.type == "cuda":
+                    self._copy_cuda(dst, t)
+                elif t.device.type == "cpu":
+                    dst.copy_(t)  # handles non-contiguous, conj and neg views
+                else:
+                    dst.copy_(t.to("cpu"))
+            if self._pending:
+                self._event = torch.cuda.Event()
+                self._event.record(self._stream)
+
+    def _copy_cuda(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not self._registered:
+            self._register()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=src.device)
+        # The side stream waits for the work queued so far, so it copies the values
+        # of this instant; later kernels on the compute stream overlap the copy.
+        self._stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+        self._pending.append(src)
+
+    def _register(self) -> None:
+        """Page-lock the whole arena once: pinned memory makes D2H copies async."""
+        # Flag 1 (portable): pinned for every device this process uses.
+        rc = torch.cuda.cudart().cudaHostRegister(self._u8.data_ptr(), self.size, 1)
+        if int(rc) != 0:
+            raise SnapdError(f"cudaHostRegister of the {self.size}-byte arena "
+                             f"{self.name} failed ({rc})")
+        self._registered = True
+
+    def wait(self) -> None:
+        """Block until every enqueued device-to-host copy has landed in the arena."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Unmap and unlink. Safe to call twice."""
+        if self._u8 is None:
+            return
+        self.wait()
+        if self._registered and torch.cuda.is_available():
+            torch.cuda.cudart().cudaHostUnregister(self._u8.data_ptr())
+        self._u8 = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass  # the daemon unlinks a dropped client's segment too
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still referenced; the mapping goes with it (name is gone)
+
+    def __repr__(self) -> str:
+        return f"<Arena {self.name} {self.slots}x{self.slot_bytes}>"

@@ -1,0 +1,206 @@
+"""The demo: train, get killed with SIGKILL mid-run, resume, and prove the result exact.
+
+    python scripts/demo.py                 # the whole story, in a few seconds
+    python scripts/demo.py train --root R --run NAME --steps 48   # one trainer
+
+The story: an uninterrupted reference run trains a small transformer to step N; a
+second run of the same script is SIGKILLed between two snapshots, started again,
+resumes from its last snapshot and trains on to step N. The demo then compares the
+final weights, optimizer moments, scheduler, RNG streams and data position of both:
+equal bit for bit, or it says what differs and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import xxhash
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from snapd_client import Client
+
+VOCAB, SEQ, SAMPLES = 64, 24, 384
+
+
+class Sequences(Dataset):
+    """A synthetic task: predict (sum of tokens) mod 8 from a token sequence."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        self.x = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=gen)
+        self.y = self.x.sum(1) % 8
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 48)
+        self.encoder = nn.TransformerEncoderLayer(48, 4, 96, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(48, 8)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x)).mean(1))
+
+
+def warmup_cosine(total: int, warmup: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    return factor
+
+
+def state_digest(model, opt, sched, batches) -> dict:
+    """Digests of everything the next update depends on."""
+    def tensors_digest(state) -> str:
+        h = xxhash.xxh3_64()
+        for t in _tensors(state):
+            h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+    return {"weights": tensors_digest(model.state_dict()),
+            "optimizer": tensors_digest(opt.state_dict()),
+            "lr": sched.get_last_lr()[0],
+            "rng": [random.random(), float(np.random.rand()), float(torch.rand(()))],
+            "cursor": [batches.epoch, batches.index]}
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for k in sorted(value, key=str):
+            yield from _tensors(value[k])
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def train(root: str, run: str, steps: int, every: int, accumulate: int = 2) -> dict:
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    torch.set_num_threads(1)
+    model = TinyTransformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, steps // 8))
+    loader = DataLoader(Sequences(), batch_size=16, shuffle=True, num_workers=2,
+                        persistent_workers=True, generator=torch.Generator().manual_seed(7))
+    ckpt = Client(root, run, data_version="sequences-v1")
+    ckpt.track(model=model, optimizer=opt, scheduler=sched)
+    batches = ckpt.batches(loader)
+    step = ckpt.restore()
+    print(f"[{run}] starting at step {step}", flush=True)
+    while step < steps:
+        for _ in range(accumulate):
+            x, y = next(batches)
+            # input noise from every global RNG, as augmentation would draw it
+            x = (x + torch.randint(0, 2, x.shape)) % VOCAB
+            loss = nn.functional.cross_entropy(model(x), y) / accumulate
+            loss = loss * (1 + 0.01 * random.random()) * (1 + 0.01 * float(np.random.rand()))
+            loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        step += 1
+        ckpt.log(step, loss=loss.item() * accumulate, lr=sched.get_last_lr()[0])
+        if step % every == 0:
+            ckpt.snapshot(step).wait()
+        print(f"[{run}] step {step} loss {loss.item() * accumulate:.4f}", flush=True)
+    ckpt.close()
+    return state_digest(model, opt, sched, batches)
+
+
+def _trainer(root: str, run: str, steps: int, every: int, out: str) -> subprocess.Popen:
+    cmd = [sys.executable, os.path.abspath(__file__), "train", "--root", root, "--run", run,
+           "--steps", str(steps), "--every", str(every), "--out", out]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+
+def _run_to_end(root, run, steps, every, out) -> dict:
+    proc = _trainer(root, run, steps, every, out)
+    for line in proc.stdout:
+        print("   " + line.rstrip())
+    if proc.wait() != 0:
+        sys.exit(f"trainer {run} failed with exit code {proc.returncode}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def _run_and_kill(root, run, steps, every, kill_at) -> None:
+    proc = _trainer(root, run, steps, every, os.devnull)
+    for line in proc.stdout:
+        print("   " + line.rstrip())
+        if line.startswith(f"[{run}] step {kill_at} "):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    print(f"   -- trainer SIGKILLed after step {kill_at} (exit {proc.returncode})")
+
+
+def story(steps: int, every: int, kill_at: int, keep: str | None) -> int:
+    root = keep or tempfile.mkdtemp(prefix="snapd-demo-")
+    if keep:
+        shutil.rmtree(root, ignore_errors=True)
+    t0 = time.time()
+    print(f"snapd demo: {steps} updates, a snapshot every {every}, root {root}")
+    print("1. the reference: one uninterrupted run")
+    reference = _run_to_end(root, "reference", steps, every, os.path.join(root, "ref.json"))
+    print(f"2. the same run, killed with SIGKILL after step {kill_at}")
+    _run_and_kill(root, "interrupted", steps, every, kill_at)
+    print("3. started again: it resumes from its last snapshot and finishes")
+    resumed = _run_to_end(root, "interrupted", steps, every, os.path.join(root, "res.json"))
+    print("4. the final state of both runs")
+    differ = [k for k in reference if reference[k] != resumed[k]]
+    for key in reference:
+        mark = "equal" if key not in differ else "DIFFERENT"
+        print(f"   {key:10s} {mark:9s} {resumed[key]}")
+    if not keep:
+        shutil.rmtree(root, ignore_errors=True)
+    verdict = "IDENTICAL: the resumed run is the same run" if not differ else \
+        f"DIVERGED in {', '.join(differ)}"
+    print(f"{verdict} ({time.time() - t0:.1f} s)")
+    return 1 if differ else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    t = sub.add_parser("train", help="run one trainer")
+    t.add_argument("--root", required=True)
+    t.add_argument("--run", required=True)
+    t.add_argument("--steps", type=int, default=48)
+    t.add_argument("--every", type=int, default=10)
+    t.add_argument("--out", default=os.devnull)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--kill-at", type=int, default=27)
+    parser.add_argument("--keep", metavar="DIR", help="keep the checkpoints in DIR")
+    args = parser.parse_args()
+    if args.command == "train":
+        result = train(args.root, args.run, args.steps, args.every)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return 0
+    return story(args.steps, args.every, args.kill_at, args.keep)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""snapd: the daemon side of snapd and everything it keeps on disk.
+
+The training process imports :mod:`snapd_client`; this package holds the on-disk
+format, the state log, the store and the writer, which both sides share.
+"""
+
+from snapd.errors import (
+    CorruptLog,
+    CorruptSnapshot,
+    DaemonUnavailable,
+    IncompatibleState,
+    InsufficientSpace,
+    ReplayDivergence,
+    SnapdError,
+    SnapshotFailed,
+    UnsupportedState,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CorruptLog",
+    "CorruptSnapshot",
+    "DaemonUnavailable",
+    "IncompatibleState",
+    "InsufficientSpace",
+    "ReplayDivergence",
+    "SnapdError",
+    "SnapshotFailed",
+    "UnsupportedState",
+    "__version__",
+]

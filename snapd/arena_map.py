@@ -1,0 +1,227 @@
+"""The daemon's side of shared memory: client staging arenas, and its hot copies.
+
+A client stages tensor bytes in ``/dev/shm/snapd-<uid>-<pid>-<nonce>`` and attaches
+it; the daemon maps the same file and writes snapshots straight out of it, so tensor
+bytes never travel through the socket. Everything about that file is checked before
+it is mapped: a plain name (no path), not a symlink, owned by the daemon's uid, and
+exactly the declared size.
+
+Slot ownership (docs/protocol.md): a slot is the daemon's from ``submit`` until the
+``committed``/``failed`` event. An arena whose client is gone, or which a newer
+attach replaced, is *retired*: it stays mapped until its last busy slot is released,
+because the daemon finishes what was submitted even when the trainer died.
+
+The hot copy: after a commit the daemon may copy the slot into a segment of its own,
+so that a restarted trainer on the same node restores from memory instead of disk.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Set, Tuple
+
+import psutil
+
+from snapd import fsio
+from snapd.errors import SnapdError
+
+SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^snapd-[A-Za-z0-9_.-]+$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_HOT_NONCE = re.compile(r"-(\d+)x[0-9a-f]+$")   # the pid of the daemon that made it
+
+
+def validate_shm_name(name: Any) -> str:
+    """A segment name the daemon may open: ``snapd-`` and plain characters only."""
+    if not isinstance(name, str) or len(name) > 200 or not _SHM_NAME.match(name) \
+            or name in (".", ".."):
+        raise SnapdError(f"shared-memory name {name!r} refused: it must match "
+                         "snapd-[A-Za-z0-9_.-]+ (a plain name under /dev/shm)")
+    return name
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class Arena:
+    """One mapped client arena: ``slots`` equal slots and which of them are busy."""
+
+    def __init__(self, name: str, size: int, slots: int, *, shm_dir: str = SHM_DIR):
+        self.name = validate_shm_name(name)
+        if not isinstance(size, int) or not isinstance(slots, int) or slots < 1 \
+                or size < slots or size % slots:
+            raise SnapdError(f"arena {name}: size {size!r} is not {slots!r} equal slots")
+        self.path = os.path.join(shm_dir, name)
+        self.size, self.slots, self.slot_bytes = size, slots, size // slots
+        self._map = self._open_and_map()
+        self._busy: Set[int] = set()
+        self._lock = threading.Lock()
+        self._retired = False
+        self._unlink = False
+        self.closed = False
+
+    def _open_and_map(self) -> mmap.mmap:
+        try:  # O_NOFOLLOW: a symlink planted under the name is refused, not followed
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise SnapdError(f"arena {self.path}: cannot open ({e.strerror}); create it "
+                             "in /dev/shm before attach") from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise SnapdError(f"arena {self.path}: not a regular file owned by uid "
+                                 f"{os.getuid()} (the daemon's)")
+            if st.st_size != self.size:
+                raise SnapdError(f"arena {self.path}: {st.st_size} bytes, attach "
+                                 f"declared {self.size}")
+            return mmap.mmap(fd, self.size, mmap.MAP_SHARED,
+                             mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise SnapdError(f"arena {self.path}: cannot map {self.size} bytes "
+                             f"({e.strerror})") from e
+        finally:
+            os.close(fd)   # the mapping keeps the memory; the fd is not needed
+
+    def slot_view(self, slot: int) -> memoryview:
+        start = slot * self.slot_bytes
+        return memoryview(self._map)[start:start + self.slot_bytes]
+
+    def acquire(self, slot: Any) -> None:
+        """Hand a slot to the daemon (at submit); refuses a busy or unknown slot."""
+        with self._lock:
+            if self._retired:
+                raise SnapdError(f"arena {self.name} was replaced; submit to the new one")
+            if not isinstance(slot, int) or not 0 <= slot < self.slots:
+                raise SnapdError(f"slot {slot!r} does not exist in arena {self.name} "
+                                 f"({self.slots} slots)")
+            if slot in self._busy:
+                raise SnapdError(f"slot {slot} of arena {self.name} is busy: wait for "
+                                 "the committed/failed event of the snapshot in it")
+            self._busy.add(slot)
+
+    def release(self, slot: int) -> None:
+        """The slot is the client's again; a retired arena closes with its last slot."""
+        with self._lock:
+            self._busy.discard(slot)
+            done = self._retired and not self._busy
+        if done:
+            self._close()
+
+    @property
+    def busy(self) -> Set[int]:
+        with self._lock:
+            return set(self._busy)
+
+    def retire(self, *, unlink: bool) -> None:
+        """No more submits; unmap (and unlink, when the client is gone) once idle."""
+        with self._lock:
+            self._retired = True
+            self._unlink = self._unlink or unlink
+            done = not self._busy
+        if done:
+            self._close()
+
+    def _close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still referenced somewhere; the GC unmaps it later
+        if self._unlink:
+            _unlink_quietly(self.path)   # the client may have unlinked it first
+
+
+@dataclass
+class HotEntry:
+    shm: str
+    snapshot: str
+    plan: Dict[str, Any]
+    nbytes: int
+
+
+class HotCache:
+    """The latest committed snapshot of each (run, rank), in a daemon-owned segment."""
+
+    def __init__(self, *, shm_dir: str = SHM_DIR) -> None:
+        self.shm_dir = shm_dir
+        self._entries: Dict[Tuple[str, int], HotEntry] = {}
+        self._lock = threading.Lock()
+
+    def segment_name(self, run: str, rank: int) -> str:
+        # The nonce starts with the daemon's pid, so that a later daemon can tell
+        # the copies of a dead (SIGKILLed) one from a live one's: see reclaim_orphans.
+        safe_run = _UNSAFE.sub("_", run)
+        return (f"snapd-hot-{os.getuid()}-{safe_run}-{rank}-"
+                f"{os.getpid()}x{secrets.token_hex(4)}")
+
+    def reclaim_orphans(self) -> int:
+        """Unlink hot copies of this uid whose daemon is dead; returns how many."""
+        prefix, removed = f"snapd-hot-{os.getuid()}-", 0
+        try:
+            names = [n for n in os.listdir(self.shm_dir) if n.startswith(prefix)]
+        except OSError:
+            return 0
+        for name in names:
+            match = _HOT_NONCE.search(name)
+            if match and not psutil.pid_exists(int(match.group(1))):
+                _unlink_quietly(os.path.join(self.shm_dir, name))
+                removed += 1
+        return removed
+
+    def put(self, run: str, rank: int, data: memoryview, plan: Dict[str, Any],
+            snapshot: str) -> HotEntry:
+        """Copy ``data`` into a fresh segment, then replace the previous one."""
+        name = self.segment_name(run, rank)
+        path = os.path.join(self.shm_dir, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
+        try:
+            fsio.write_all(fd, data)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        os.close(fd)
+        entry = HotEntry(name, snapshot, plan, len(data))
+        with self._lock:
+            old = self._entries.get((run, rank))
+            self._entries[(run, rank)] = entry
+        if old is not None:  # a reader that mapped the old one keeps its mapping
+            _unlink_quietly(os.path.join(self.shm_dir, old.shm))
+        return entry
+
+    def get(self, run: str, rank: int) -> Optional[HotEntry]:
+        with self._lock:
+            return self._entries.get((run, rank))
+
+    def drop(self, run: str, rank: int) -> None:
+        with self._lock:
+            old = self._entries.pop((run, rank), None)
+        if old is not None:
+            _unlink_quietly(os.path.join(self.shm_dir, old.shm))
+
+    def close(self) -> None:
+        """Unlink every hot segment (clean shutdown: the memory is returned)."""
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            _unlink_quietly(os.path.join(self.shm_dir, entry.shm))
+
+
+def used_bytes(desc: Dict[str, Any]) -> int:
+    """How much of a slot a plan descriptor uses: the end of its last tensor."""
+    return max((t["offset"] + t["nbytes"] for o in desc["objects"]
+                for t in o["tensors"]), default=0)

@@ -1,0 +1,1 @@
+"""One module per ``snapd`` subcommand; snapd/cli.py registers each."""

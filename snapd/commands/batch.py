@@ -1,0 +1,53 @@
+"""``snapd batch RUN STEP``: which data a step consumed, from the state log alone."""
+
+from __future__ import annotations
+
+import click
+
+from snapd import statelog
+from snapd.commands.common import ROOT_HELP, emit_json, fail, resolve_root, run_dir
+
+
+def consumed(path: str, rank: int, step: int) -> dict:
+    """Epoch and batch positions (and sample indices when logged) of one step."""
+    record = statelog.find_step(path, rank, step)
+    if record is None:
+        fail(f"{path}: the log of rank {rank} has no record of step {step}", 1)
+    before = statelog.find_step(path, rank, step - 1) if step > 1 else None
+    after = record.get("cursor")
+    start = (before or {}).get("cursor") or ([after[0], 0] if after else None)
+    out = {"step": step, "rank": rank, "cursor_before": start, "cursor_after": after,
+           "samples": record.get("samples"), "scalars": record.get("scalars")}
+    if after and start:
+        if start[0] == after[0]:
+            out["batches"] = [[after[0], i] for i in range(start[1], after[1])]
+        else:  # the step crossed an epoch boundary
+            out["batches"] = ([[start[0], f"{start[1]}.."]]
+                              + [[after[0], i] for i in range(after[1])])
+    return out
+
+
+@click.command()
+@click.argument("run")
+@click.argument("step", type=int)
+@click.option("--root", help=ROOT_HELP)
+@click.option("--rank", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def batch(run: str, step: int, root: str | None, rank: int, as_json: bool) -> None:
+    """Which batches (epoch, index) and samples STEP of RUN consumed, from the log.
+
+    Example: snapd batch gpt-small 1357 --root checkpoints
+    """
+    info = consumed(run_dir(resolve_root(root), run), rank, step)
+    if as_json:
+        emit_json(info)
+        return
+    click.echo(f"step {step} (rank {rank}) consumed:")
+    for epoch, index in info.get("batches", []):
+        click.echo(f"  epoch {epoch} batch {index}")
+    if info["samples"] is not None:
+        click.echo(f"  sample indices: {info['samples']}")
+    else:
+        click.echo("  sample indices: not logged (pass samples= to Client.log to record them)")
+    if info["scalars"]:
+        click.echo("  logged: " + ", ".join(f"{k}={v!r}" for k, v in info["scalars"].items()))

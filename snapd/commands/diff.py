@@ -1,0 +1,228 @@
+"""``snapd diff A B``: two snapshots compared tensor by tensor, and value by value.
+
+For every object present in both, each tensor is matched by its path. Floating types
+(bfloat16, float16 and float8 included) and complex ones are compared in float64:
+the largest absolute difference, and the largest relative one, |a - b| / max(|a|, |b|).
+Integers and bools are compared exactly. A tensor is *equal* only when its bytes are
+identical (so -0.0 against 0.0, or two NaN payloads, count as different even with a
+difference of 0). Shape or dtype mismatches, tensors and objects on one side only,
+plain state values (an optimizer's lr, a scheduler's epoch), RNG streams and the data
+cursor are reported too. Exit code 0: identical state; 1: any difference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import click
+import numpy as np
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from snapd.commands.common import ROOT_HELP, emit_json, fail
+from snapd.commands.locate import locate, open_reader, state_leaves
+from snapd.errors import CorruptSnapshot
+from snapd.reader import SnapshotReader
+
+_SLICE = 1 << 22  # elements compared at a time: bounds the float64 copies
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _as_float64(t: torch.Tensor) -> torch.Tensor:
+    if t.is_complex():
+        return torch.view_as_real(t.to(torch.complex128)).reshape(-1)
+    return t.reshape(-1).to(torch.float64)
+
+
+def _float_stats(a: torch.Tensor, b: torch.Tensor) -> Tuple[float, float, int]:
+    """Max |a-b|, max relative difference, elements whose values differ (slice by slice)."""
+    fa, fb = _as_float64(a), _as_float64(b)
+    max_abs = max_rel = 0.0
+    differ = 0
+    for start in range(0, fa.numel(), _SLICE):
+        x, y = fa[start:start + _SLICE], fb[start:start + _SLICE]
+        same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+        d = (x - y).abs()
+        d = torch.where(same, torch.zeros_like(d), torch.nan_to_num(d, nan=math.inf))
+        scale = torch.maximum(x.abs(), y.abs())
+        rel = torch.where(d == 0, torch.zeros_like(d), d / scale)
+        differ += int((~same).sum())
+        if d.numel():
+            max_abs = max(max_abs, float(d.max()))
+            max_rel = max(max_rel, float(torch.nan_to_num(rel, nan=math.inf).max()))
+    return max_abs, max_rel, differ
+
+
+def _exact_stats(a: torch.Tensor, b: torch.Tensor) -> Tuple[float, Optional[float], int]:
+    """Integers and bools: exact comparison; the max difference as a float (informative)."""
+    x, y = a.reshape(-1).numpy(), b.reshape(-1).numpy()
+    differ = int(np.count_nonzero(x != y))
+    if not differ:
+        return 0.0, 0.0, 0
+    if x.dtype == np.bool_:
+        return 1.0, None, differ
+    return float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max()), None, differ
+
+
+def compare_tensor(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Any]:
+    row: Dict[str, Any] = {"dtype": str(a.dtype).removeprefix("torch."),
+                           "shape": list(a.shape)}
+    if a.dtype != b.dtype or a.shape != b.shape:
+        row.update(status="mismatch", dtype_b=str(b.dtype).removeprefix("torch."),
+                   shape_b=list(b.shape), max_abs=None, max_rel=None, elements_different=None)
+        return row
+    identical = torch.equal(_bits(a), _bits(b))
+    if a.is_floating_point() or a.is_complex():
+        max_abs, max_rel, differ = _float_stats(a, b)
+    else:
+        max_abs, max_rel, differ = _exact_stats(a, b)
+    row.update(status="equal" if identical else "different", max_abs=max_abs,
+               max_rel=max_rel, elements_different=differ)
+    if not identical and differ == 0:
+        row["note"] = "values equal but bit patterns differ (signed zero or NaN payload)"
+    return row
+
+
+def _load(reader: SnapshotReader, name: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """An object's tensors by path, and its plain (non-tensor) leaves by path."""
+    from snapd_client.state import unflatten
+
+    entry = reader.objects[name]
+    tensors = reader.load_object(name)
+    tree = unflatten(entry["skeleton"], tensors, source=f"{reader.path}/{entry.get('file')}")
+    plain = {p: v for p, v in state_leaves(tree)
+             if not isinstance(v, (torch.Tensor, np.ndarray))}
+    return {t["path"]: x for t, x in zip(entry["tensors"], tensors)}, plain
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+        return True
+    return type(x) is type(y) and x == y
+
+
+def compare(a: SnapshotReader, b: SnapshotReader, objects: Optional[List[str]]) -> Dict[str, Any]:
+    names_a, names_b = set(a.objects), set(b.objects)
+    if objects:
+        unknown = [n for n in objects if n not in names_a | names_b]
+        if unknown:
+            fail(f"--object {unknown[0]!r}: neither snapshot holds it; they hold "
+                 f"{sorted(names_a | names_b)}", 2)
+        names_a &= set(objects)
+        names_b &= set(objects)
+    out: Dict[str, Any] = {"objects": {}, "only_in_a": sorted(names_a - names_b),
+                           "only_in_b": sorted(names_b - names_a)}
+    for name in sorted(names_a & names_b):
+        ta, pa = _load(a, name)
+        tb, pb = _load(b, name)
+        rows = {p: compare_tensor(ta[p], tb[p]) for p in ta if p in tb}
+        values = {p: {"a": pa.get(p), "b": pb.get(p)}
+                  for p in sorted(set(pa) | set(pb))
+                  if p not in pa or p not in pb or not _same_value(pa[p], pb[p])}
+        out["objects"][name] = {"tensors": rows, "only_in_a": sorted(set(ta) - set(tb)),
+                                "only_in_b": sorted(set(tb) - set(ta)),
+                                "values_different": values}
+    ma, mb = a.manifest, b.manifest
+    streams = sorted(set(ma["rng"]) | set(mb["rng"]))
+    out["rng_different"] = [s for s in streams if ma["rng"].get(s) != mb["rng"].get(s)]
+    out["cursor_equal"] = ma.get("cursor") == mb.get("cursor")
+    out["steps"] = [ma["step"], mb["step"]]
+    out["equal"] = _all_equal(out)
+    return out
+
+
+def _all_equal(out: Dict[str, Any]) -> bool:
+    if out["only_in_a"] or out["only_in_b"] or out["rng_different"] or not out["cursor_equal"]:
+        return False
+    return all(not o["only_in_a"] and not o["only_in_b"] and not o["values_different"]
+               and all(r["status"] == "equal" for r in o["tensors"].values())
+               for o in out["objects"].values())
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def render(out: Dict[str, Any], show_equal: bool, console: Console) -> None:
+    counts = {"equal": 0, "different": 0, "mismatch": 0}
+    for name, obj in out["objects"].items():
+        table = Table(title=f"object {name}", title_justify="left")
+        for column in ("tensor", "dtype", "shape", "max abs", "max rel", "differ", "status"):
+            table.add_column(column, justify="right" if column in ("max abs", "max rel",
+                                                                    "differ") else "left")
+        for path, r in obj["tensors"].items():
+            counts[r["status"]] += 1
+            if r["status"] == "equal" and not show_equal:
+                continue
+            shape = str(tuple(r["shape"]))
+            if r["status"] == "mismatch":
+                shape = f"{shape} vs {tuple(r['shape_b'])}"
+            dtype = r["dtype"] if r["status"] != "mismatch" or r["dtype"] == r["dtype_b"] \
+                else f"{r['dtype']} vs {r['dtype_b']}"
+            status = {"equal": "[green]equal[/green]", "different": "[red]different[/red]",
+                      "mismatch": "[red]MISMATCH[/red]"}[r["status"]]
+            table.add_row(escape(path), dtype, shape, _fmt(r["max_abs"]), _fmt(r["max_rel"]),
+                          "-" if r["elements_different"] is None else str(r["elements_different"]),
+                          status)
+        if table.row_count:
+            console.print(table)
+        for side in ("only_in_a", "only_in_b"):
+            if obj[side]:
+                console.print(f"  {name}: tensors only in {side[-1].upper()}: "
+                              + escape(", ".join(obj[side])), highlight=False)
+        for path, v in obj["values_different"].items():
+            console.print(f"  {name}{escape(path)}: {escape(repr(v['a']))} -> "
+                          f"{escape(repr(v['b']))}", highlight=False)
+    for side in ("only_in_a", "only_in_b"):
+        if out[side]:
+            console.print(f"objects only in {side[-1].upper()}: {', '.join(out[side])}")
+    console.print(
+        f"{sum(counts.values())} tensors compared: {counts['equal']} equal, "
+        f"{counts['different']} different, {counts['mismatch']} shape/dtype mismatches; "
+        f"rng streams: {', '.join(out['rng_different']) + ' differ' if out['rng_different'] else 'equal'}; "
+        f"cursor: {'equal' if out['cursor_equal'] else 'different'}", highlight=False)
+    console.print("[green]EQUAL[/green]" if out["equal"] else "[red]DIFFERENT[/red]")
+
+
+@click.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--root", help=ROOT_HELP)
+@click.option("--object", "objects", multiple=True,
+              help="Compare only this object (repeatable), e.g. --object model.")
+@click.option("--show-equal", is_flag=True, help="List equal tensors too.")
+@click.option("--json", "as_json", is_flag=True, help="Print every comparison as JSON.")
+def diff(a: str, b: str, root: Optional[str], objects: Tuple[str, ...], show_equal: bool,
+         as_json: bool) -> None:
+    """Compare snapshots A and B tensor by tensor: max absolute and relative
+    difference (float64; integers and bools exactly), shape/dtype mismatches, tensors
+    on one side only, plain values, RNG streams, data cursor. Exit code 0 when the
+    states are identical, 1 when anything differs.
+
+    A and B are snapshot directories, RUN/NAME (gpt/00001200), RUN or RUN@latest, or
+    RUN@best, relative to --root.
+
+    Example: snapd diff gpt/00001200 gpt-resumed/00001200 --root checkpoints
+    """
+    loc_a, loc_b = locate(a, root), locate(b, root)
+    reader_a, reader_b = open_reader(loc_a), open_reader(loc_b)
+    try:
+        out = compare(reader_a, reader_b, list(objects) or None)
+    except CorruptSnapshot as e:
+        fail(f"{e}\n  hint: snapd verify {e.path or ''} names every damaged chunk", 1)
+    out.update(a=loc_a.label, b=loc_b.label)
+    if as_json:
+        emit_json(out)
+    else:
+        console = Console()
+        console.print(f"A = {escape(out['a'])} (step {out['steps'][0]})\n"
+                      f"B = {escape(out['b'])} (step {out['steps'][1]})", highlight=False)
+        render(out, show_equal, console)
+    if not out["equal"]:
+        raise SystemExit(1)

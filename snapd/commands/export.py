@@ -1,0 +1,156 @@
+"""``snapd export SNAPSHOT -o OUT.safetensors``: a model's weights, for other tools.
+
+Only the tracked nn.Module's state goes out: no optimizer state, no RNG, no cursor, no
+path of the training machine. Which object is the module is decided from the
+manifest without executing anything it names: a ``type`` under ``torch`` is looked up
+in torch itself (``torch.nn.modules.container.Sequential`` is a Module,
+``torch.optim.adamw.AdamW`` is not); a type from user code (``__main__.GPT``) is
+never imported, and counts as a module when its state carries the ``_metadata`` only a
+module's ``state_dict()`` has. Only the chosen object's tensor file is read (and
+verified, chunk by chunk).
+
+safetensors metadata (all strings; absent values are ""): ``format`` ("pt"),
+``snapd.run``, ``snapd.step``, ``snapd.snapshot`` (the snapshot's name),
+``snapd.object``, ``snapd.data_version``, ``snapd.base_revision`` (the lineage
+parent, ``run/snapshot``, of a warm-started lineage).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import secrets
+from typing import Any, Dict, List, Optional, Tuple
+
+import click
+import torch
+
+from snapd.commands.common import ROOT_HELP, fail
+from snapd.commands.locate import human_bytes, locate, open_reader, state_leaves
+from snapd.errors import CorruptSnapshot
+from snapd.reader import SnapshotReader
+
+
+def _torch_class(type_name: str) -> Optional[type]:
+    """The class a ``module.QualName`` string names, looked up only inside torch."""
+    parts = type_name.split(".")
+    if parts[0] != "torch":
+        return None
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            value: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            value = getattr(value, attr, None)
+        return value if isinstance(value, type) else None
+    return None
+
+
+def is_module(entry: Dict[str, Any]) -> bool:
+    cls = _torch_class(str(entry.get("type")))
+    if cls is not None:
+        return issubclass(cls, torch.nn.Module)
+    return entry.get("metadata") is not None
+
+
+def choose_object(reader: SnapshotReader, wanted: Optional[str]) -> str:
+    objects = reader.objects
+    listing = ", ".join(f"{n} ({o.get('type')})" for n, o in objects.items()) or "none"
+    if wanted is not None:
+        if wanted not in objects:
+            fail(f"{reader.path}: no object {wanted!r}; it holds {listing}", 2)
+        if not is_module(objects[wanted]):
+            fail(f"{reader.path}: objects.{wanted}.type is {objects[wanted].get('type')}, "
+                 "not a torch.nn.Module; export writes model weights only (no optimizer "
+                 f"state). Modules here: {', '.join(_modules(reader)) or 'none'}", 2)
+        return wanted
+    modules = _modules(reader)
+    if not modules:
+        fail(f"{reader.path}: no tracked object is a torch.nn.Module (objects: {listing}); "
+             "export writes model weights only", 1)
+    if len(modules) > 1:
+        fail(f"{reader.path}: several objects are modules ({', '.join(modules)}); choose "
+             "one with --object NAME", 2)
+    return modules[0]
+
+
+def _modules(reader: SnapshotReader) -> List[str]:
+    return [n for n, o in reader.objects.items() if is_module(o)]
+
+
+def weights(reader: SnapshotReader, name: str) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """The object's tensors keyed by state_dict key, and the plain leaves skipped."""
+    from snapd_client.state import unflatten
+
+    entry = reader.objects[name]
+    tensors = reader.load_object(name)
+    tree = unflatten(entry["skeleton"], tensors,
+                     source=os.path.join(reader.path, entry.get("file") or "manifest.snapd"))
+    out, skipped = {}, []
+    for path, leaf in state_leaves(tree):
+        key = path[1:] if path.startswith(".") else path
+        if isinstance(leaf, torch.Tensor):
+            out[key] = leaf.contiguous()
+        else:
+            skipped.append(key)
+    return out, skipped
+
+
+def metadata(reader: SnapshotReader, name: str, snapshot_name: str) -> Dict[str, str]:
+    m = reader.manifest
+    parent = (m.get("lineage") or {}).get("parent")
+    return {"format": "pt", "snapd.run": str(m.get("run") or ""),
+            "snapd.step": str(m["step"]), "snapd.snapshot": snapshot_name,
+            "snapd.object": name,
+            "snapd.data_version": "" if m.get("data_version") is None else str(m["data_version"]),
+            "snapd.base_revision": f"{parent.get('run')}/{parent.get('snapshot')}" if parent else ""}
+
+
+@click.command()
+@click.argument("snapshot")
+@click.option("--format", "fmt", type=click.Choice(["safetensors"]), default="safetensors",
+              show_default=True, help="Output format.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="The file to write (replaced atomically if it exists).")
+@click.option("--object", "wanted", help="The module to export, when several are tracked.")
+@click.option("--root", help=ROOT_HELP)
+def export(snapshot: str, fmt: str, output: str, wanted: Optional[str],
+           root: Optional[str]) -> None:
+    """Write the model weights of SNAPSHOT (the tracked nn.Module's state only: no
+    optimizer state, no data paths) to a safetensors file, with run, step, snapshot,
+    data_version and base revision in its metadata. Non-tensor leaves are skipped.
+
+    SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), RUN or
+    RUN@latest (its LATEST), or RUN@best, relative to --root.
+
+    Example: snapd export gpt-small@best -o gpt-small.safetensors --root checkpoints
+    """
+    from safetensors.torch import save_file
+
+    loc = locate(snapshot, root)
+    reader = open_reader(loc)
+    name = choose_object(reader, wanted)
+    try:
+        tensors, skipped = weights(reader, name)
+    except CorruptSnapshot as e:
+        fail(f"{e}\n  hint: snapd verify {loc.path}; export an older snapshot (snapd ls)", 1)
+    if not tensors:
+        fail(f"{reader.path}: objects.{name} holds no tensor; nothing to export", 1)
+    output = os.path.abspath(output)
+    if not os.path.isdir(os.path.dirname(output)):
+        fail(f"{os.path.dirname(output)}: no such directory for -o {output}", 2)
+    tmp = f"{output}.tmp-{secrets.token_hex(4)}"
+    try:
+        save_file(tensors, tmp, metadata=metadata(reader, name, loc.name))  # write aside
+        os.replace(tmp, output)  # then publish whole: a reader never sees half a file
+    except Exception as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        fail(f"{output}: safetensors could not write objects.{name}: {e}", 1)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    click.echo(f"wrote {output}: {len(tensors)} tensors of {name} ({human_bytes(total)}) "
+               f"from {loc.label}, step {reader.step}")
+    if skipped:
+        click.echo(f"skipped {len(skipped)} non-tensor value(s): {', '.join(skipped[:5])}"
+                   + (" ..." if len(skipped) > 5 else ""))

@@ -1,0 +1,134 @@
+"""``snapd inspect SNAPSHOT``: what a snapshot holds, from its manifest alone.
+
+No tensor file is read: objects, tensors (path, dtype, shape, bytes, codecs), RNG
+streams, the data cursor, lineage, data_version, metric. The files are only stat'ed
+against the sizes the manifest declares, and a mismatch is reported, not fatal, so a
+damaged snapshot can still be inspected.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from snapd.commands.common import ROOT_HELP, age, emit_json
+from snapd.commands.locate import (files_bytes, human_bytes, iso_time,
+                                   lineage_text, locate, read_manifest)
+from snapd.errors import CorruptSnapshot
+from snapd.reader import SnapshotReader
+
+
+def cursor_info(cursor: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The cursor (docs/cursor.md) without its RNG bytes, and how a resume positions it."""
+    if cursor is None:
+        return None
+    stateful = cursor.get("loader_state") is not None
+    return {
+        "version": cursor.get("version"), "epoch": cursor.get("epoch"),
+        "index": cursor.get("index"),
+        "epoch_opened": bool(cursor.get("epoch_rng")),
+        "epoch_rng_streams": sorted(cursor.get("epoch_rng") or {}),
+        "persistent_workers": bool(cursor.get("iter_rng")),
+        "loader_state": stateful,
+        "positioning": "loader_state (the loader's own state_dict)" if stateful else
+                       "skip (sampler indices only) or replay, chosen by the loader at resume",
+    }
+
+
+def summary(path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
+    objects = {}
+    for name, obj in manifest["objects"].items():
+        tensors = [{"path": t["path"], "dtype": t["dtype"], "shape": t["shape"],
+                    "bytes": t["nbytes"], "device": t.get("device"),
+                    "stored_bytes": sum(c[1] for c in t["chunks"]),
+                    "chunks": len(t["chunks"]),
+                    "codecs": sorted({c[3] for c in t["chunks"]})} for t in obj["tensors"]]
+        objects[name] = {"type": obj.get("type"), "file": obj.get("file"),
+                         "tensors": tensors, "count": len(tensors),
+                         "bytes": sum(t["bytes"] for t in tensors),
+                         "stored_bytes": sum(t["stored_bytes"] for t in tensors)}
+    files_problem = None
+    try:
+        SnapshotReader(path)  # stats each file against files[name].size
+    except CorruptSnapshot as e:
+        files_problem = str(e)
+    return {"path": path, "run": manifest.get("run"), "step": manifest["step"],
+            "rank": manifest.get("rank"), "world_size": manifest.get("world_size"),
+            "created": manifest.get("created"), "created_iso": iso_time(manifest.get("created")),
+            "data_version": manifest.get("data_version"), "metric": manifest.get("metric"),
+            "lineage": manifest.get("lineage"),
+            "rng": {k: len(v) for k, v in sorted(manifest["rng"].items())},
+            "cursor": cursor_info(manifest.get("cursor")), "objects": objects,
+            "bytes": files_bytes(manifest), "files_problem": files_problem}
+
+
+def render(info: Dict[str, Any], console: Console) -> None:
+    created = info["created"]
+    metric = "-" if info["metric"] is None else f"{info['metric']:.6g}"
+    console.print(
+        f"[bold]{escape(info['path'])}[/bold]\n"
+        f"  run {escape(str(info['run']))}  step {info['step']}  rank {info['rank']} of "
+        f"{info['world_size']}  metric {metric}\n"
+        f"  created {info['created_iso']} ({age(None if created is None else time.time() - created)} ago)"
+        f"  data_version {escape(repr(info['data_version']))}\n"
+        f"  lineage {escape(lineage_text(info['lineage']))}  files {human_bytes(info['bytes'])}",
+        highlight=False)
+    if info["files_problem"]:
+        console.print(f"  [red]files: {escape(info['files_problem'])}[/red]", highlight=False)
+    objects = Table(title="objects", title_justify="left")
+    for column in ("object", "type", "tensors", "bytes", "stored", "file"):
+        objects.add_column(column, justify="right" if column in ("tensors", "bytes",
+                                                                  "stored") else "left")
+    for name, obj in info["objects"].items():
+        objects.add_row(name, obj["type"], str(obj["count"]), human_bytes(obj["bytes"]),
+                        human_bytes(obj["stored_bytes"]), obj["file"] or "-")
+    console.print(objects)
+    for name, obj in info["objects"].items():
+        if not obj["tensors"]:
+            continue
+        table = Table(title=f"{name} tensors", title_justify="left")
+        for column in ("path", "dtype", "shape", "bytes", "codec"):
+            table.add_column(column, justify="right" if column == "bytes" else "left")
+        for t in obj["tensors"]:
+            codec = "+".join(t["codecs"]) + (f" x{t['chunks']}" if t["chunks"] > 1 else "")
+            table.add_row(escape(t["path"]), t["dtype"], str(tuple(t["shape"])),
+                          human_bytes(t["bytes"]), codec)
+        console.print(table)
+    console.print("rng streams: " + (", ".join(f"{k} ({v} B)" for k, v in info["rng"].items())
+                                     or "none"), highlight=False)
+    cursor = info["cursor"]
+    if cursor is None:
+        console.print("cursor: none (the run does not use Client.batches)", highlight=False)
+    else:
+        console.print(f"cursor: epoch {cursor['epoch']}, {cursor['index']} batches consumed"
+                      f"{'' if cursor['epoch_opened'] else ' (epoch not opened yet)'}; "
+                      f"positioning: {cursor['positioning']}"
+                      f"{'; persistent workers' if cursor['persistent_workers'] else ''}",
+                      highlight=False)
+
+
+@click.command()
+@click.argument("snapshot")
+@click.option("--root", help=ROOT_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def inspect(snapshot: str, root: Optional[str], as_json: bool) -> None:
+    """What SNAPSHOT holds, from its manifest only: objects, tensors (dtype, shape,
+    bytes, codec), RNG streams, data cursor, lineage, data_version, metric.
+
+    SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), RUN or
+    RUN@latest (its LATEST), or RUN@best, relative to --root.
+
+    Example: snapd inspect gpt-small@latest --root checkpoints
+    """
+    loc = locate(snapshot, root)
+    info = summary(loc.path, read_manifest(loc.path))
+    info["snapshot"] = loc.label
+    if as_json:
+        emit_json(info)
+    else:
+        render(info, Console())

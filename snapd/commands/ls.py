@@ -1,0 +1,110 @@
+"""``snapd ls [RUN]``: the committed snapshots of a root, one row each.
+
+By default only manifests are read (and the files stat'ed against their declared
+sizes), so listing costs milliseconds per snapshot whatever their size; ``--verify``
+reads every byte and checks every checksum, as ``snapd verify`` does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from snapd.commands.common import ROOT_HELP, age, emit_json, resolve_root, run_dir
+from snapd.commands.locate import files_bytes, human_bytes, iso_time, lineage_text
+from snapd.errors import CorruptSnapshot
+from snapd.reader import SnapshotReader
+from snapd.store import RunStore, SnapshotId, list_runs
+
+
+def describe(store: RunStore, sid: SnapshotId, *, verify: bool,
+             marks: List[str]) -> Dict[str, Any]:
+    """One snapshot as plain data. ``verified`` is "manifest ok", "ok" (--verify), or
+    "DAMAGED" with the reason in ``error``."""
+    path = store.snapshot_path(sid)
+    row: Dict[str, Any] = {"run": store.run, "name": sid.name, "path": path, "marks": marks,
+                           "step": None, "lineage": None, "bytes": None, "metric": None,
+                           "created": None, "verified": "unverified", "error": None}
+    try:
+        reader = SnapshotReader(path)
+    except CorruptSnapshot as e:
+        row.update(verified="DAMAGED", error=str(e))
+        return row
+    m = reader.manifest
+    row.update(step=m["step"], lineage=m.get("lineage"), bytes=files_bytes(m),
+               metric=m.get("metric"), created=m.get("created"),
+               data_version=m.get("data_version"), verified="manifest ok")
+    if verify:
+        try:
+            reader.verify()
+            row["verified"] = "ok"
+        except CorruptSnapshot as e:
+            row.update(verified="DAMAGED", error=str(e))
+    return row
+
+
+def collect(root: str, runs: List[str], verify: bool) -> List[Dict[str, Any]]:
+    rows = []
+    for run in runs:
+        store = RunStore(root, run)
+        pointers = {which: store.read_pointer(which) for which in ("LATEST", "BEST")}
+        for sid in store.committed():
+            marks = [which for which, target in pointers.items() if target == sid]
+            rows.append(describe(store, sid, verify=verify, marks=marks))
+    return rows
+
+
+def render(rows: List[Dict[str, Any]], now: float) -> Table:
+    table = Table(title="snapd ls", title_justify="left")
+    for column in ("run", "snapshot", "step", "lineage", "size", "metric", "created",
+                   "age", "verified", ""):
+        table.add_column(column, justify="right" if column in ("step", "size", "metric",
+                                                                "age") else "left")
+    for r in rows:
+        created = iso_time(r["created"])
+        table.add_row(
+            r["run"], r["name"], "-" if r["step"] is None else str(r["step"]),
+            "-" if r["lineage"] is None else lineage_text(r["lineage"]),
+            human_bytes(r["bytes"]), "-" if r["metric"] is None else f"{r['metric']:.6g}",
+            created[:19].replace("T", " ") if created else "-",
+            age(None if r["created"] is None else now - r["created"]),
+            "[red]DAMAGED[/red]" if r["verified"] == "DAMAGED" else r["verified"],
+            " ".join(r["marks"]))
+    return table
+
+
+@click.command()
+@click.argument("run", required=False)
+@click.option("--root", help=ROOT_HELP)
+@click.option("--verify", is_flag=True,
+              help="Read every file and check every checksum (slow: reads all bytes).")
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
+def ls(run: Optional[str], root: Optional[str], verify: bool, as_json: bool) -> None:
+    """Committed snapshots of RUN (default: every run): step, lineage, size, metric,
+    age, verification state, and the LATEST/BEST marks. Exit code 1 if --verify (or
+    a manifest) finds damage.
+
+    Example: snapd ls gpt-small --root checkpoints --verify
+    """
+    base = resolve_root(root)
+    if run is not None:
+        run_dir(base, run)
+    rows = collect(base, [run] if run else list_runs(base), verify)
+    if as_json:
+        emit_json({"root": base, "snapshots": rows})
+    elif not rows:
+        click.echo(f"no committed snapshot under {base}" + (f" for run {run!r}" if run else ""))
+    else:
+        console = Console()
+        console.print(render(rows, time.time()))
+        for r in rows:
+            if r["error"]:
+                console.print(f"[red]{r['run']}/{r['name']}[/red]: {escape(r['error'])}",
+                              highlight=False, soft_wrap=True)
+    if any(r["verified"] == "DAMAGED" for r in rows):
+        raise SystemExit(1)

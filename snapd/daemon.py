@@ -1,0 +1,354 @@
+"""The daemon: one per root. Wires the lock, the server, the writers and retention.
+
+Lifecycle of :meth:`Daemon.serve_forever`:
+
+1. Take ``<root>/.snapd.lock`` (flock, non-blocking; the holder's pid is written in
+   it). Held by another daemon: :class:`AlreadyServing`, exit code 2.
+2. Collect ``.tmp-*`` directories under every run: with the lock held nothing else
+   writes there, so they are writes a dead daemon abandoned.
+3. Replace a stale socket, listen, accept (snapd/server.py).
+4. SIGTERM or SIGINT: stop accepting, refuse new submits, finish every accepted
+   snapshot (events still go to connected clients), close connections, unlink the
+   socket, release the lock, exit 0.
+
+One snapshot (after ``accepted``): check free space (retention first when short),
+:func:`snapd.writer.write_snapshot` (the one commit path), retention, hot copy, free
+the slot, send ``committed``. On any failure: collect the tmp dir, free the slot,
+send ``failed``. Snapshots of one run are written strictly in submission order;
+different runs share ``writer_threads`` workers.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Deque, Dict, List, Optional, Set
+
+import psutil
+
+from snapd import diskguard, protocol as p, retention
+from snapd.arena_map import HotCache, used_bytes
+from snapd.errors import SnapdError
+from snapd.options import Options
+from snapd.server import Server, Submission
+from snapd.store import RunStore, list_runs
+from snapd.writer import CommitResult, write_snapshot
+
+EXIT_ALREADY_SERVING = 2
+
+
+class AlreadyServing(SnapdError):
+    """Another daemon holds the root's lock."""
+
+
+class RootLock:
+    """``<root>/.snapd.lock``: an exclusive flock, with the holder's pid inside."""
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, ".snapd.lock")
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise AlreadyServing(
+                f"another snapd daemon (pid {holder}) already serves root "
+                f"{os.path.dirname(self.path)}; stop it first (kill {holder}) or serve "
+                "another root") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)   # closing the fd releases the flock
+            self._fd = None
+
+
+class WriteQueue:
+    """One FIFO per run on a shared pool: a run's snapshots strictly in order.
+
+    After each job a run's next job goes to the back of the pool's queue, so one
+    busy run cannot starve the others.
+    """
+
+    def __init__(self, threads: int, work: Callable[[Submission], None]) -> None:
+        self._work = work
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="snapd-write")
+        self._queues: Dict[str, Deque[Submission]] = {}
+        self._active: Set[str] = set()          # runs with a job scheduled or running
+        self.running: Dict[str, Submission] = {}
+        self._count = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def put(self, sub: Submission) -> None:
+        with self._cond:
+            if self._closed:
+                raise SnapdError("the daemon is stopping and accepts no new snapshot; "
+                                 "submit again once a new daemon serves the root")
+            self._queues.setdefault(sub.run, deque()).append(sub)
+            self._count += 1
+            if sub.run not in self._active:
+                self._active.add(sub.run)
+                self._pool.submit(self._one, sub.run)
+
+    def _one(self, run: str) -> None:
+        with self._cond:
+            sub = self._queues[run].popleft()
+            self.running[run] = sub
+        try:
+            self._work(sub)
+        except Exception as e:   # _work reports its own failures; this is a bug
+            log(f"internal error writing run {run!r} step {sub.step}: {e!r}")
+        finally:
+            with self._cond:
+                self._count -= 1
+                del self.running[run]
+                if self._queues[run]:
+                    self._pool.submit(self._one, run)
+                else:
+                    del self._queues[run]
+                    self._active.discard(run)
+                self._cond.notify_all()
+
+    def snapshot(self) -> List[Submission]:
+        """Running and queued submissions, running first."""
+        with self._cond:
+            return list(self.running.values()) + \
+                [s for q in self._queues.values() for s in q]
+
+    def drain(self) -> None:
+        """Refuse new work, wait for every queued and running job, stop the pool."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._count == 0)
+        self._pool.shutdown(wait=True)
+
+
+def log(message: str) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"{stamp} snapd[{os.getpid()}] {message}", file=sys.stderr, flush=True)
+
+
+class Daemon:
+    """Serves one root until SIGTERM/SIGINT (or :meth:`stop`)."""
+
+    def __init__(self, root: str, options: Optional[Options] = None, *,
+                 writer: Callable[..., CommitResult] = write_snapshot) -> None:
+        self.root = os.path.abspath(root)
+        self.options = options or Options.resolve()
+        self.writer = writer   # write_snapshot; tests substitute a faulty one
+        self.started = time.time()
+        self.lock = RootLock(self.root)
+        self.server = Server(self.root, self)
+        self.writes = WriteQueue(self.options.writer_threads, self._write)
+        self.hot_cache = HotCache()
+        self.runs: Dict[str, Dict[str, Any]] = {}
+        self._process = psutil.Process()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stopping = False
+
+    log = staticmethod(log)
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def serve_forever(self) -> int:
+        """Run until stopped; returns the exit code. Raises AlreadyServing."""
+        os.makedirs(self.root, exist_ok=True)
+        self.lock.acquire()
+        try:
+            self._collect_abandoned()
+            self.server.bind()
+            self._install_signals()
+            log(f"serving {self.root} (protocol {p.PROTOCOL_VERSION})")
+            self.server.serve(self._wake_r)
+            self.server.stop_accepting()
+            pending = len(self.writes.snapshot())
+            log(f"stopping: finishing {pending} accepted snapshot(s)")
+            self.writes.drain()
+            self.server.close_connections()
+            self.hot_cache.close()
+        finally:
+            self.server.unlink_socket()
+            self.lock.release()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        log("stopped")
+        return 0
+
+    def stop(self) -> None:
+        """Ask serve_forever to drain and return (safe from a signal handler)."""
+        self._stopping = True
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass   # already woken
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def _collect_abandoned(self) -> None:
+        orphans = self.hot_cache.reclaim_orphans()
+        if orphans:
+            log(f"unlinked {orphans} hot cop(ies) left by dead daemons")
+        for run in list_runs(self.root):
+            removed = RunStore(self.root, run).collect_tmp()
+            if removed:
+                log(f"run {run!r}: collected {removed} abandoned tmp dir(s)")
+
+    # --- the Handler interface used by the server ---------------------------------
+
+    def enqueue(self, sub: Submission) -> None:
+        self.writes.put(sub)
+
+    def hot(self, run: str, rank: int) -> p.HotReply:
+        entry = self.hot_cache.get(run, rank)
+        if entry is None:
+            return p.HotReply()
+        return p.HotReply(entry.shm, entry.snapshot, entry.plan)
+
+    # --- one snapshot ---------------------------------------------------------------
+
+    def _write(self, sub: Submission) -> None:
+        """Write, retain, hot-copy, free the slot, report. Never raises."""
+        sub.started = time.time()
+        store = RunStore(self.root, sub.run)
+        try:
+            result = self._commit(store, sub)
+        except Exception as e:
+            self._collect_failed(store)
+            sub.release()
+            self._report_failure(sub, e)
+            return
+        trash = self._retain(store, sub)
+        self._hot_copy(sub, result)
+        self.runs[sub.run] = {"last_committed": result.sid.name, "step": sub.step,
+                              "bytes": result.bytes_written,
+                              "seconds": round(result.seconds, 3),
+                              "committed_at": time.time()}
+        sub.release()
+        sub.conn.send_event(p.Committed(sub.run, sub.rank, sub.step, sub.slot,
+                                        result.sid.name, result.bytes_written,
+                                        result.seconds))
+        log(f"committed run {sub.run!r} rank {sub.rank} step {sub.step} as "
+            f"{result.sid.name}: {result.bytes_written} bytes in {result.seconds:.2f}s")
+        retention.purge(trash)   # the slow part of deleting, after the client knows
+
+    def _commit(self, store: RunStore, sub: Submission) -> CommitResult:
+        needed = sub.plan.nbytes
+        store.ensure()
+        diskguard.ensure_space(
+            self.root, needed, self.options.min_free_bytes,
+            reclaim=lambda: retention.apply_retention(store, sub.options))
+        try:
+            return self.writer(store, sub.plan, sub.options)
+        except OSError as e:
+            if diskguard.is_enospc(e):
+                raise diskguard.from_enospc(e, self.root, needed) from e
+            raise
+
+    def _collect_failed(self, store: RunStore) -> None:
+        """Remove the failed write's tmp dir. This run's writes are serial, so every
+        tmp dir in it is ours (or abandoned), never another write in progress."""
+        try:
+            store.collect_tmp()
+        except OSError as e:
+            log(f"run {store.run!r}: could not collect tmp dirs: {e}")
+
+    def _report_failure(self, sub: Submission, error: BaseException) -> None:
+        kind, message = type(error).__name__, str(error)
+        sub.conn.send_event(p.Failed(sub.run, sub.rank, sub.step, sub.slot, kind, message))
+        log(f"failed run {sub.run!r} rank {sub.rank} step {sub.step}: {kind}: {message}")
+
+    def _retain(self, store: RunStore, sub: Submission) -> List[str]:
+        """Retention after a commit; its failure never fails the committed snapshot."""
+        try:
+            result = retention.apply_retention(store, sub.options, purge_now=False)
+        except Exception as e:
+            log(f"retention of run {sub.run!r} failed (snapshots kept): {e!r}")
+            return []
+        if result.deleted:
+            log(f"run {sub.run!r}: retention deleted {', '.join(result.deleted)}")
+        return result.trash
+
+    def _hot_copy(self, sub: Submission, result: CommitResult) -> None:
+        """Keep the committed slot in memory for a fast restore, when memory allows."""
+        slot_bytes = sub.arena.slot_bytes
+        if not sub.options.hot_restore or \
+                psutil.virtual_memory().available <= 2 * slot_bytes:
+            self.hot_cache.drop(sub.run, sub.rank)   # an older copy is not the latest
+            return
+        data = sub.view[:used_bytes(sub.desc)]
+        try:
+            self.hot_cache.put(sub.run, sub.rank, data, sub.desc, result.sid.name)
+        except Exception as e:   # the snapshot is committed; the copy is optional
+            self.hot_cache.drop(sub.run, sub.rank)
+            log(f"no hot copy of {sub.run!r} {result.sid.name}: {e}")
+        finally:
+            data.release()
+
+    # --- status -------------------------------------------------------------------
+
+    def status(self) -> Dict[str, Any]:
+        return {"pid": os.getpid(), "root": self.root, "started": self.started,
+                "runs": dict(self.runs),
+                "in_flight": [self._progress(s) for s in self.writes.snapshot()],
+                "clients": [{"pid": c.pid, "run": c.run, "rank": c.rank,
+                             "alive": _pid_alive(c.pid)}
+                            for c in self.server.live_connections()],
+                "cpu_percent": self._process.cpu_percent(interval=None),
+                "rss": self._process.memory_info().rss,
+                "disk_free": diskguard.free_bytes(self.root),
+                "stopping": self._stopping}
+
+    def _progress(self, sub: Submission) -> Dict[str, Any]:
+        return {"run": sub.run, "rank": sub.rank, "step": sub.step,
+                "bytes_total": sub.plan.nbytes,
+                "bytes_written": _tmp_bytes(RunStore(self.root, sub.run), sub)
+                if sub.started else 0,
+                "accepted": sub.accepted, "started": sub.started}
+
+
+def _pid_alive(pid: Any) -> bool:
+    return isinstance(pid, int) and pid > 0 and psutil.pid_exists(pid)
+
+
+def _tmp_bytes(store: RunStore, sub: Submission) -> int:
+    """Bytes written so far: the sizes of the files in this snapshot's tmp dir."""
+    prefix = os.path.join(store.snapshots_path, f".tmp-{sub.plan.sid.name}-")
+    total = 0
+    for tmp in store.tmp_dirs():
+        if tmp.startswith(prefix):
+            try:
+                total += sum(e.stat().st_size for e in os.scandir(tmp))
+            except OSError:
+                pass   # renamed (committed) or collected while we looked
+    return total
+
+
+def main(root: str, options: Optional[Options] = None) -> int:
+    """``snapd serve``: serve ``root``; returns the process exit code."""
+    try:
+        return Daemon(root, options).serve_forever()
+    except AlreadyServing as e:
+        print(f"snapd: {e}", file=sys.stderr, flush=True)
+        return EXIT_ALREADY_SERVING
+    except (SnapdError, OSError, ValueError) as e:   # cannot serve: say why, briefly
+        print(f"snapd: cannot serve {root}: {e}", file=sys.stderr, flush=True)
+        return 1

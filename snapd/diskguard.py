@@ -1,0 +1,62 @@
+"""Disk guard: refuse a snapshot the root's disk cannot hold, before writing a byte.
+
+A snapshot that runs out of space half way costs the time of writing it and leaves a
+tmp directory to collect; checking first (psutil) is cheap. The check keeps
+``min_free_bytes`` free for everything else on the disk (the state log, the OS).
+When space is short the caller's ``reclaim`` (retention) runs once before giving up.
+ENOSPC that still happens during a write (another process filled the disk) is turned
+into the same error, with the same advice.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Callable, Optional
+
+import psutil
+
+from snapd.errors import InsufficientSpace
+
+
+def free_bytes(root: str) -> int:
+    return psutil.disk_usage(root).free
+
+
+def _advice(root: str) -> str:
+    return (f"free space on the disk that holds {root}, lower keep_last/keep_every/"
+            "keep_best so that retention deletes older snapshots, or use a root on a "
+            "larger disk")
+
+
+def insufficient(root: str, needed: int, free: int, min_free: int) -> InsufficientSpace:
+    return InsufficientSpace(
+        f"not enough free space under {root}: the snapshot needs {needed} bytes and "
+        f"{min_free} more are kept free (min_free_bytes), but {free} bytes are free; "
+        + _advice(root))
+
+
+def ensure_space(root: str, needed: int, min_free: int,
+                 reclaim: Optional[Callable[[], object]] = None) -> int:
+    """Return the free bytes, or raise InsufficientSpace after one ``reclaim``."""
+    free = free_bytes(root)
+    if free > needed + min_free:
+        return free
+    if reclaim is not None:
+        reclaim()
+        free = free_bytes(root)
+        if free > needed + min_free:
+            return free
+    raise insufficient(root, needed, free, min_free)
+
+
+def is_enospc(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def from_enospc(error: OSError, root: str, needed: int) -> InsufficientSpace:
+    """The error for a write that ran out of space part way (ENOSPC or quota)."""
+    where = f" at {error.filename}" if error.filename else ""
+    return InsufficientSpace(
+        f"the disk under {root} filled up while writing a {needed}-byte snapshot "
+        f"({error.strerror}{where}); nothing was committed and the previous snapshot "
+        "is intact; " + _advice(root))

@@ -1,0 +1,210 @@
+"""The writing side of the state log: append, grouped fsync, torn-tail repair, rotation.
+
+The format and the readers are in :mod:`snapd.statelog` (docs/format.md, "The state log"); this
+module only appends. One writer per (run, rank) at a time; readers may read any time.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import closing
+from pathlib import Path
+from typing import Callable, Iterable
+
+import msgpack
+
+from snapd.fsio import fsync_dir, write_all
+from snapd.statelog import (
+    HEADER_SIZE,
+    IOStats,
+    _encode_record,
+    _is_step,
+    _records_backward,
+    _Segment,
+    _warn_torn,
+    encode_frame,
+    encode_header,
+    list_segments,
+    rank_dir,
+    segment_seed,
+)
+
+
+class LogWriter:
+    """Appends records for one (run, rank): one ``os.write`` per record and no fsync on
+    the hot path; a daemon thread fsyncs at most every ``flush_interval`` seconds if
+    anything was written (None or 0: only ``sync``, ``close`` and rotation fsync).
+    ``fsync`` (of segment files) is injectable: tests count calls, simulate a bad disk.
+    Appends are thread-safe; one writer per (run, rank) at a time, readers any time."""
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int, *, segment_bytes: int = 64 << 20,
+                 flush_interval: float | None = 1.0, fsync: Callable[[int], None] = os.fsync):
+        self.run_dir, self.rank, self.segment_bytes = Path(run_dir), rank, segment_bytes
+        self.dir, self._fsync, self._lock = rank_dir(run_dir, rank), fsync, threading.Lock()
+        self._fd: int | None = None
+        self._seq = self._offset = self._seed = self._marked = 0
+        self._last_step: int | None = None
+        self._dirty = self._closed = False
+        self._error: OSError | None = None
+        for d in (self.run_dir, self.dir.parent, self.dir):
+            if not d.is_dir():
+                d.mkdir(parents=True, exist_ok=True)
+                fsync_dir(str(d.parent))  # the new directory entry survives a crash
+        self._open_last()
+        self._stop, self._thread = threading.Event(), None
+        if flush_interval:
+            self._thread = threading.Thread(target=self._flush_loop, args=(flush_interval,),
+                                            name=f"snapd-log-flush-{rank}", daemon=True)
+            self._thread.start()
+
+    def _open_last(self) -> None:
+        """Cut a torn tail and resume after the valid prefix. With no segment yet the
+        first append creates one, so that its header can name the first step."""
+        if not (paths := list_segments(self.run_dir, self.rank)):
+            return
+        with _Segment(paths[-1], IOStats(), self.rank) as seg:
+            report = seg.tail()[2]
+            with closing(_records_backward(seg)) as back:
+                self._last_step = next((r["step"] for _, r in back if _is_step(r)),
+                                       seg.first_step)
+            self._seq, self._seed = seg.seq, seg.seed
+        _warn_torn(report)
+        self._fd = os.open(paths[-1], os.O_WRONLY | os.O_APPEND)
+        if report.torn_at is not None:
+            os.ftruncate(self._fd, report.valid_end)  # 1. drop the torn tail, unparsed
+        self._fsync(self._fd)  # 2. the prefix we append after is durable
+        self._offset = report.valid_end
+        self._write_mark(self._offset)  # 3. say so, for bounded readers
+
+    def append(self, record: dict) -> None:
+        """Frame ``record`` and hand it to the kernel in one write; it is durable after
+        the next flush, ``sync()`` or ``close()``."""
+        payload, step = _encode_record(record)
+        with self._lock:
+            self._check_open()
+            self._admit(len(payload) + 12, step)
+            frame = encode_frame(payload, self._seed)
+            write_all(self._fd, frame)
+            self._offset += len(frame)
+            self._dirty = True
+
+    def append_many(self, records: Iterable[dict]) -> int:
+        """Bulk import (and large test logs): one write per segment filled."""
+        count, pending = 0, bytearray()
+        with self._lock:
+            self._check_open()
+            try:
+                for record in records:
+                    payload, step = _encode_record(record)
+                    if pending and self._must_rotate(len(payload) + 12, step):
+                        write_all(self._fd, pending)  # the rest of the old segment
+                        pending.clear()
+                    self._admit(len(payload) + 12, step)
+                    frame = encode_frame(payload, self._seed)
+                    pending += frame
+                    self._offset, count = self._offset + len(frame), count + 1
+            finally:  # a bad record stops the import; what was framed before it stays
+                if pending:
+                    write_all(self._fd, pending)
+                self._dirty = self._dirty or count > 0
+        return count
+
+    def _check_open(self) -> None:
+        if self._error is not None:  # a background fsync failed: report it once
+            err, self._error = self._error, None
+            raise err
+        if self._closed:
+            raise ValueError(f"LogWriter for {self.dir} is closed")
+
+    def _must_rotate(self, size: int, step: int | None) -> bool:
+        full = self._offset + size > self.segment_bytes and self._offset > HEADER_SIZE
+        return full or None not in (step, self._last_step) and step < self._last_step
+
+    def _admit(self, size: int, step: int | None) -> None:
+        """Rotate when full, or when a step goes backward (a replay after a resume), so
+        that steps never decrease inside a segment and ``find_step`` can bisect."""
+        if self._fd is None or self._must_rotate(size, step):
+            first = step if step is not None else (self._last_step or 0)
+            if self._fd is not None:
+                self._seal()
+            self._create(self._seq + 1, first)
+        if step is not None:
+            self._last_step = step
+
+    def _create(self, seq: int, first_step: int) -> None:
+        path = self.dir / f"{seq:012d}.log"
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+        write_all(fd, encode_header(self.rank, seq, first_step))  # 1. header, tmp name
+        self._fsync(fd)  # 2. durable: a segment never exists without its whole header
+        os.rename(tmp, path)  # 3. publish
+        fsync_dir(str(self.dir))  # 4. the name survives a crash
+        self._fd, self._seq, self._seed = fd, seq, segment_seed(self.rank, seq)
+        self._offset = self._marked = HEADER_SIZE
+
+    def _seal(self) -> None:
+        """Leave the segment durable and ending in a mark: fsync, mark, fsync, close."""
+        self._fsync(self._fd)
+        self._write_mark(self._offset)
+        self._fsync(self._fd)
+        os.close(self._fd)
+        self._fd, self._dirty = None, False
+
+    def _write_mark(self, upto: int) -> None:
+        frame = encode_frame(msgpack.packb({"kind": "sync", "upto": upto}), self._seed)
+        write_all(self._fd, frame)
+        self._offset, self._marked = self._offset + len(frame), upto
+
+    def sync(self) -> None:
+        """fsync now (at a snapshot, at close); raises a failed background fsync."""
+        with self._lock:
+            self._check_open()
+        self._sync(only_if_dirty=False)
+
+    def _sync(self, only_if_dirty: bool) -> None:
+        """The fsync runs outside the lock, so appends never wait for the disk; a mark
+        then records the offset it covered."""
+        with self._lock:
+            if self._fd is None or self._closed or (only_if_dirty and not self._dirty):
+                return
+            fd, seq, upto, self._dirty = os.dup(self._fd), self._seq, self._offset, False
+        try:
+            self._fsync(fd)
+        except BaseException:
+            self._dirty = True  # the next flush tries again
+            raise
+        finally:
+            os.close(fd)
+        with self._lock:
+            if self._fd is not None and self._seq == seq and upto > self._marked:
+                self._write_mark(upto)
+
+    def _flush_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self._sync(only_if_dirty=True)
+            except OSError as e:  # kept for the next append, sync or close to raise
+                with self._lock:
+                    self._error = e
+
+    def close(self) -> None:
+        """Stop the flush thread and seal the segment; raise a background failure once."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._fd is not None:
+                self._seal()
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def __enter__(self) -> LogWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

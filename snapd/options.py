@@ -1,0 +1,102 @@
+"""Every tunable of snapd in one frozen dataclass, with environment overrides in one place.
+
+Precedence: an explicit argument wins over the environment, which wins over the
+default. The environment variable for a field is ``SNAPD_<FIELD>`` in upper case
+(``SNAPD_COMPRESSION=3``, ``SNAPD_KEEP_LAST=5``). Parsing lives here only, so that no
+other module reads ``os.environ`` for a tunable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional, Union
+
+Compression = Union[str, int]  # "off", "auto", or a zstd level 1..22
+
+
+@dataclass(frozen=True)
+class Options:
+    """Tunables of the client, the writer and the daemon."""
+
+    # On-disk layout of tensor data.
+    chunk_bytes: int = 4 << 20
+    compression: Compression = "off"
+    # Retention (applied after each commit; never deletes the last verified snapshot).
+    keep_last: Optional[int] = None
+    keep_every: Optional[int] = None
+    keep_best: int = 0
+    best_mode: str = "min"
+    # Snapshot handoff.
+    mode: str = "wait"            # "wait": snapshot() returns after the copy; "overlap"
+    on_busy: str = "wait"         # "wait" for the previous write, or "skip" this one
+    slots: int = 1                # staging arena slots (1 or 2)
+    daemon: bool = True           # snapshot through the root's daemon; False: in-process
+    writer_threads: int = 2
+    hot_restore: bool = True
+    # State log.
+    log_flush_interval: float = 1.0
+    log_segment_bytes: int = 64 << 20
+    replay_check: str = "raise"   # "raise", "warn" or "off"
+    # Daemon liveness.
+    timeout: float = 120.0        # longest wait for any daemon reply
+    min_free_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, ("wait", "overlap"))
+        _check_choice("on_busy", self.on_busy, ("wait", "skip"))
+        _check_choice("best_mode", self.best_mode, ("min", "max"))
+        _check_choice("replay_check", self.replay_check, ("raise", "warn", "off"))
+        if isinstance(self.compression, str) and self.compression not in ("off", "auto"):
+            raise ValueError(f"compression={self.compression!r}: use 'off', 'auto' or a "
+                             "zstd level 1..22")
+        if isinstance(self.compression, int) and not 1 <= self.compression <= 22:
+            raise ValueError(f"compression={self.compression}: zstd levels are 1..22")
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes={self.chunk_bytes}: use at least 4096")
+        if self.slots not in (1, 2):
+            raise ValueError(f"slots={self.slots}: the staging arena has 1 or 2 slots")
+
+    @classmethod
+    def resolve(cls, overrides: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> "Options":
+        """Defaults, then ``SNAPD_*`` environment variables, then ``overrides``."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(f"SNAPD_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = _parse(f.name, raw, f.default)
+        for key, value in (overrides or {}).items():
+            if key not in {f.name for f in fields(cls)}:
+                raise TypeError(f"unknown snapd option {key!r}; known: "
+                                + ", ".join(f.name for f in fields(cls)))
+            if value is not None:
+                values[key] = value
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Options":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(name: str, value: str, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(repr, allowed))}")
+
+
+def _parse(name: str, raw: str, default: Any) -> Any:
+    """Turn one environment string into the field's type, naming the variable on error."""
+    try:
+        if name == "compression":
+            return raw if raw in ("off", "auto") else int(raw)
+        if isinstance(default, bool):
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int) or (default is None and name.startswith("keep_")):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        return raw
+    except ValueError as e:
+        raise ValueError(f"environment variable SNAPD_{name.upper()}={raw!r} is not "
+                         f"valid for {name}: {e}") from e

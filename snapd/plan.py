@@ -1,0 +1,105 @@
+"""A snapshot's plan: everything it holds, frozen once handed to the writer.
+
+In the training process a plan's tensors are buffers over the staging arena (or over
+CPU tensors, when written in-process). Between processes a plan travels as a
+*descriptor*: the same fields, each tensor given by its offset and length in an arena
+slot instead of its bytes. The daemon rebuilds the plan over its own mapping of that
+slot, so tensor bytes are never copied through the socket.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from snapd.errors import SnapdError
+from snapd.format import DTYPES
+from snapd.store import SnapshotId
+
+
+@dataclass
+class TensorSource:
+    """One tensor's raw bytes (C order) and what is needed to rebuild it."""
+
+    path: str
+    dtype: str
+    shape: List[int]
+    data: memoryview
+    device: str = "cpu"
+
+
+@dataclass
+class ObjectPlan:
+    """One tracked object: its skeleton and its tensors."""
+
+    name: str
+    type: str
+    skeleton: bytes
+    tensors: List[TensorSource] = field(default_factory=list)
+    metadata: Any = None
+
+
+@dataclass
+class SnapshotPlan:
+    """Everything one snapshot holds; frozen once handed to the writer."""
+
+    run: str
+    step: int
+    lineage: Dict[str, Any]
+    objects: List[ObjectPlan]
+    rng: Dict[str, bytes]
+    cursor: Optional[Dict[str, Any]] = None
+    metric: Optional[float] = None
+    data_version: Optional[str] = None
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def sid(self) -> SnapshotId:
+        return SnapshotId(int(self.lineage.get("id", 0)), self.step)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(t.data) for o in self.objects for t in o.tensors)
+
+
+
+def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any]:
+    """The plan with each tensor's bytes replaced by its offset in the slot.
+
+    ``offsets[i][j]`` is where tensor j of object i starts within the slot.
+    """
+    objects = []
+    for obj, obj_offsets in zip(plan.objects, offsets):
+        tensors = [{"path": t.path, "dtype": t.dtype, "shape": list(t.shape),
+                    "device": t.device, "offset": off, "nbytes": len(t.data)}
+                   for t, off in zip(obj.tensors, obj_offsets)]
+        objects.append({"name": obj.name, "type": obj.type, "skeleton": obj.skeleton,
+                        "metadata": obj.metadata, "tensors": tensors})
+    return {"run": plan.run, "step": plan.step, "lineage": plan.lineage,
+            "objects": objects, "rng": plan.rng, "cursor": plan.cursor,
+            "metric": plan.metric, "data_version": plan.data_version,
+            "rank": plan.rank, "world_size": plan.world_size}
+
+
+def from_descriptor(desc: Dict[str, Any], slot: memoryview) -> SnapshotPlan:
+    """Rebuild a plan over a mapped slot; every offset is bounds-checked first."""
+    objects = []
+    for obj in desc["objects"]:
+        tensors = []
+        for t in obj["tensors"]:
+            if t["dtype"] not in DTYPES:
+                raise SnapdError(f"descriptor: tensor {t['path']!r} has unknown dtype")
+            nbytes = math.prod(t["shape"]) * DTYPES[t["dtype"]].itemsize
+            start, end = t["offset"], t["offset"] + t["nbytes"]
+            if nbytes != t["nbytes"] or start < 0 or end > len(slot):
+                raise SnapdError(f"descriptor: tensor {t['path']!r} lies outside its "
+                                 f"{len(slot)}-byte slot or disagrees with its shape")
+            tensors.append(TensorSource(t["path"], t["dtype"], list(t["shape"]),
+                                        slot[start:end], t.get("device", "cpu")))
+        objects.append(ObjectPlan(obj["name"], obj["type"], obj["skeleton"], tensors,
+                                  obj.get("metadata")))
+    return SnapshotPlan(desc["run"], desc["step"], desc["lineage"], objects, desc["rng"],
+                        desc.get("cursor"), desc.get("metric"), desc.get("data_version"),
+                        desc.get("rank", 0), desc.get("world_size", 1))

@@ -1,0 +1,212 @@
+"""The messages between client and daemon, and their framing on the Unix socket.
+
+Frame: a u32 little-endian length L, then L bytes of msgpack: one map. Every map has
+``"op"``. A request also has ``"id"`` (a client-chosen int); its reply has ``"re"``
+equal to that id. Messages the daemon sends on its own (``committed``, ``failed``)
+have neither. docs/protocol.md is the table of operations; one dataclass per
+message here is its code form. No pickle: a frame that is not a msgpack map of known
+fields is a protocol error and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, Optional, Type
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 256 << 20
+_LEN = struct.Struct("<I")
+
+
+class ProtocolError(Exception):
+    """A peer sent something that is not a valid frame or message."""
+
+
+# --- requests (client -> daemon) --------------------------------------------------
+
+@dataclass
+class Hello:
+    """First message on a connection: versions must match, and who is talking."""
+    op = "hello"
+    protocol: int
+    pid: int
+    run: str = ""
+    rank: int = 0
+
+
+@dataclass
+class Attach:
+    """Map the client's staging arena: a shared-memory segment of ``slots`` slots."""
+    op = "attach"
+    run: str
+    rank: int
+    shm: str
+    size: int
+    slots: int
+
+
+@dataclass
+class Submit:
+    """Hand off one staged snapshot; the plan's tensors point into ``slot``."""
+    op = "submit"
+    run: str
+    rank: int
+    step: int
+    slot: int
+    plan: Dict[str, Any]
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Status:
+    """Ask for the daemon's status (runs, in-flight writes, resources)."""
+    op = "status"
+
+
+@dataclass
+class HotGet:
+    """Ask for the latest committed snapshot of a run still held in memory."""
+    op = "hot"
+    run: str
+    rank: int = 0
+
+
+@dataclass
+class Ping:
+    """Liveness check; the reply is ``Pong``."""
+    op = "ping"
+
+
+# --- replies and events (daemon -> client) ----------------------------------------
+
+@dataclass
+class Welcome:
+    op = "welcome"
+    protocol: int
+    daemon_pid: int
+    root: str
+
+
+@dataclass
+class Ok:
+    op = "ok"
+
+
+@dataclass
+class Error:
+    """A request failed; ``kind`` names the snapd error class to raise."""
+    op = "error"
+    kind: str
+    message: str
+
+
+@dataclass
+class Accepted:
+    op = "accepted"
+    step: int
+
+
+@dataclass
+class Committed:
+    """Event: a submitted snapshot is durable and its slot is free again."""
+    op = "committed"
+    run: str
+    rank: int
+    step: int
+    slot: int
+    name: str
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class Failed:
+    """Event: a submitted snapshot did not commit; its slot is free again."""
+    op = "failed"
+    run: str
+    rank: int
+    step: int
+    slot: int
+    kind: str
+    message: str
+
+
+@dataclass
+class StatusReply:
+    op = "status_reply"
+    status: Dict[str, Any]
+
+
+@dataclass
+class HotReply:
+    """Where the held snapshot lies: a segment, and the manifest name it matches."""
+    op = "hot_reply"
+    shm: Optional[str] = None
+    snapshot: Optional[str] = None
+    plan: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class Pong:
+    op = "pong"
+    pid: int
+
+
+MESSAGES: Dict[str, Type] = {cls.op: cls for cls in (
+    Hello, Attach, Submit, Status, HotGet, Ping, Welcome, Ok, Error, Accepted,
+    Committed, Failed, StatusReply, HotReply, Pong)}
+
+
+def to_wire(message: Any, **envelope: int) -> Dict[str, Any]:
+    return {"op": message.op, **envelope, **asdict(message)}
+
+
+def from_wire(data: Dict[str, Any]) -> Any:
+    """A decoded map to its message dataclass; ProtocolError on anything unknown."""
+    if not isinstance(data, dict) or data.get("op") not in MESSAGES:
+        raise ProtocolError(f"unknown message {str(data)[:80]!r}")
+    cls = MESSAGES[data["op"]]
+    names = {f.name for f in fields(cls)}
+    try:
+        return cls(**{k: v for k, v in data.items() if k in names})
+    except TypeError as e:
+        raise ProtocolError(f"malformed {data['op']} message: {e}") from e
+
+
+def encode(message: Any, **envelope: int) -> bytes:
+    payload = msgpack.packb(to_wire(message, **envelope), use_bin_type=True)
+    return _LEN.pack(len(payload)) + payload
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def recv(sock: socket.socket) -> Dict[str, Any]:
+    """One frame as a map (with its envelope). EOFError when the peer is gone."""
+    (length,) = _LEN.unpack(_recv_exact(sock, 4))
+    if length > MAX_FRAME:
+        raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+    try:
+        data = msgpack.unpackb(_recv_exact(sock, length), raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise ProtocolError(f"frame is not msgpack: {e}") from e
+    if not isinstance(data, dict):
+        raise ProtocolError("frame is not a map")
+    return data
+
+
+def send(sock: socket.socket, message: Any, **envelope: int) -> None:
+    sock.sendall(encode(message, **envelope))

@@ -1,0 +1,153 @@
+"""Read and verify one committed snapshot, object by object.
+
+Opening a snapshot reads only its manifest and stats its files. An object's tensors
+are read on demand (the model without the optimizer), each chunk verified against its
+checksum, and the whole file against its own while the chunks stream past. Nothing is
+trusted before it is checked: names are plain file names inside the directory, every
+declared size is compared with the file before anything is allocated, and files are
+opened without following symlinks.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import xxhash
+
+from snapd import format as fmt
+from snapd.errors import CorruptSnapshot
+
+Progress = Optional[Callable[[int], None]]
+
+
+def _open_nofollow(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError as e:
+        raise CorruptSnapshot(f"{path}: listed in the manifest but missing",
+                              path=path, field="files") from e
+    except OSError as e:
+        raise CorruptSnapshot(f"{path}: cannot be opened as a plain file ({e})",
+                              path=path, field="files") from e
+
+
+class SnapshotReader:
+    """A verified manifest and on-demand, verified access to its tensors."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        manifest_path = os.path.join(path, fmt.MANIFEST_NAME)
+        fd = _open_nofollow(manifest_path)
+        try:
+            size = os.fstat(fd).st_size
+            if size > fmt.MAX_MANIFEST_BYTES:
+                raise CorruptSnapshot(f"{manifest_path}: {size} bytes, larger than any "
+                                      "manifest snapd writes", path=manifest_path,
+                                      field="size")
+            data = os.read(fd, size + 1)
+        finally:
+            os.close(fd)
+        self.manifest: Dict[str, Any] = fmt.decode_manifest(data, path=manifest_path)
+        self._check_file_sizes()
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+    @property
+    def objects(self) -> Dict[str, Any]:
+        return self.manifest["objects"]
+
+    def _check_file_sizes(self) -> None:
+        for name, entry in self.manifest["files"].items():
+            full = os.path.join(self.path, name)
+            try:
+                st = os.lstat(full)
+            except FileNotFoundError as e:
+                raise CorruptSnapshot(f"{full}: listed in the manifest but missing",
+                                      path=full, field="files") from e
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptSnapshot(f"{full}: not a regular file", path=full,
+                                      field="files")
+            if st.st_size != entry["size"]:
+                raise CorruptSnapshot(
+                    f"{full}: {st.st_size} bytes on disk, manifest field "
+                    f"files[{name!r}].size says {entry['size']} (truncated or "
+                    "replaced); use an older snapshot", path=full, field="size")
+
+    def load_object(self, name: str, progress: Progress = None) -> List[torch.Tensor]:
+        """Every tensor of one object, on CPU, verified. Raises CorruptSnapshot."""
+        obj = self.objects[name]
+        if not obj["tensors"]:
+            return []
+        file_name = obj["file"]
+        full = os.path.join(self.path, file_name)
+        entry = self.manifest["files"][file_name]
+        _check_tiling(obj["tensors"], entry["size"], full)
+        hasher = xxhash.xxh3_64()
+        fd = _open_nofollow(full)
+        try:
+            header = os.pread(fd, fmt.HEADER_BYTES, 0)
+            fmt.check_tensor_file_header(header, path=full)
+            hasher.update(header)
+            tensors = [self._read_tensor(fd, t, i, full, hasher, progress)
+                       for i, t in enumerate(obj["tensors"])]
+        finally:
+            os.close(fd)
+        if hasher.intdigest() != entry["xxh3"]:
+            raise CorruptSnapshot(f"{full}: whole-file checksum mismatch (manifest field "
+                                  f"files[{file_name!r}].xxh3)", path=full, field="xxh3")
+        return tensors
+
+    def _read_tensor(self, fd: int, meta: Dict[str, Any], i: int, path: str,
+                     hasher, progress: Progress) -> torch.Tensor:
+        out = torch.empty(meta["nbytes"], dtype=torch.uint8)
+        view = memoryview(out.numpy()) if meta["nbytes"] else memoryview(b"")
+        pos = 0
+        for j, chunk in enumerate(meta["chunks"]):
+            offset, stored_len, raw_len = chunk[0], chunk[1], chunk[2]
+            field = f"tensor {meta['path']!r} chunk {j}"
+            if chunk[3] == fmt.CODEC_RAW:
+                target = view[pos:pos + raw_len]
+                if os.preadv(fd, [target], offset) != stored_len:
+                    raise CorruptSnapshot(f"{path}: short read in {field}", path=path,
+                                          field=field)
+                stored = target
+                fmt.decode_chunk(stored, chunk, path=path, field=field)
+            else:
+                stored = os.pread(fd, stored_len, offset)
+                view[pos:pos + raw_len] = fmt.decode_chunk(stored, chunk, path=path,
+                                                           field=field)
+            hasher.update(stored)
+            pos += raw_len
+            if progress:
+                progress(stored_len)
+        if fmt.checksum(view) != meta["xxh3"]:
+            raise CorruptSnapshot(f"{path}: tensor {meta['path']!r} checksum mismatch "
+                                  "after decoding", path=path, field=f"tensor {meta['path']!r}")
+        dtype = fmt.DTYPES[meta["dtype"]]
+        return out.view(dtype).reshape(meta["shape"]) if meta["nbytes"] else \
+            torch.empty(meta["shape"], dtype=dtype)
+
+    def verify(self, progress: Progress = None) -> None:
+        """Read every object's file and check every checksum."""
+        for name in self.objects:
+            self.load_object(name, progress)
+
+
+def _check_tiling(tensors: List[Dict[str, Any]], size: int, path: str) -> None:
+    """Chunks must cover the file after its header exactly, in order, with no gap."""
+    expected = fmt.HEADER_BYTES
+    for t in tensors:
+        for chunk in t["chunks"]:
+            if chunk[0] != expected:
+                raise CorruptSnapshot(f"{path}: chunk of tensor {t['path']!r} at offset "
+                                      f"{chunk[0]}, expected {expected}", path=path,
+                                      field="chunks")
+            expected += chunk[1]
+    if expected != size:
+        raise CorruptSnapshot(f"{path}: chunks end at byte {expected} of {size}",
+                              path=path, field="chunks")

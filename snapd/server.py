@@ -1,0 +1,393 @@
+"""The daemon's socket: accept loop, one thread per connection, request dispatch.
+
+docs/protocol.md is the contract. A connection starts with ``hello``; then each
+request gets exactly one reply carrying its ``re``; ``committed``/``failed`` events
+for the connection's submits arrive in between, whenever a write ends. Replies and
+events share one send lock per connection, so frames never interleave, and a
+``submit`` is queued while that lock is held with its ``accepted`` reply, so a
+``committed`` event can never overtake the ``accepted`` it belongs to.
+
+Anything that is not the protocol (not msgpack, not a map, an unknown op, a reply op
+sent as a request, a request without ``id``) closes that connection; it never
+reaches the daemon's other connections or its writes. A request that is well formed
+but refused (a bad arena name, a busy slot, a descriptor outside its slot) gets an
+``error`` reply and the connection stays open.
+
+Who may connect: the socket is mode 0600 and the peer's uid (SO_PEERCRED) must
+equal the daemon's (:func:`peer_allowed`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+
+from snapd import protocol as p
+from snapd.arena_map import Arena
+from snapd.errors import SnapdError
+from snapd.options import Options
+from snapd.plan import SnapshotPlan, from_descriptor
+from snapd.store import check_run_name
+
+_CRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
+_OBJECT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
+SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
+                  "best_mode", "hot_restore")
+MAX_SOCKET_PATH = 107
+
+
+def peer_allowed(peer_uid: int, own_uid: int) -> bool:
+    """Only the daemon's own user may hand it memory to write (no root exception)."""
+    return peer_uid == own_uid
+
+
+def peer_credentials(sock: socket.socket) -> Tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                        _CRED.size))
+
+
+def submit_options(base: Options, given: Any) -> Options:
+    """The daemon's options with the run's writer and retention settings applied.
+
+    Keys outside SUBMIT_OPTIONS are ignored, so a newer client's extra settings do
+    not break an older daemon; bad values are refused.
+    """
+    if not isinstance(given, dict):
+        raise SnapdError(f"submit options must be a map, got {type(given).__name__}")
+    chosen = {k: v for k, v in given.items() if k in SUBMIT_OPTIONS}
+    for key in ("keep_last", "keep_every", "keep_best", "chunk_bytes"):
+        value = chosen.get(key)
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise SnapdError(f"submit option {key}={value!r}: use a non-negative int")
+    try:
+        return base.replace(**chosen)
+    except (TypeError, ValueError) as e:
+        raise SnapdError(f"submit options refused: {e}") from e
+
+
+def check_descriptor(desc: Any, run: str, rank: int, step: int) -> None:
+    """The descriptor must describe this submit, with plain object names."""
+    if not isinstance(desc, dict) or not isinstance(desc.get("objects"), list):
+        raise SnapdError("submit plan is not a plan descriptor (a map with objects)")
+    if (desc.get("run"), desc.get("rank", 0), desc.get("step")) != (run, rank, step):
+        raise SnapdError(f"submit plan is for run {desc.get('run')!r} rank "
+                         f"{desc.get('rank', 0)} step {desc.get('step')}, but the submit "
+                         f"says run {run!r} rank {rank} step {step}")
+    names = [o.get("name") if isinstance(o, dict) else None for o in desc["objects"]]
+    for name in names:
+        if not isinstance(name, str) or not _OBJECT_NAME.match(name) or ".." in name:
+            raise SnapdError(f"submit plan: object name {name!r} is not a plain name")
+    if len(set(names)) != len(names):
+        raise SnapdError("submit plan: two objects share a name")
+
+
+def plan_over_slot(desc: Dict[str, Any], slot: memoryview) -> SnapshotPlan:
+    """from_descriptor with every malformed-descriptor failure as a SnapdError."""
+    try:
+        return from_descriptor(desc, slot)
+    except SnapdError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise SnapdError(f"submit plan descriptor is malformed: {e!r}") from e
+
+
+@dataclass
+class Submission:
+    """One accepted snapshot: its plan over a slot the daemon owns until released."""
+
+    conn: "Connection"
+    arena: Arena
+    slot: int
+    view: memoryview
+    plan: SnapshotPlan
+    desc: Dict[str, Any]
+    options: Options
+    accepted: float = field(default_factory=time.time)
+    started: Optional[float] = None
+
+    run = property(lambda self: self.plan.run)
+    rank = property(lambda self: self.plan.rank)
+    step = property(lambda self: self.plan.step)
+
+    def release(self) -> None:
+        """Drop every view into the slot, then give the slot back to the client."""
+        try:
+            for obj in self.plan.objects:
+                for tensor in obj.tensors:
+                    tensor.data.release()
+            self.view.release()
+        except BufferError:
+            pass   # a view still exported somewhere: the arena unmaps after the GC
+        finally:
+            self.arena.release(self.slot)
+
+
+class Handler(Protocol):
+    """What the server needs from the daemon (snapd/daemon.py implements it)."""
+
+    root: str
+    options: Options
+
+    def enqueue(self, sub: Submission) -> None: ...
+    def status(self) -> Dict[str, Any]: ...
+    def hot(self, run: str, rank: int) -> p.HotReply: ...
+    def log(self, message: str) -> None: ...
+
+
+class Connection:
+    """One client connection: its identity, its arenas, and its send lock."""
+
+    def __init__(self, sock: socket.socket, handler: Handler, peer_pid: int) -> None:
+        self.sock = sock
+        self.handler = handler
+        self.pid, self.run, self.rank = peer_pid, "", 0
+        self.arenas: Dict[Tuple[str, int], Arena] = {}
+        self.send_lock = threading.Lock()
+        self.closed = False
+        self._requests: Dict[type, Callable[[Any, int], Optional[Any]]] = {
+            p.Hello: self._on_hello, p.Attach: self._on_attach, p.Submit: self._on_submit,
+            p.Status: lambda m, r: p.StatusReply(self.handler.status()),
+            p.HotGet: self._on_hot,
+            p.Ping: lambda m, r: p.Pong(os.getpid())}
+
+    # --- sending ------------------------------------------------------------------
+
+    def _send_locked(self, message: Any, **envelope: int) -> bool:
+        if self.closed:
+            return False
+        try:
+            p.send(self.sock, message, **envelope)
+            return True
+        except OSError:
+            return False   # the peer is gone; its snapshots still finish
+
+    def send_event(self, message: Any) -> bool:
+        """Send a committed/failed event; False when the client is gone."""
+        with self.send_lock:
+            return self._send_locked(message)
+
+    def reply(self, message: Any, rid: int) -> None:
+        with self.send_lock:
+            self._send_locked(message, re=rid)
+
+    # --- the loop -----------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Read and answer requests until the peer leaves or breaks the protocol."""
+        why = "disconnected"
+        try:
+            self._dispatch(p.recv(self.sock), first=True)
+            while True:
+                self._dispatch(p.recv(self.sock))
+        except EOFError:
+            pass
+        except p.ProtocolError as e:
+            why = f"closed for a protocol error: {e}"
+        except OSError as e:
+            why = f"connection error: {e}"
+        except Exception as e:   # a bug here must cost one connection, not the daemon
+            why = f"closed after an internal error: {e!r}"
+        finally:
+            self.close()
+            if self.run or why != "disconnected":   # tools (status, watch) come and go
+                self.handler.log(f"client pid {self.pid} run {self.run!r} rank "
+                                 f"{self.rank} {why}")
+
+    def _dispatch(self, data: Dict[str, Any], first: bool = False) -> None:
+        message = p.from_wire(data)
+        rid = data.get("id")
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            raise p.ProtocolError(f"{data['op']} request without an int id")
+        if first and not isinstance(message, p.Hello):
+            raise p.ProtocolError(f"first message is {data['op']}, not hello")
+        handle = self._requests.get(type(message))
+        if handle is None:
+            raise p.ProtocolError(f"{data['op']} is not a request")
+        try:
+            answer = handle(message, rid)
+        except SnapdError as e:
+            answer = p.Error(type(e).__name__, str(e))
+        if answer is not None:
+            self.reply(answer, rid)
+
+    # --- requests -----------------------------------------------------------------
+
+    def _on_hello(self, m: p.Hello, rid: int) -> Any:
+        if m.protocol != p.PROTOCOL_VERSION:
+            self.reply(p.Error("ProtocolMismatch", f"client speaks protocol "
+                               f"{m.protocol!r}, this daemon {p.PROTOCOL_VERSION}; "
+                               "run the same snapd version on both sides"), rid)
+            raise p.ProtocolError(f"protocol mismatch ({m.protocol!r})")
+        self.pid, self.run, self.rank = m.pid, m.run, m.rank
+        if m.run:
+            self.handler.log(f"client pid {m.pid} run {m.run!r} rank {m.rank} connected")
+        return p.Welcome(p.PROTOCOL_VERSION, os.getpid(), self.handler.root)
+
+    def _on_attach(self, m: p.Attach, rid: int) -> Any:
+        _check_run(m.run, m.rank)
+        arena = Arena(m.shm, m.size, m.slots)
+        old = self.arenas.get((m.run, m.rank))
+        self.arenas[(m.run, m.rank)] = arena
+        if old is not None:   # replaced: the client unlinks it; unmap once idle
+            old.retire(unlink=False)
+        return p.Ok()
+
+    def _on_submit(self, m: p.Submit, rid: int) -> Any:
+        _check_run(m.run, m.rank)
+        if not isinstance(m.step, int) or m.step < 0:
+            raise SnapdError(f"submit step {m.step!r}: a non-negative int")
+        arena = self.arenas.get((m.run, m.rank))
+        if arena is None:
+            raise SnapdError(f"no arena attached for run {m.run!r} rank {m.rank}; "
+                             "attach one before submit")
+        check_descriptor(m.plan, m.run, m.rank, m.step)
+        options = submit_options(self.handler.options, m.options)
+        arena.acquire(m.slot)
+        view = arena.slot_view(m.slot)
+        try:
+            plan = plan_over_slot(m.plan, view)
+        except BaseException:
+            view.release()
+            arena.release(m.slot)
+            raise
+        sub = Submission(self, arena, m.slot, view, plan, m.plan, options)
+        try:
+            # Queue and reply under the send lock: the committed event (sent under
+            # the same lock) cannot overtake this accepted reply.
+            with self.send_lock:
+                self.handler.enqueue(sub)
+                self._send_locked(p.Accepted(m.step), re=rid)
+        except BaseException:
+            sub.release()
+            raise
+        return None
+
+    def _on_hot(self, m: p.HotGet, rid: int) -> Any:
+        _check_run(m.run, m.rank)
+        return self.handler.hot(m.run, m.rank)
+
+    def close(self) -> None:
+        """Stop talking; arenas unmap and unlink once their submitted slots are done."""
+        with self.send_lock:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        for arena in self.arenas.values():
+            arena.retire(unlink=True)
+
+    def shutdown(self) -> None:
+        """Wake the connection's thread (recv returns EOF) so that it exits."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _check_run(run: Any, rank: Any) -> None:
+    try:
+        check_run_name(run)
+    except ValueError as e:
+        raise SnapdError(str(e)) from e
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise SnapdError(f"rank {rank!r}: a non-negative int")
+
+
+class Server:
+    """The listening socket and its connections."""
+
+    def __init__(self, root: str, handler: Handler) -> None:
+        self.root = root
+        self.path = os.path.join(root, ".snapd.sock")
+        self.handler = handler
+        self.connections: List[Connection] = []
+        self._threads: List[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._listener: Optional[socket.socket] = None
+
+    def bind(self) -> None:
+        """Listen on <root>/.snapd.sock, mode 0600 (the caller holds the root lock)."""
+        if len(self.path.encode()) > MAX_SOCKET_PATH:
+            raise SnapdError(f"socket path {self.path} is longer than Unix sockets allow "
+                             f"({MAX_SOCKET_PATH} bytes); use a shorter --root")
+        try:   # a socket left by a dead daemon: we hold the lock, so it is stale
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)   # never exists with looser permissions, even briefly
+        try:
+            listener.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        listener.listen(64)
+        self._listener = listener
+
+    def serve(self, wake_fd: int) -> None:
+        """Accept connections until ``wake_fd`` becomes readable."""
+        assert self._listener is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ)
+            sel.register(wake_fd, selectors.EVENT_READ)
+            while True:
+                ready = [key.fileobj for key, _ in sel.select()]
+                if wake_fd in ready:
+                    return
+                self._accept()
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
+        try:
+            pid, uid, _gid = peer_credentials(sock)
+        except OSError:
+            sock.close()
+            return
+        if not peer_allowed(uid, os.getuid()):
+            self.handler.log(f"refused a connection from pid {pid} uid {uid}")
+            sock.close()
+            return
+        conn = Connection(sock, self.handler, pid)
+        thread = threading.Thread(target=conn.serve, name=f"snapd-conn-{pid}", daemon=True)
+        with self._lock:
+            self.connections = [c for c in self.connections if not c.closed] + [conn]
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def stop_accepting(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def live_connections(self) -> List[Connection]:
+        with self._lock:
+            return [c for c in self.connections if not c.closed]
+
+    def close_connections(self, timeout: float = 5.0) -> None:
+        for conn in self.live_connections():
+            conn.shutdown()
+        with self._lock:
+            threads = list(self._threads)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def unlink_socket(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

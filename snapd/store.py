@@ -1,0 +1,142 @@
+"""A root on disk: runs, snapshots, the LATEST and BEST pointers, tmp collection.
+
+Layout (docs/format.md has the full spec)::
+
+    <root>/.snapd.sock                 daemon socket
+    <root>/<run>/log/rank-NNNNN/       state-log segments
+    <root>/<run>/snapshots/00001200/   one committed snapshot (lineage 0)
+    <root>/<run>/snapshots/00001200.L1 one committed snapshot of lineage 1
+    <root>/<run>/snapshots/.tmp-*/     being written or abandoned: never read
+    <root>/<run>/LATEST, BEST          pointers: a snapshot name and a newline
+
+Pointers are hints: a reader verifies what they name and falls back to the newest
+committed name that verifies. Order is by (lineage, step) parsed from the name, which
+the writer derives from the manifest; never by mtime.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from typing import List, Optional
+
+from snapd import fsio
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}$")
+_SNAPSHOT_NAME = re.compile(r"^(\d{8,})(?:\.L(\d+))?$")
+TMP_PREFIX = ".tmp-"
+POINTERS = ("LATEST", "BEST")
+
+
+@dataclass(frozen=True, order=True)
+class SnapshotId:
+    """Where a snapshot sits in a run's history: ordering key and directory name."""
+
+    lineage: int
+    step: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.step:08d}" + (f".L{self.lineage}" if self.lineage else "")
+
+    @classmethod
+    def parse(cls, name: str) -> Optional["SnapshotId"]:
+        match = _SNAPSHOT_NAME.match(name)
+        if not match:
+            return None
+        return cls(int(match.group(2) or 0), int(match.group(1)))
+
+
+def check_run_name(run: str) -> str:
+    if not isinstance(run, str) or not _RUN_NAME.match(run) or run in (".", ".."):
+        raise ValueError(f"run name {run!r} is not a plain directory name; use letters, "
+                         "digits and _ . = + - (at most 128)")
+    return run
+
+
+class RunStore:
+    """One run's directory under a root."""
+
+    def __init__(self, root: str, run: str) -> None:
+        self.root = os.path.abspath(root)
+        self.run = check_run_name(run)
+        self.path = os.path.join(self.root, run)
+        self.snapshots_path = os.path.join(self.path, "snapshots")
+        self.log_path = os.path.join(self.path, "log")
+
+    def ensure(self) -> None:
+        os.makedirs(self.snapshots_path, exist_ok=True)
+        os.makedirs(self.log_path, exist_ok=True)
+
+    def snapshot_path(self, sid: SnapshotId) -> str:
+        return os.path.join(self.snapshots_path, sid.name)
+
+    def new_tmp_dir(self, sid: SnapshotId) -> str:
+        self.ensure()
+        path = os.path.join(self.snapshots_path,
+                            f"{TMP_PREFIX}{sid.name}-{secrets.token_hex(4)}")
+        os.mkdir(path)
+        return path
+
+    def committed(self) -> List[SnapshotId]:
+        """Committed snapshots, oldest first. Tmp dirs and stray names are never listed."""
+        try:
+            names = os.listdir(self.snapshots_path)
+        except FileNotFoundError:
+            return []
+        ids = [SnapshotId.parse(n) for n in names]
+        return sorted(i for i in ids if i is not None)
+
+    def read_pointer(self, which: str) -> Optional[SnapshotId]:
+        """The snapshot a pointer names, or None if absent or not a snapshot name."""
+        try:
+            with open(os.path.join(self.path, which), "r", encoding="ascii") as f:
+                text = f.read(64).strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+        return SnapshotId.parse(text)
+
+    def write_pointer(self, which: str, sid: SnapshotId) -> None:
+        assert which in POINTERS
+        fsio.replace_file_atomic(os.path.join(self.path, which), f"{sid.name}\n".encode())
+
+    def tmp_dirs(self) -> List[str]:
+        try:
+            names = os.listdir(self.snapshots_path)
+        except FileNotFoundError:
+            return []
+        return [os.path.join(self.snapshots_path, n) for n in names
+                if n.startswith(TMP_PREFIX)]
+
+    def collect_tmp(self, keep: tuple = ()) -> int:
+        """Remove abandoned tmp dirs (none is ever read); returns how many."""
+        removed = 0
+        for path in self.tmp_dirs():
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+                removed += 1
+        return removed
+
+
+def list_runs(root: str) -> List[str]:
+    """Run names under a root: directories that hold a snapshots/ or log/ folder."""
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    return [n for n in names if _RUN_NAME.match(n) and (
+        os.path.isdir(os.path.join(root, n, "snapshots"))
+        or os.path.isdir(os.path.join(root, n, "log")))]
+
+
+def remove_pointer(store: RunStore, which: str) -> None:
+    """Remove a pointer (it named a snapshot that no longer exists); absent is fine."""
+    assert which in POINTERS
+    try:
+        os.unlink(os.path.join(store.path, which))
+    except FileNotFoundError:
+        return
+    fsio.fsync_dir(store.path)

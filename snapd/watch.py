@@ -1,0 +1,426 @@
+"""The live view of a root (``snapd watch``): a status model, a pure render, one loop.
+
+After rich's ``live.py``, three separate parts:
+
+- :func:`collect` builds the *status model*: plain data (JSON-able) about every run and
+  rank, the snapshots in flight, the disk and the daemon.
+- :func:`render` turns a model into a rich renderable. It is pure (no clock, no I/O),
+  so tests build a model by hand and capture the text at a fixed width.
+- :func:`refresh_loop` is the only loop: it wakes on file-system events under the root
+  (watchdog, debounced) or after ``interval``, polls the daemon's status at most once
+  per ``interval`` (in-flight progress lives only in the daemon), and hands the status
+  to a callback: the live view or the line printer of ``snapd.commands.watch``.
+
+What is read: the tail of each rank's state log (bounded: at most ``TAIL_BUDGET``
+records, newest first), the LATEST/BEST pointers, the listing of ``snapshots/``, the
+daemon's ``status`` over ``<root>/.snapd.sock`` and the pid in ``.snapd.lock``. Never
+a tensor file, and never a daemon started: the view only looks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import threading
+import time
+import warnings
+from contextlib import closing
+from typing import Any, Callable, Dict, List, Optional
+
+import psutil
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from snapd import protocol as proto
+from snapd import statelog
+from snapd.commands.common import age
+from snapd.recovery import RecoveryPlan, plan_recovery
+from snapd.store import RunStore, list_runs
+
+SOCKET_NAME, LOCK_NAME = ".snapd.sock", ".snapd.lock"
+TAIL_BUDGET = 2048     # records read per rank and refresh, newest first
+SPARK_POINTS = 24      # losses in the sparkline
+STALL_SAMPLES = 64     # staged records the stall statistics cover
+BLOCKS = "▁▂▃▄▅▆▇█"
+_QUERY = object()      # collect(): ask the daemon yourself
+_PROCESSES: Dict[int, psutil.Process] = {}   # cpu_percent needs the same object
+
+
+# --- the daemon --------------------------------------------------------------------
+
+class DaemonProbe:
+    """A status-only connection to the root's daemon, reopened when lost."""
+
+    def __init__(self, root: str, timeout: float = 2.0) -> None:
+        self.path, self.timeout = os.path.join(root, SOCKET_NAME), timeout
+        self._sock: Optional[socket.socket] = None
+        self._ids = iter(range(1, 1 << 62))
+
+    def _request(self, message: Any) -> Dict[str, Any]:
+        rid = next(self._ids)
+        proto.send(self._sock, message, id=rid)
+        while True:                       # skip events: they carry no "re"
+            data = proto.recv(self._sock)
+            if data.get("re") == rid:
+                return data
+
+    def status(self) -> Optional[Dict[str, Any]]:
+        """The daemon's status map, or None when no daemon answers."""
+        try:
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._sock.settimeout(self.timeout)
+                self._sock.connect(self.path)
+                self._request(proto.Hello(proto.PROTOCOL_VERSION, os.getpid(), "", 0))
+            reply = self._request(proto.Status())
+            return reply.get("status") if reply.get("op") == "status_reply" else None
+        except (OSError, EOFError, proto.ProtocolError):
+            self.close()
+            return None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _lock_holder(root: str) -> Optional[psutil.Process]:
+    """The live process whose pid ``.snapd.lock`` holds (a daemon not answering)."""
+    try:
+        with open(os.path.join(root, LOCK_NAME), "r", encoding="ascii") as f:
+            pid = int(f.read(32).strip() or 0)
+        if pid <= 0:
+            return None
+        proc = _PROCESSES.get(pid) or _PROCESSES.setdefault(pid, psutil.Process(pid))
+        return proc if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE else None
+    except (OSError, ValueError, UnicodeDecodeError, psutil.Error):
+        return None
+
+
+def daemon_model(root: str, status: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """What the view shows of the daemon: from its status reply, else the lock's pid."""
+    if status is not None:
+        clients = [c for c in status.get("clients") or [] if c.get("run")]
+        return {"running": True, "answering": True, "pid": status.get("pid"),
+                "cpu_percent": status.get("cpu_percent"), "rss": status.get("rss"),
+                "started": status.get("started"), "clients": len(clients),
+                "stopping": bool(status.get("stopping"))}
+    proc = _lock_holder(root)
+    if proc is None:
+        return {"running": False, "answering": False, "pid": None}
+    try:
+        cpu, rss = proc.cpu_percent(interval=None), proc.memory_info().rss
+    except psutil.Error:
+        cpu = rss = None
+    return {"running": True, "answering": False, "pid": proc.pid, "cpu_percent": cpu,
+            "rss": rss, "started": None, "clients": None, "stopping": False}
+
+
+def flight_model(entry: Dict[str, Any], now: float) -> Dict[str, Any]:
+    """One in-flight snapshot with its progress: fraction, MB/s and ETA."""
+    total, written = entry.get("bytes_total") or 0, entry.get("bytes_written") or 0
+    started = entry.get("started")
+    rate = written / max(now - started, 1e-3) if started else None
+    eta = None
+    if rate and total > written:
+        eta = (total - written) / rate
+    elif started and total and written >= total:
+        eta = 0.0
+    return {"run": entry.get("run"), "rank": entry.get("rank"), "step": entry.get("step"),
+            "state": "writing" if started else "queued", "bytes_written": written,
+            "bytes_total": total, "fraction": min(1.0, written / total) if total else None,
+            "mb_s": None if rate is None else rate / 1e6, "eta_s": eta,
+            "queued_s": None if started or not entry.get("accepted")
+            else max(0.0, now - entry["accepted"])}
+
+
+# --- the runs ----------------------------------------------------------------------
+
+def _scan_tail(run_dir: str, rank: int) -> Dict[str, Any]:
+    """Losses, stalls, skips and failures from the newest TAIL_BUDGET records."""
+    losses: List[float] = []
+    stalls: List[float] = []
+    skipped = failed = seen = 0
+    committed: Optional[Dict[str, Any]] = None
+    with closing(statelog.newest_first(run_dir, rank)) as records:
+        for seen, record in enumerate(records, 1):
+            kind, event = record.get("kind"), record.get("event")
+            loss = (record.get("scalars") or {}).get("loss") if kind == "step" else None
+            if isinstance(loss, (int, float)) and len(losses) < SPARK_POINTS:
+                losses.append(float(loss))
+            elif kind == "snapshot" and event == "staged" and len(stalls) < STALL_SAMPLES \
+                    and isinstance(record.get("stall"), (int, float)):
+                stalls.append(float(record["stall"]))
+            if kind == "snapshot" and event == "committed" and committed is None:
+                committed = record
+            skipped += kind == "snapshot" and event == "skipped"
+            failed += kind == "snapshot" and event == "failed"
+            if seen >= TAIL_BUDGET:
+                break
+    stall = {"last": stalls[0], "p50": statistics.median(stalls), "max": max(stalls),
+             "count": len(stalls)} if stalls else None
+    return {"losses": losses[::-1], "loss": losses[0] if losses else None, "stall": stall,
+            "skipped": skipped, "failed": failed, "records_read": seen,
+            "_committed": committed}
+
+
+def _retention(store: RunStore) -> Dict[str, Any]:
+    latest, best = store.read_pointer("LATEST"), store.read_pointer("BEST")
+    return {"committed": len(store.committed()), "tmp": len(store.tmp_dirs()),
+            "latest": latest.name if latest else None, "best": best.name if best else None}
+
+
+def _pointer_age(store: RunStore, now: float) -> Optional[float]:
+    try:
+        return now - os.stat(os.path.join(store.path, "LATEST")).st_mtime
+    except OSError:
+        return None
+
+
+def _progress(plan: RecoveryPlan, committed: Optional[Dict[str, Any]], now: float
+              ) -> Dict[str, Any]:
+    last = _pick(committed, "name", "step", "bytes", "seconds", "time")
+    committed_step = last["step"] if last else plan.committed_step
+    return {
+        "step": plan.reached, "steps_per_s": plan.steps_per_s,
+        "step_age_s": None if plan.reached_time is None else now - plan.reached_time,
+        "at_risk": None if plan.reached is None else plan.reached - (committed_step or 0),
+        "last_committed": last,
+        "committed_age_s": now - last["time"] if last and last.get("time") else None,
+        "last_resume": _pick(plan.last_resume, "snapshot", "step", "mode", "recompute",
+                             "time"),
+        "last_replay": _pick(plan.last_replay, "verdict", "checked", "step", "cause")}
+
+
+def rank_model(store: RunStore, rank: int, now: float) -> Dict[str, Any]:
+    """One (run, rank): progress, loss, last commit, stall, skips, retention."""
+    row: Dict[str, Any] = {"run": store.run, "rank": rank, "error": None}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", statelog.TornTailWarning)
+            plan = plan_recovery(store, rank)
+            row.update(_scan_tail(store.path, rank))
+    except (OSError, ValueError) as e:   # CorruptLog is a ValueError; rotation races
+        row["error"] = f"{type(e).__name__}: {e}"
+        plan = RecoveryPlan(store.run, rank)
+    # The newest committed record: the tail's, else the plan's (from further back).
+    row.update(_progress(plan, row.pop("_committed", None) or plan.last_committed, now))
+    if row["committed_age_s"] is None:
+        row["committed_age_s"] = _pointer_age(store, now)
+    row["retention"] = _retention(store)
+    return row
+
+
+def _pick(record: Optional[Dict[str, Any]], *keys: str) -> Optional[Dict[str, Any]]:
+    return {k: record.get(k) for k in keys} if record else None
+
+
+def collect(root: str, status: Any = _QUERY, *, now: Optional[float] = None
+            ) -> Dict[str, Any]:
+    """The status model of ``root``. ``status``: the daemon's reply (None: no daemon);
+    left out, the daemon is asked once here."""
+    root, now = os.path.abspath(root), time.time() if now is None else now
+    if status is _QUERY:
+        probe = DaemonProbe(root)
+        status = probe.status()
+        probe.close()
+    try:
+        usage = psutil.disk_usage(root)
+        disk = {"free": usage.free, "total": usage.total}
+    except OSError:
+        disk = None
+    runs = [rank_model(RunStore(root, run), rank, now) for run in list_runs(root)
+            for rank in statelog.list_ranks(os.path.join(root, run)) or [0]]
+    flights = [flight_model(e, now) for e in (status or {}).get("in_flight") or []]
+    return {"root": root, "time": now, "disk": disk, "daemon": daemon_model(root, status),
+            "runs": runs, "in_flight": flights}
+
+
+# --- the render (pure) ---------------------------------------------------------------
+
+def sparkline(values: List[float], points: int = SPARK_POINTS) -> str:
+    """Unicode blocks, lowest value ``▁``, highest ``█``; non-finite values skipped."""
+    values = [v for v in values if math.isfinite(v)][-points:]
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return BLOCKS[3] * len(values)
+    return "".join(BLOCKS[round((v - lo) / (hi - lo) * (len(BLOCKS) - 1))] for v in values)
+
+
+def size(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _num(v: Any, fmt: str = "{:.4g}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _header(model: Dict[str, Any]) -> Text:
+    d, disk = model["daemon"], model.get("disk")
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(model["time"]))
+    text = Text.assemble(("snapd watch ", "bold"), model["root"], f"  {stamp}\n")
+    if disk:
+        text.append(f"disk free {size(disk['free'])} of {size(disk['total'])}   ")
+    if not d["running"]:
+        return text.append("daemon: not running", style="yellow")
+    text.append(f"daemon pid {d['pid']}  cpu {_num(d.get('cpu_percent'), '{:.1f}')}%  "
+                f"rss {size(d.get('rss'))}")
+    if not d["answering"]:
+        return text.append("  (not answering on .snapd.sock)", style="red")
+    text.append(f"  {d.get('clients') or 0} client(s)")
+    return text.append("  stopping" if d.get("stopping") else "", style="yellow")
+
+
+def _table(title: str) -> Table:
+    return Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", pad_edge=False,
+                 collapse_padding=True, title_style="bold", show_edge=False)
+
+
+def _training_table(runs: List[Dict[str, Any]], points: int) -> Table:
+    table = _table("training")
+    for name in ("run", "rank", "step", "steps/s", "loss", "trend", "at risk", "last step"):
+        table.add_column(name, justify="left" if name in ("run", "trend") else "right",
+                         no_wrap=name in ("run", "step", "trend"))
+    for r in runs:
+        table.add_row(r["run"], str(r["rank"]), _num(r.get("step"), "{}"),
+                      _num(r.get("steps_per_s"), "{:.2f}"), _num(r.get("loss")),
+                      Text(sparkline(r.get("losses") or [], points), style="cyan"),
+                      _num(r.get("at_risk"), "{}"), age(r.get("step_age_s")) + " ago"
+                      if r.get("step_age_s") is not None else "-")
+    return table
+
+
+def _stall(stall: Optional[Dict[str, float]]) -> str:
+    if not stall:
+        return "-"
+    values = [stall[k] for k in ("last", "p50", "max")]
+    if stall["max"] < 1:
+        return "/".join(f"{v * 1000:.0f}" for v in values) + " ms"
+    return "/".join(f"{v:.2f}" for v in values) + " s"
+
+
+def _snapshot_table(runs: List[Dict[str, Any]]) -> Table:
+    table = _table("snapshots")
+    for name in ("run", "rank", "last committed", "stall last/p50/max", "skips/fails",
+                 "kept", "LATEST", "BEST"):
+        table.add_column(name, justify="right" if name in ("rank", "skips/fails", "kept")
+                         else "left", no_wrap=name in ("run", "LATEST", "BEST"))
+    for r in runs:
+        last, ret = r.get("last_committed") or {}, r["retention"]
+        when = f"{last.get('name') or ret['latest'] or '-'}"
+        if r.get("committed_age_s") is not None:
+            when += f"  {age(r['committed_age_s'])} ago"
+        table.add_row(r["run"], str(r["rank"]), when, _stall(r.get("stall")),
+                      f"{r.get('skipped', 0)}/{r.get('failed', 0)}", str(ret["committed"]),
+                      ret["latest"] or "-", ret["best"] or "-")
+    return table
+
+
+def progress_bar(fraction: Optional[float], width: int) -> str:
+    filled = round((fraction or 0.0) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+def _flight_line(f: Dict[str, Any], width: int) -> Text:
+    head = f"{f['run']} r{f['rank']} step {f['step']}  "
+    if f["state"] == "queued":
+        return Text(head + f"queued {age(f.get('queued_s'))} (waiting for the writer)")
+    bar = progress_bar(f.get("fraction"), max(10, min(40, width // 4)))
+    pct = "-" if f.get("fraction") is None else f"{f['fraction'] * 100:.0f}%"
+    eta = "-" if f.get("eta_s") is None else age(f["eta_s"])
+    return Text.assemble(head, (bar, "green"), f" {pct}  {size(f['bytes_written'])} / "
+                         f"{size(f['bytes_total'])}  {_num(f.get('mb_s'), '{:.1f}')} MB/s  "
+                         f"ETA {eta}")
+
+
+def _history(runs: List[Dict[str, Any]]) -> List[Text]:
+    lines = []
+    for r in runs:
+        who = f"{r['run']} r{r['rank']}: "
+        if r.get("error"):
+            lines.append(Text(who + "log unreadable: " + r["error"], style="red"))
+        resume, replay = r.get("last_resume"), r.get("last_replay")
+        if resume:
+            lines.append(Text(who + f"resumed from {resume.get('snapshot')} "
+                              f"({resume.get('mode')}, {resume.get('recompute')} to "
+                              "recompute)" + (f"; replay {replay.get('verdict')} at step "
+                                              f"{replay.get('step')}" if replay else "")))
+    return lines
+
+
+def render(model: Dict[str, Any], width: int = 100) -> Group:
+    """The whole view of one status model. Pure: same model, same text."""
+    parts: List[Any] = [_header(model)]
+    runs = model.get("runs") or []
+    if not runs:
+        parts.append(Text("no runs under this root yet"))
+    else:
+        points = max(8, min(SPARK_POINTS, width // 6))
+        parts += [Text(""), _training_table(runs, points), Text(""), _snapshot_table(runs)]
+    flights = model.get("in_flight") or []
+    parts.append(Text(""))
+    parts.append(Text("in flight", style="bold") if flights else Text("in flight: none"))
+    parts += [_flight_line(f, width) for f in flights] + _history(runs)
+    if model.get("refresh"):
+        parts.append(Text(model["refresh"], style="dim"))
+    return Group(*parts)
+
+
+# --- the refresh loop ----------------------------------------------------------------
+
+def start_observer(root: str, wake: threading.Event) -> Any:
+    """A watchdog observer setting ``wake`` on any change under root; None if it fails."""
+    try:
+        from watchdog.events import FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        class _Wake(FileSystemEventHandler):
+            def on_any_event(self, event: Any) -> None:
+                if not str(event.src_path).endswith(SOCKET_NAME):
+                    wake.set()
+
+        observer = Observer()
+        observer.schedule(_Wake(), root, recursive=True)
+        observer.daemon = True
+        observer.start()
+        return observer
+    except Exception:   # inotify limits, an unsupported filesystem: poll instead
+        return None
+
+
+def refresh_loop(root: str, tick: Callable[[Optional[Dict[str, Any]], str], bool], *,
+                 interval: float = 1.0, debounce: float = 0.1) -> None:
+    """Call ``tick(daemon_status, mode)`` on each change under root (debounced) and at
+    least every ``interval``; the daemon is asked at most once per ``interval``.
+    ``mode`` is "events" or "polling" (watchdog failed). Stops when tick returns False."""
+    probe, wake = DaemonProbe(root), threading.Event()
+    observer = start_observer(root, wake)
+    mode, status, polled = ("events" if observer else "polling"), None, -math.inf
+    try:
+        while True:
+            if time.monotonic() - polled >= interval:
+                status, polled = probe.status(), time.monotonic()
+            if tick(status, mode) is False:
+                return
+            remaining = max(0.0, interval - (time.monotonic() - polled))
+            if observer is not None and wake.wait(remaining):
+                time.sleep(debounce)   # a burst of writes becomes one refresh
+                wake.clear()
+            elif observer is None:
+                time.sleep(remaining)
+    finally:
+        probe.close()
+        if observer is not None:
+            observer.stop()
+            observer.join(timeout=2)

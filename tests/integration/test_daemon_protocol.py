@@ -1,0 +1,453 @@
+"""The real daemon, as a separate process, over its real socket (docs/protocol.md).
+
+Each test starts ``python -m snapd serve --root R``, talks to it with snapd.protocol
+only, stages tensors in a /dev/shm segment it creates itself, and reads what the
+daemon committed back with snapd.reader. Daemons are SIGKILLed and segments removed
+in teardown, whatever happened.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+
+from snapd import protocol as p
+from snapd.format import dtype_name
+from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, from_descriptor, to_descriptor
+from snapd.reader import SnapshotReader
+from snapd.store import RunStore, SnapshotId
+from snapd_client.state import flatten
+
+pytestmark = pytest.mark.integration
+ALIGN = 64
+
+
+# --- harness ------------------------------------------------------------------------
+
+class DaemonProc:
+    def __init__(self, root: str, log: str, env: Dict[str, str]) -> None:
+        self.root, self.log = root, log
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "snapd", "serve", "--root", root],
+                stdout=f, stderr=f, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 30.0) -> "DaemonProc":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}: {self.text()}")
+            try:
+                with Peer(self.root) as peer:
+                    assert peer.request(p.Ping())["op"] == "pong"
+                return self
+            except (OSError, EOFError):
+                time.sleep(0.05)
+        raise AssertionError(f"daemon not ready: {self.text()}")
+
+    def text(self) -> str:
+        with open(self.log, "r", errors="replace") as f:
+            return f.read()
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+
+class Peer:
+    """A protocol client: requests get their reply; events are kept in order."""
+
+    def __init__(self, root: str, hello: bool = False, run: str = "", rank: int = 0):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(os.path.join(root, ".snapd.sock"))
+        self.events: List[Dict[str, Any]] = []
+        self._id = 0
+        if hello:
+            reply = self.request(p.Hello(p.PROTOCOL_VERSION, os.getpid(), run, rank))
+            assert reply["op"] == "welcome", reply
+        else:   # every request needs a hello first; ping too
+            self.request(p.Hello(p.PROTOCOL_VERSION, os.getpid(), run, rank))
+
+    def request(self, message: Any) -> Dict[str, Any]:
+        self._id += 1
+        p.send(self.sock, message, id=self._id)
+        while True:
+            frame = p.recv(self.sock)
+            if frame.get("re") == self._id:
+                return frame
+            self.events.append(frame)
+
+    def event(self) -> Dict[str, Any]:
+        return self.events.pop(0) if self.events else p.recv(self.sock)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Arena:
+    """A staging segment the test owns, like a client's."""
+
+    def __init__(self, size: int, slots: int = 1) -> None:
+        self.name = f"snapd-test-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = f"/dev/shm/{self.name}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, size)
+        os.close(fd)
+        self.size, self.slots = size, slots
+        self.slot_bytes = size // slots
+
+    def stage(self, slot: int, run: str, step: int, states: Dict[str, Dict],
+              metric: Optional[float] = None) -> Dict[str, Any]:
+        """Copy the states' tensors into a slot; return the plan descriptor."""
+        objects, offsets, pos = [], [], 0
+        with open(self.path, "r+b") as f:
+            for name, state in states.items():
+                flat = flatten(state, name)
+                tensors, offs = [], []
+                for path, t in zip(flat.paths, flat.tensors):
+                    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                    f.seek(slot * self.slot_bytes + pos)
+                    f.write(raw)
+                    tensors.append(TensorSource(path, dtype_name(t.dtype), list(t.shape),
+                                                memoryview(raw)))
+                    offs.append(pos)
+                    pos += -(-len(raw) // ALIGN) * ALIGN
+                objects.append(ObjectPlan(name, "test.State", flat.skeleton, tensors))
+                offsets.append(offs)
+        assert pos <= self.slot_bytes
+        plan = SnapshotPlan(run, step, {"id": 0, "mode": "fresh", "parent": None},
+                            objects, rng={"python": b"\x01\x02"}, metric=metric)
+        return to_descriptor(plan, offsets)
+
+    def attach(self, peer: Peer, run: str) -> None:
+        reply = peer.request(p.Attach(run, 0, self.name, self.size, self.slots))
+        assert reply["op"] == "ok", reply
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+@pytest.fixture
+def env():
+    return {**os.environ, "SNAPD_MIN_FREE_BYTES": "0", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def harness(env, tmp_path):
+    """start(root) -> a ready daemon; arena(size) -> a segment; all cleaned up."""
+    daemons: List[DaemonProc] = []
+    arenas: List[Arena] = []
+    run = f"it{secrets.token_hex(3)}"
+    roots: List[str] = []
+
+    class H:
+        def root(self) -> str:   # short: Unix socket paths are limited to 107 bytes
+            roots.append(tempfile.mkdtemp(prefix="snapd-it-", dir="/tmp"))
+            return roots[-1]
+
+        def start(self, root, ready=True, extra_env=None) -> DaemonProc:
+            d = DaemonProc(root, str(tmp_path / f"daemon-{len(daemons)}.log"),
+                           {**env, **(extra_env or {})})
+            daemons.append(d)
+            return d.wait_ready() if ready else d
+
+        def arena(self, size, slots=1) -> Arena:
+            arenas.append(Arena(size, slots))
+            return arenas[-1]
+
+    h = H()
+    h.run = run
+    yield h
+    for d in daemons:
+        d.kill()
+        d.proc.wait(10)
+    for a in arenas:
+        a.remove()
+    for path in glob.glob(f"/dev/shm/snapd-hot-{os.getuid()}-{run}-*"):
+        os.unlink(path)
+    for r in roots:
+        shutil.rmtree(r, ignore_errors=True)
+
+
+def sample_states(seed: int = 0, scale: int = 1) -> Dict[str, Dict]:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(64 * scale, 33, generator=g),
+                      "b": torch.randn(7, generator=g).to(torch.bfloat16),
+                      "n": torch.tensor(seed)},
+            "optimizer": {"state": {0: {"m": torch.randn(5, 5, generator=g).double()}},
+                          "mask": torch.rand(9, generator=g) > 0.5, "lr": 0.1}}
+
+
+def big_states(megabytes: int, seed: int = 1) -> Dict[str, Dict]:
+    g = torch.Generator().manual_seed(seed)
+    n = megabytes * (1 << 20) // 4 // 4
+    return {"model": {f"t{i}": torch.randn(n, generator=g) for i in range(4)}}
+
+
+def submit(peer, arena, run, step, states, slot=0, metric=None, **options):
+    desc = arena.stage(slot, run, step, states, metric)
+    reply = peer.request(p.Submit(run, 0, step, slot, desc, options))
+    assert reply["op"] == "accepted" and reply["step"] == step, reply
+    return desc
+
+
+def assert_snapshot_equals(path: str, states: Dict[str, Dict]) -> None:
+    reader = SnapshotReader(path)
+    for name, state in states.items():
+        flat = flatten(state, name)
+        loaded = reader.load_object(name)
+        assert len(loaded) == len(flat.tensors)
+        for want, got in zip(flat.tensors, loaded):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got.reshape(-1).view(torch.uint8),
+                               want.contiguous().reshape(-1).view(torch.uint8))
+
+
+def wait_for(cond, timeout=30.0, interval=0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval)
+    return False
+
+
+# --- the protocol, end to end ----------------------------------------------------------
+
+def test_submit_commits_bit_for_bit_and_hot_copy(harness):
+    root, run = harness.root(), harness.run
+    harness.start(root)
+    arena = harness.arena(1 << 20, slots=2)
+    states = sample_states(0)
+    with Peer(root, hello=True, run=run) as peer:
+        arena.attach(peer, run)
+        desc = submit(peer, arena, run, 10, states, slot=1, metric=0.5)
+        event = peer.event()
+        assert event["op"] == "committed", event
+        assert (event["run"], event["step"], event["slot"], event["name"]) == \
+            (run, 10, 1, "00000010")
+        store = RunStore(root, run)
+        assert store.read_pointer("LATEST") == SnapshotId(0, 10)
+        assert store.read_pointer("BEST") == SnapshotId(0, 10)
+        assert_snapshot_equals(store.snapshot_path(SnapshotId(0, 10)), states)
+
+        hot = peer.request(p.HotGet(run, 0))
+        assert hot["op"] == "hot_reply" and hot["snapshot"] == "00000010"
+        with open(f"/dev/shm/{hot['shm']}", "rb") as f:
+            held = bytearray(f.read())
+        plan = from_descriptor(hot["plan"], memoryview(held))
+        assert hot["plan"] == desc
+        for obj, name in zip(plan.objects, states):
+            flat = flatten(states[name], name)
+            for t, want in zip(obj.tensors, flat.tensors):
+                assert bytes(t.data) == want.contiguous().reshape(-1).view(
+                    torch.uint8).numpy().tobytes()
+
+        status = peer.request(p.Status())["status"]
+        assert status["runs"][run]["last_committed"] == "00000010"
+        assert {"pid", "root", "in_flight", "clients", "cpu_percent", "rss",
+                "disk_free"} <= set(status)
+        assert any(c["run"] == run and c["alive"] for c in status["clients"])
+        assert peer.request(p.HotGet("nobody", 0))["shm"] is None
+
+
+def test_refusals_keep_the_connection(harness):
+    root, run = harness.root(), harness.run
+    harness.start(root)
+    arena = harness.arena(1 << 16)
+    with Peer(root, hello=True, run=run) as peer:
+        bad = peer.request(p.Attach(run, 0, "../etc/passwd", 10, 1))
+        assert bad["op"] == "error" and "refused" in bad["message"]
+        wrong = peer.request(p.Attach(run, 0, arena.name, arena.size + 1, 1))
+        assert wrong["op"] == "error" and "bytes" in wrong["message"]
+        arena.attach(peer, run)
+        desc = arena.stage(0, run, 1, sample_states())
+        desc["objects"][0]["tensors"][0]["offset"] = arena.slot_bytes - 4
+        outside = peer.request(p.Submit(run, 0, 1, 0, desc, {}))
+        assert outside["op"] == "error" and "outside" in outside["message"]
+        busy_desc = arena.stage(0, run, 2, sample_states())
+        assert peer.request(p.Submit(run, 0, 2, 0, busy_desc, {}))["op"] == "accepted"
+        assert peer.request(p.Ping())["op"] == "pong"
+        assert peer.event()["op"] == "committed"
+
+
+def test_not_msgpack_closes_only_that_connection(harness):
+    root = harness.root()
+    harness.start(root)
+    with Peer(root) as peer:
+        peer.sock.sendall(b"\x04\x00\x00\x00\xc1\xc1\xc1\xc1")   # 0xc1: never msgpack
+        with pytest.raises((EOFError, ConnectionResetError)):
+            p.recv(peer.sock)
+    with Peer(root) as peer:   # no hello first: also closed
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(os.path.join(root, ".snapd.sock"))
+        p.send(raw, p.Ping(), id=1)
+        with pytest.raises((EOFError, ConnectionResetError)):
+            p.recv(raw)
+        raw.close()
+        assert peer.request(p.Ping())["op"] == "pong"
+
+
+def test_protocol_mismatch(harness):
+    root = harness.root()
+    harness.start(root)
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect(os.path.join(root, ".snapd.sock"))
+    p.send(raw, p.Hello(99, os.getpid()), id=1)
+    reply = p.recv(raw)
+    assert reply["op"] == "error" and reply["kind"] == "ProtocolMismatch"
+    with pytest.raises((EOFError, ConnectionResetError)):
+        p.recv(raw)
+    raw.close()
+
+
+# --- one daemon per root, and its socket -------------------------------------------------
+
+def test_second_daemon_is_refused(harness):
+    root = harness.root()
+    first = harness.start(root)
+    second = harness.start(root, ready=False)
+    assert second.proc.wait(30) == 2
+    text = second.text()
+    assert root in text and str(first.proc.pid) in text
+    assert oct(os.stat(os.path.join(root, ".snapd.sock")).st_mode & 0o777) == "0o600"
+    with Peer(root) as peer:   # the first one is untouched
+        assert peer.request(p.Ping())["pid"] == first.proc.pid
+
+
+def test_stale_socket_is_replaced(harness):
+    root = harness.root()
+    first = harness.start(root)
+    first.kill()
+    first.proc.wait(10)
+    assert os.path.exists(os.path.join(root, ".snapd.sock"))   # left behind
+    second = harness.start(root)
+    with Peer(root) as peer:
+        assert peer.request(p.Ping())["pid"] == second.proc.pid
+
+
+# --- finishing what was accepted ---------------------------------------------------------
+
+def test_sigterm_drains_in_flight(harness):
+    root, run = harness.root(), harness.run
+    daemon = harness.start(root)
+    arena = harness.arena(40 << 20)
+    states = big_states(32)
+    with Peer(root, hello=True, run=run) as peer:
+        arena.attach(peer, run)
+        submit(peer, arena, run, 5, states, compression=3)
+        daemon.kill(signal.SIGTERM)
+        event = peer.event()
+        assert event["op"] == "committed", event
+    assert daemon.proc.wait(60) == 0
+    assert not os.path.exists(os.path.join(root, ".snapd.sock"))
+    assert_snapshot_equals(RunStore(root, run).snapshot_path(SnapshotId(0, 5)), states)
+    harness.start(root)   # the lock was released
+
+
+def test_dropped_client_still_commits_and_segment_is_unlinked(harness):
+    root, run = harness.root(), harness.run
+    harness.start(root)
+    arena = harness.arena(24 << 20)
+    states = big_states(16)
+    peer = Peer(root, hello=True, run=run)
+    arena.attach(peer, run)
+    submit(peer, arena, run, 3, states, compression=3)
+    peer.close()   # the trainer is gone; the daemon owes the snapshot anyway
+    store = RunStore(root, run)
+    assert wait_for(lambda: store.read_pointer("LATEST") == SnapshotId(0, 3))
+    assert_snapshot_equals(store.snapshot_path(SnapshotId(0, 3)), states)
+    assert wait_for(lambda: not os.path.exists(arena.path), timeout=10)
+
+
+def test_sigkill_mid_write_keeps_previous(harness):
+    root, run = harness.root(), harness.run
+    daemon = harness.start(root)
+    arena = harness.arena(136 << 20)
+    small = sample_states(1)
+    store = RunStore(root, run)
+    with Peer(root, hello=True, run=run) as peer:
+        arena.attach(peer, run)
+        submit(peer, arena, run, 1, small)
+        assert peer.event()["op"] == "committed"
+        # zstd level 19 writes slowly: the kill surely lands inside the write.
+        submit(peer, arena, run, 2, big_states(128), compression=19)
+        assert wait_for(lambda: any(os.scandir(t) for t in store.tmp_dirs()),
+                        interval=0.002)
+        daemon.kill()
+    daemon.proc.wait(10)
+    assert store.committed() == [SnapshotId(0, 1)]
+    assert store.read_pointer("LATEST") == SnapshotId(0, 1)
+    assert len(store.tmp_dirs()) == 1
+    assert_snapshot_equals(store.snapshot_path(SnapshotId(0, 1)), small)
+    harness.start(root)
+    assert store.tmp_dirs() == []
+
+
+# --- disk space ------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk():
+    mnt = tempfile.mkdtemp(prefix="snapd-fs-", dir="/tmp")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", mnt],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        os.rmdir(mnt)
+        pytest.skip(f"cannot mount a 20 MiB tmpfs (needs root): {done.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", mnt], check=False)
+    os.rmdir(mnt)
+
+
+def test_insufficient_space(harness, small_disk):
+    run = harness.run
+    root = os.path.join(small_disk, "root")
+    daemon = harness.start(root)
+    arena = harness.arena(40 << 20)
+    first, huge = big_states(4), big_states(32, seed=2)
+    store = RunStore(root, run)
+    with Peer(root, hello=True, run=run) as peer:
+        arena.attach(peer, run)
+        submit(peer, arena, run, 1, first)
+        assert peer.event()["op"] == "committed"
+        submit(peer, arena, run, 2, huge, keep_last=1)
+        failed = peer.event()
+    assert failed["op"] == "failed" and failed["kind"] == "InsufficientSpace"
+    assert root in failed["message"] and "bytes" in failed["message"]
+    daemon.kill(signal.SIGTERM)
+    assert daemon.proc.wait(30) == 0
+    # The guard passes (min_free < 0), so the disk fills during the write: ENOSPC.
+    harness.start(root, extra_env={"SNAPD_MIN_FREE_BYTES": str(-(1 << 30))})
+    assert not os.path.exists(arena.path)   # unlinked once its connection dropped
+    arena = harness.arena(40 << 20)
+    with Peer(root, hello=True, run=run) as peer:
+        arena.attach(peer, run)
+        submit(peer, arena, run, 3, huge)
+        enospc = peer.event()
+    assert enospc["op"] == "failed" and enospc["kind"] == "InsufficientSpace"
+    assert "filled up" in enospc["message"]
+    assert store.committed() == [SnapshotId(0, 1)] and store.tmp_dirs() == []
+    assert store.read_pointer("LATEST") == SnapshotId(0, 1)
+    assert_snapshot_equals(store.snapshot_path(SnapshotId(0, 1)), first)

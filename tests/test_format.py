@@ -1,0 +1,108 @@
+"""The bytes on disk are what docs/format.md says, and round-trip bit for bit."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import msgpack
+import pytest
+import torch
+import xxhash
+
+from snapd.options import Options
+from snapd.reader import SnapshotReader
+from snapd.store import RunStore, SnapshotId
+from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
+from snapd.writer import write_snapshot
+from snapd_client.client import tensor_bytes
+from snapd_client.state import flatten, unflatten
+
+
+def plan_for(state, step=1, name="model"):
+    flat = flatten(state, name)
+    tensors = [TensorSource(p, str(t.dtype)[6:], list(t.shape), tensor_bytes(t))
+               for p, t in zip(flat.paths, flat.tensors)]
+    return SnapshotPlan("r", step, {"id": 0, "mode": "fresh", "parent": None},
+                        [ObjectPlan(name, "x.Y", flat.skeleton, tensors)], {"python": b"s"})
+
+
+STATE = {
+    "bf16": torch.randn(300, 70).to(torch.bfloat16),
+    "zeros": torch.zeros(1 << 18),               # compressible
+    "scalar": torch.tensor(7.5),
+    "empty": torch.empty(0, 3),
+    "noncontig": torch.arange(40.0).reshape(5, 8).t(),
+    "bool": torch.rand(33) > 0.5,
+    "int": torch.arange(-5, 5, dtype=torch.int64),
+}
+
+
+@pytest.mark.parametrize("compression", ["off", 3, "auto"])
+def test_roundtrip_bit_for_bit_with_small_chunks(tmp_path, compression):
+    store = RunStore(str(tmp_path), "r")
+    result = write_snapshot(store, plan_for(STATE),
+                            Options(compression=compression, chunk_bytes=4096))
+    reader = SnapshotReader(result.path)
+    back = unflatten(reader.objects["model"]["skeleton"], reader.load_object("model"),
+                     source="t")
+    for key, value in STATE.items():
+        assert back[key].dtype == value.dtype and back[key].shape == value.shape
+        assert torch.equal(back[key], value), key
+    chunks = reader.objects["model"]["tensors"][0]["chunks"]
+    assert len(chunks) == -(-300 * 70 * 2 // 4096)  # the bf16 tensor spans many chunks
+    codecs = {c[3] for t in reader.objects["model"]["tensors"] for c in t["chunks"]}
+    assert codecs == ({"raw"} if compression == "off" else {"raw", "zstd"})
+
+
+def test_manifest_bytes_match_the_documented_offsets(tmp_path):
+    result = write_snapshot(RunStore(str(tmp_path), "r"), plan_for(STATE), Options())
+    data = open(os.path.join(result.path, "manifest.snapd"), "rb").read()
+    assert data[0:8] == b"SNAPDMF\0"
+    assert struct.unpack_from("<I", data, 8)[0] == 1
+    assert struct.unpack_from("<I", data, 12)[0] == 0
+    length = struct.unpack_from("<Q", data, 16)[0]
+    assert length == len(data) - 32
+    assert struct.unpack_from("<Q", data, 24)[0] == xxhash.xxh3_64_intdigest(data[32:])
+    payload = msgpack.unpackb(data[32:], raw=False, strict_map_key=False)
+    assert set(payload) == {"format", "run", "step", "rank", "world_size", "created",
+                            "data_version", "metric", "lineage", "rng", "cursor",
+                            "objects", "files"}
+    tensors = open(os.path.join(result.path, "model.tensors"), "rb").read()
+    assert tensors[:8] == b"SNAPDTN\0" and struct.unpack_from("<I", tensors, 8)[0] == 1
+    assert tensors[16:32] == bytes(16)
+    entry = payload["files"]["model.tensors"]
+    assert entry == {"size": len(tensors), "xxh3": xxhash.xxh3_64_intdigest(tensors)}
+    first = payload["objects"]["model"]["tensors"][0]["chunks"][0]
+    assert first[0] == 32 and first[3] == "raw"
+    raw = tensors[32:32 + first[1]]
+    assert xxhash.xxh3_64_intdigest(raw) == first[4]
+    assert raw == STATE["bf16"].reshape(-1).view(torch.uint8).numpy().tobytes()[:first[1]]
+
+
+def test_commit_leaves_no_tmp_and_moves_latest(tmp_path):
+    store = RunStore(str(tmp_path), "r")
+    write_snapshot(store, plan_for(STATE, step=3), Options())
+    write_snapshot(store, plan_for(STATE, step=4), Options())
+    assert store.tmp_dirs() == []
+    assert store.committed() == [SnapshotId(0, 3), SnapshotId(0, 4)]
+    assert open(os.path.join(store.path, "LATEST")).read() == "00000004\n"
+
+
+def test_failed_write_publishes_nothing(tmp_path):
+    store = RunStore(str(tmp_path), "r")
+    write_snapshot(store, plan_for(STATE, step=1), Options())
+    bad = plan_for(STATE, step=2)
+    bad.objects[0].tensors[0].data = None  # the writer fails midway through the file
+    with pytest.raises(TypeError):
+        write_snapshot(store, bad, Options())
+    assert store.committed() == [SnapshotId(0, 1)]
+    assert store.read_pointer("LATEST") == SnapshotId(0, 1)
+    assert len(store.tmp_dirs()) == 1  # left for collection, never read
+    assert store.collect_tmp() == 1 and store.tmp_dirs() == []
+
+
+def test_snapshot_names_order_by_lineage_then_step():
+    names = ["00000100", "00000020.L1", "00000900", "00000005.L2", ".tmp-00000999-ab", "x"]
+    ids = sorted(i for i in map(SnapshotId.parse, names) if i)
+    assert [i.name for i in ids] == ["00000100", "00000900", "00000020.L1", "00000005.L2"]

@@ -1,0 +1,88 @@
+"""Recovery planning reads the log tail and pointers only, in bounded bytes; the replay
+comparison names the first differing piece."""
+
+from __future__ import annotations
+
+import pytest
+
+from snapd.logwriter import LogWriter
+from snapd.recovery import expected_steps, plan_recovery
+from snapd.store import RunStore
+from snapd_client.journal import compare
+
+RNG = {"python": 1, "numpy": 2, "torch": 3, "gen:loader": 4}
+
+
+def step_record(step, **changes):
+    record = {"kind": "step", "step": step, "time": 1000.0 + step * 0.01,
+              "cursor": [step // 500, step % 500], "rng": dict(RNG),
+              "scalars": {"loss": 1.0 / (step + 1)}}
+    record.update(changes)
+    return record
+
+
+@pytest.fixture(scope="module")
+def million(tmp_path_factory):
+    """A run whose log holds 1,000,000 step records and a commit every 1000 steps."""
+    store = RunStore(str(tmp_path_factory.mktemp("root")), "big")
+    store.ensure()
+
+    def records():
+        for step in range(1, 1_000_001):
+            yield step_record(step)
+            if step % 1000 == 0 and step < 1_000_000:
+                yield {"kind": "snapshot", "event": "committed", "step": step,
+                       "time": 1000.0 + step * 0.01, "name": f"{step:08d}",
+                       "rng": {"torch": b"\0" * 5056}, "cursor": {"epoch": 0}}
+
+    with LogWriter(store.path, 0, flush_interval=None) as writer:
+        writer.append_many(records())
+    return store
+
+
+def test_plan_on_a_million_records_reads_a_bounded_number_of_bytes(million):
+    plan = plan_recovery(million, 0)
+    assert plan.reached == 1_000_000
+    assert plan.committed_step == 999_000
+    assert plan.at_risk == 1000
+    assert plan.steps_per_s == pytest.approx(100.0)
+    assert plan.bytes_read < 1 << 20, plan.bytes_read  # the log is ~150 MiB
+
+
+def test_expected_steps_prefers_the_newest_record_of_a_replayed_step(tmp_path):
+    store = RunStore(str(tmp_path), "r")
+    store.ensure()
+    with LogWriter(store.path, 0, flush_interval=None) as writer:
+        for step in range(1, 11):                      # first run: 1..10
+            writer.append(step_record(step, scalars={"loss": 1.0}))
+        writer.append({"kind": "resume", "step": 5})
+        for step in range(6, 9):                       # resumed run: 6..8, then died
+            writer.append(step_record(step, scalars={"loss": 2.0}))
+    found = expected_steps(store, 0, after=5, upto=10)
+    assert sorted(found) == [6, 7, 8, 9, 10]
+    assert [found[s]["scalars"]["loss"] for s in (6, 7, 8, 9, 10)] == [2.0, 2.0, 2.0, 1.0, 1.0]
+
+
+def test_plan_of_a_run_without_log():
+    import tempfile
+    store = RunStore(tempfile.mkdtemp(), "new")
+    plan = plan_recovery(store, 0)
+    assert plan.reached is None and plan.at_risk is None and plan.latest is None
+
+
+@pytest.mark.parametrize("change,cause", [
+    ({"cursor": [0, 9]}, "cursor"),
+    ({"rng": {**RNG, "numpy": 99}}, "rng:numpy"),
+    ({"rng": {**RNG, "gen:loader": 99}}, "rng:gen:loader"),
+    ({"scalars": {"loss": 0.5000001}}, "scalar:loss"),
+])
+def test_compare_names_the_first_differing_piece(change, cause):
+    old = step_record(7)
+    assert compare(old, dict(old)) is None
+    assert compare(old, {**old, **change})[0] == cause
+
+
+def test_cursor_is_named_before_rng_when_both_differ():
+    old = step_record(7)
+    new = {**old, "cursor": [3, 3], "rng": {**RNG, "torch": 0}}
+    assert compare(old, new)[0] == "cursor"

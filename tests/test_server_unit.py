@@ -1,0 +1,328 @@
+"""The daemon's checks, without a daemon process: who may connect, which segment
+names and descriptors are refused, and one write's outcome as events."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import msgpack
+import pytest
+import torch
+
+from snapd import protocol as p
+from snapd.arena_map import Arena, HotCache, validate_shm_name
+from snapd.daemon import Daemon, WriteQueue
+from snapd.errors import SnapdError
+from snapd.format import dtype_name
+from snapd.options import Options
+from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, from_descriptor, to_descriptor
+from snapd.reader import SnapshotReader
+from snapd.server import (Connection, Submission, check_descriptor, peer_allowed,
+                          plan_over_slot, submit_options)
+from snapd.store import RunStore, SnapshotId
+
+SLOT = 4096
+
+
+def test_peer_allowed_only_same_uid():
+    assert peer_allowed(1000, 1000)
+    assert not peer_allowed(1001, 1000)
+    assert not peer_allowed(0, 1000)      # not even root
+    assert not peer_allowed(1000, 0)
+
+
+@pytest.mark.parametrize("name", ["snapd-0-123-ab12", "snapd-x", "snapd-a.b_c-D"])
+def test_shm_name_accepted(name):
+    assert validate_shm_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "snapd-../../x", "snapd-a/b", "snapd-",
+                                  "other-1", "/dev/shm/snapd-1", "snapd-a b", "snapd-\x00",
+                                  "snapd-" + "a" * 300, 42, None, b"snapd-1"])
+def test_shm_name_refused(name):
+    with pytest.raises(SnapdError):
+        validate_shm_name(name)
+
+
+# --- arenas ---------------------------------------------------------------------------
+
+@pytest.fixture
+def shm(tmp_path):
+    d = tmp_path / "shm"
+    d.mkdir()
+    return d
+
+
+def segment(shm, name="snapd-unit-1", size=SLOT * 2):
+    with open(shm / name, "wb") as f:
+        f.truncate(size)
+    return name
+
+
+def test_arena_refuses_wrong_size_and_symlink(shm):
+    name = segment(shm)
+    with pytest.raises(SnapdError, match="bytes"):
+        Arena(name, SLOT * 3, 1, shm_dir=str(shm))
+    os.symlink(shm / name, shm / "snapd-link")
+    with pytest.raises(SnapdError, match="cannot open"):
+        Arena("snapd-link", SLOT * 2, 2, shm_dir=str(shm))
+    with pytest.raises(SnapdError, match="equal slots"):
+        Arena(name, SLOT * 2, 3, shm_dir=str(shm))
+
+
+def test_arena_slots_and_retire(shm):
+    arena = Arena(segment(shm), SLOT * 2, 2, shm_dir=str(shm))
+    arena.acquire(1)
+    with pytest.raises(SnapdError, match="busy"):
+        arena.acquire(1)
+    with pytest.raises(SnapdError, match="does not exist"):
+        arena.acquire(2)
+    arena.retire(unlink=True)            # the client left: finish slot 1 first
+    assert os.path.exists(shm / arena.name) and not arena.closed
+    arena.release(1)
+    assert arena.closed and not os.path.exists(shm / arena.name)
+
+
+def test_hot_cache_replaces_and_unlinks(shm):
+    hot = HotCache(shm_dir=str(shm))
+    first = hot.put("r=1", 0, memoryview(b"abc"), {"objects": []}, "00000001")
+    assert "=" not in first.shm and (shm / first.shm).read_bytes() == b"abc"
+    assert oct((shm / first.shm).stat().st_mode & 0o777) == "0o600"
+    second = hot.put("r=1", 0, memoryview(b"de"), {"objects": []}, "00000002")
+    assert not (shm / first.shm).exists() and hot.get("r=1", 0) == second
+    hot.close()
+    assert not (shm / second.shm).exists() and hot.get("r=1", 0) is None
+
+
+def test_hot_copies_of_dead_daemons_are_reclaimed(shm):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    uid = os.getuid()
+    for name in (f"snapd-hot-{uid}-r-0-{dead.pid}xab12",
+                 f"snapd-hot-{uid}-r-0-{os.getpid()}xab12",      # a live daemon's
+                 f"snapd-hot-{uid + 1}-r-0-{dead.pid}xab12",     # another user's
+                 f"snapd-{uid}-{dead.pid}-ab"):                  # a client arena
+        (shm / name).write_bytes(b"x")
+    assert HotCache(shm_dir=str(shm)).reclaim_orphans() == 1
+    assert not (shm / f"snapd-hot-{uid}-r-0-{dead.pid}xab12").exists()
+    assert len(list(shm.iterdir())) == 3
+
+
+# --- descriptors ------------------------------------------------------------------------
+
+def descriptor(run="r", step=1, offset=0, nbytes=None):
+    t = {"path": ".w", "dtype": "float32", "shape": [4], "device": "cpu",
+         "offset": offset, "nbytes": 16 if nbytes is None else nbytes}
+    return {"run": run, "step": step, "lineage": {"id": 0}, "rng": {}, "rank": 0,
+            "objects": [{"name": "model", "type": "T", "skeleton": b"\x90",
+                         "metadata": None, "tensors": [t]}]}
+
+
+@pytest.mark.parametrize("offset,nbytes", [(SLOT - 8, 16), (-4, 16), (0, 12), (SLOT, 16)])
+def test_descriptor_outside_slot_refused(offset, nbytes):
+    slot = memoryview(bytearray(SLOT))
+    with pytest.raises(SnapdError):
+        plan_over_slot(descriptor(offset=offset, nbytes=nbytes), slot)
+
+
+def test_descriptor_malformed_refused():
+    slot = memoryview(bytearray(SLOT))
+    bad = descriptor()
+    del bad["objects"][0]["tensors"][0]["offset"]
+    with pytest.raises(SnapdError, match="malformed"):
+        plan_over_slot(bad, slot)
+    assert plan_over_slot(descriptor(offset=SLOT - 16), slot).nbytes == 16
+
+
+def test_descriptor_must_match_submit_and_names_must_be_plain():
+    check_descriptor(descriptor(), "r", 0, 1)
+    with pytest.raises(SnapdError, match="step"):
+        check_descriptor(descriptor(step=2), "r", 0, 1)
+    hostile = descriptor()
+    hostile["objects"][0]["name"] = "../../outside"
+    with pytest.raises(SnapdError, match="plain"):
+        check_descriptor(hostile, "r", 0, 1)
+
+
+def test_submit_options():
+    opts = submit_options(Options(), {"keep_last": 3, "compression": 1, "future": 1})
+    assert (opts.keep_last, opts.compression) == (3, 1)
+    with pytest.raises(SnapdError):
+        submit_options(Options(), {"keep_last": -1})
+    with pytest.raises(SnapdError):
+        submit_options(Options(), {"best_mode": "median"})
+
+
+# --- one connection over a socketpair ---------------------------------------------------
+
+class FakeHandler:
+    def __init__(self, root="/r"):
+        self.root, self.options, self.queued, self.lines = root, Options(), [], []
+
+    def enqueue(self, sub):
+        self.queued.append(sub)
+
+    def status(self):
+        return {"pid": os.getpid()}
+
+    def hot(self, run, rank):
+        return p.HotReply()
+
+    def log(self, message):
+        self.lines.append(message)
+
+
+def connected(handler):
+    ours, theirs = socket.socketpair()
+    ours.settimeout(10)
+    conn = Connection(theirs, handler, os.getpid())
+    thread = threading.Thread(target=conn.serve, daemon=True)
+    thread.start()
+    return ours, conn, thread
+
+
+def ask(sock, message, rid):
+    p.send(sock, message, id=rid)
+    return p.recv(sock)
+
+
+def test_garbage_frame_closes_connection():
+    handler = FakeHandler()
+    sock, conn, thread = connected(handler)
+    assert ask(sock, p.Hello(p.PROTOCOL_VERSION, 1), 1)["op"] == "welcome"
+    sock.sendall(b"\x03\x00\x00\x00\xc1\xc1\xc1")
+    thread.join(5)
+    assert not thread.is_alive() and conn.closed
+    assert "protocol error" in handler.lines[-1]
+
+
+def test_reply_ops_and_missing_ids_are_protocol_errors():
+    for frame in ({"op": "welcome", "id": 1, "protocol": 1, "daemon_pid": 1, "root": "/"},
+                  {"op": "hello", "protocol": 1, "pid": 1}):
+        sock, conn, thread = connected(FakeHandler())
+        p.send(sock, p.Hello(p.PROTOCOL_VERSION, 1), id=1)
+        p.recv(sock)
+        payload = msgpack.packb(frame)
+        sock.sendall(len(payload).to_bytes(4, "little") + payload)
+        thread.join(5)
+        assert conn.closed
+
+
+def test_submit_outside_slot_is_an_error_reply(shm):
+    handler = FakeHandler()
+    name = segment(shm, size=SLOT)
+    sock, conn, thread = connected(handler)
+    ask(sock, p.Hello(p.PROTOCOL_VERSION, 1, "r"), 1)
+    conn.arenas[("r", 0)] = Arena(name, SLOT, 1, shm_dir=str(shm))  # attach, in shm
+    reply = ask(sock, p.Submit("r", 0, 1, 0, descriptor(offset=SLOT - 8)), 2)
+    assert reply["op"] == "error" and "outside" in reply["message"] and reply["re"] == 2
+    assert conn.arenas[("r", 0)].busy == set() and handler.queued == []
+    reply = ask(sock, p.Submit("r", 0, 1, 0, descriptor()), 3)
+    assert reply == {"op": "accepted", "re": 3, "step": 1}
+    assert conn.arenas[("r", 0)].busy == {0}
+    sock.close()
+    thread.join(5)
+
+
+# --- one write, as the daemon does it -----------------------------------------------------
+
+class EventSink:
+    def __init__(self, arena):
+        self.arena, self.events, self.busy_at_send = arena, [], []
+
+    def send_event(self, message):
+        self.busy_at_send.append(self.arena.busy)
+        self.events.append(message)
+        return True
+
+
+def staged_submission(shm, root_opts=Options()):
+    name = segment(shm, "snapd-unit-w", SLOT)
+    arena = Arena(name, SLOT, 1, shm_dir=str(shm))
+    arena.acquire(0)
+    view = arena.slot_view(0)
+    data = torch.arange(8, dtype=torch.float32)
+    view[:32] = data.numpy().tobytes()
+    plan = SnapshotPlan("r", 4, {"id": 0, "mode": "fresh", "parent": None},
+                        [ObjectPlan("model", "T", b"\x90",
+                                    [TensorSource(".w", dtype_name(data.dtype), [8],
+                                                  memoryview(bytes(32)))])], rng={})
+    desc = to_descriptor(plan, [[0]])
+    sink = EventSink(arena)
+    sub = Submission(sink, arena, 0, view, from_descriptor(desc, view), desc, root_opts)
+    return sub, sink, arena
+
+
+def test_commit_frees_slot_before_the_event(root, shm):
+    daemon = Daemon(root, Options(min_free_bytes=0))
+    daemon.hot_cache = HotCache(shm_dir=str(shm))
+    sub, sink, arena = staged_submission(shm)
+    daemon._write(sub)
+    daemon.writes.drain()
+    [event] = sink.events
+    assert isinstance(event, p.Committed) and event.name == "00000004"
+    assert sink.busy_at_send == [set()]
+    hot = daemon.hot_cache.get("r", 0)
+    assert hot.snapshot == "00000004" and hot.plan == sub.desc
+    assert (shm / hot.shm).read_bytes() == torch.arange(8.0).numpy().tobytes()
+    daemon.hot_cache.close()
+    reader = SnapshotReader(RunStore(root, "r").snapshot_path(SnapshotId(0, 4)))
+    assert torch.equal(reader.load_object("model")[0], torch.arange(8.0))
+
+
+def test_enospc_during_write_is_a_failed_event(root, shm):
+    def full_disk(store, plan, opts):   # a writer that fills the disk half way
+        tmp = store.new_tmp_dir(plan.sid)
+        with open(os.path.join(tmp, "model.tensors"), "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device",
+                      os.path.join(tmp, "model.tensors"))
+
+    daemon = Daemon(root, Options(min_free_bytes=0), writer=full_disk)
+    daemon.hot_cache = HotCache(shm_dir=str(shm))
+    sub, sink, arena = staged_submission(shm)
+    daemon._write(sub)
+    daemon.writes.drain()
+    [event] = sink.events
+    assert isinstance(event, p.Failed) and event.kind == "InsufficientSpace"
+    assert "filled up" in event.message and root in event.message
+    assert RunStore(root, "r").tmp_dirs() == [] and arena.busy == set()
+
+
+def test_guard_refuses_before_writing(root, shm):
+    daemon = Daemon(root, Options(min_free_bytes=1 << 62))
+    daemon.hot_cache = HotCache(shm_dir=str(shm))
+    sub, sink, _ = staged_submission(shm)
+    daemon._write(sub)
+    daemon.writes.drain()
+    [event] = sink.events
+    assert event.kind == "InsufficientSpace" and "min_free_bytes" in event.message
+    assert RunStore(root, "r").committed() == []
+
+
+def test_write_queue_keeps_each_runs_order():
+    done, lock = [], threading.Lock()
+
+    class Job:
+        def __init__(self, run, step):
+            self.run, self.step, self.started = run, step, None
+
+    def work(job):
+        time.sleep(0.01 if job.step % 2 else 0.0)
+        with lock:
+            done.append((job.run, job.step))
+
+    queue = WriteQueue(3, work)
+    for step in range(6):
+        for run in ("a", "b"):
+            queue.put(Job(run, step))
+    queue.drain()
+    for run in ("a", "b"):
+        assert [s for r, s in done if r == run] == list(range(6))
+    with pytest.raises(SnapdError, match="stopping"):
+        queue.put(Job("a", 9))

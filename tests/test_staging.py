@@ -1,0 +1,143 @@
+"""The staging arena: layout, bit-exact copies, reuse, growth, and cleanup."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+from snapd.errors import SnapdError
+from snapd_client import staging
+from snapd_client.staging import ALIGN, Arena, layout, slot_size_for
+
+
+def raw(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def staged(arena: Arena, slot: int, t: torch.Tensor, off: int) -> bytes:
+    n = t.numel() * t.element_size()
+    return arena.view(slot, off, n).numpy().tobytes()
+
+
+def awkward_tensors():
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 10, generator=gen)
+    return [
+        torch.randn(3, 5, generator=gen).to(torch.bfloat16),   # bf16
+        base.t(),                                              # non-contiguous
+        base[::2, 1::3],                                       # strided slice
+        torch.tensor(7.25, dtype=torch.float64),               # 0-dim
+        torch.empty(0, 4),                                     # empty
+        torch.arange(9, dtype=torch.int16),                    # odd byte count
+        torch.tensor([True, False, True]),
+        torch.randn(2, 3, dtype=torch.complex64, generator=gen).conj(),  # conj view
+        torch.randn(4, generator=gen, requires_grad=True),     # a parameter's kind
+    ]
+
+
+@pytest.fixture
+def arena():
+    a = Arena(1 << 16, slots=2)
+    yield a
+    a.close()
+
+
+def test_allocation_is_one_private_file_of_whole_pages(arena):
+    st = os.stat(arena.path)
+    assert arena.path == os.path.join(staging.SHM_DIR, arena.name)
+    assert arena.name.startswith(f"snapd-{os.getuid()}-{os.getpid()}-")
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_size == arena.size == 2 * arena.slot_bytes
+    assert arena.slot_bytes % 4096 == 0
+    # Faulted in at allocation: every page is resident (tmpfs blocks are allocated).
+    assert st.st_blocks * 512 >= arena.size
+
+
+def test_layout_aligns_every_tensor_to_64_bytes():
+    ts = [torch.zeros(3, dtype=torch.uint8), torch.zeros(5), torch.zeros(0),
+          torch.zeros((), dtype=torch.float64), torch.zeros(17, dtype=torch.int16)]
+    offsets, need = layout(ts)
+    assert all(off % ALIGN == 0 for off in offsets)
+    ends = [off + t.numel() * t.element_size() for off, t in zip(offsets, ts)]
+    assert all(ends[i] <= offsets[i + 1] for i in range(len(ts) - 1))
+    assert need == ends[-1]
+
+
+def test_stage_copies_bit_for_bit(arena):
+    ts = awkward_tensors()
+    offsets, need = layout(ts)
+    assert need <= arena.slot_bytes
+    arena.stage(1, ts, offsets)
+    arena.wait()
+    for t, off in zip(ts, offsets):
+        assert staged(arena, 1, t, off) == raw(t.resolve_conj())
+    # Slot 0 is untouched: slots are disjoint.
+    assert not arena.view(0, 0, arena.slot_bytes).any()
+
+
+def test_staging_does_not_track_gradients(arena):
+    p = torch.nn.Parameter(torch.randn(8))
+    offsets, _ = layout([p])
+    arena.stage(0, [p], offsets)
+    assert p.grad is None and not arena.view(0, 0, 32).requires_grad
+
+
+def test_reuse_keeps_the_same_file_and_mapping(arena):
+    name, ptr = arena.name, arena.view(0, 0, 1).data_ptr()
+    for i in range(5):
+        t = torch.full((100,), float(i))
+        offsets, _ = layout([t])
+        arena.stage(i % 2, [t], offsets)
+        assert staged(arena, i % 2, t, 0) == raw(t)
+    assert (arena.name, arena.view(0, 0, 1).data_ptr()) == (name, ptr)
+    assert [f for f in os.listdir(staging.SHM_DIR) if f.startswith(
+        f"snapd-{os.getuid()}-{os.getpid()}-")] == [name]
+
+
+def test_outside_a_slot_is_refused(arena):
+    with pytest.raises(SnapdError, match="outside"):
+        arena.view(0, arena.slot_bytes - 8, 16)
+    with pytest.raises(SnapdError, match="outside"):
+        arena.view(2, 0, 1)
+
+
+def test_growth_sizes_a_new_arena_for_the_need():
+    small = Arena(slot_size_for(1000))
+    big_tensor = torch.randn(small.slot_bytes // 4 + 1)
+    offsets, need = layout([big_tensor])
+    assert need > small.slot_bytes
+    big = Arena(slot_size_for(need))
+    try:
+        assert big.slot_bytes >= need and big.name != small.name
+        big.stage(0, [big_tensor], offsets)
+        assert staged(big, 0, big_tensor, 0) == raw(big_tensor)
+    finally:
+        small.close()
+        big.close()
+    assert not os.path.exists(small.path) and not os.path.exists(big.path)
+
+
+def test_close_unmaps_and_unlinks_and_is_idempotent():
+    a = Arena(4096)
+    t = torch.arange(10.0)
+    a.stage(0, [t], [0])
+    a.close()
+    assert a.closed and not os.path.exists(a.path)
+    a.close()
+    with pytest.raises(SnapdError, match="closed"):
+        a.view(0, 0, 1)
+
+
+def test_a_full_shm_is_an_error_not_a_crash(monkeypatch):
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(staging.os, "posix_fallocate", no_space)
+    from snapd.errors import InsufficientSpace
+    with pytest.raises(InsufficientSpace, match="staging arena"):
+        Arena(1 << 20)
+    assert not [f for f in os.listdir(staging.SHM_DIR)
+                if f.startswith(f"snapd-{os.getuid()}-{os.getpid()}-")]
