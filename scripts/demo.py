@@ -30,6 +30,8 @@ import xxhash
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from snapd.recovery import plan_recovery
+from snapd.store import RunStore
 from snapd_client import Client
 
 VOCAB, SEQ, SAMPLES = 64, 24, 384
@@ -133,10 +135,18 @@ def _trainer(root: str, run: str, steps: int, every: int, out: str) -> subproces
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
+def _show(line: str) -> None:
+    """Echo a trainer's line; step lines only every 8th step, to keep the story short."""
+    words = line.split()
+    if len(words) > 2 and words[1] == "step" and int(words[2]) % 8:
+        return
+    print("   " + line.rstrip(), flush=True)
+
+
 def _run_to_end(root, run, steps, every, out) -> dict:
     proc = _trainer(root, run, steps, every, out)
     for line in proc.stdout:
-        print("   " + line.rstrip())
+        _show(line)
     if proc.wait() != 0:
         sys.exit(f"trainer {run} failed with exit code {proc.returncode}")
     with open(out) as f:
@@ -146,12 +156,25 @@ def _run_to_end(root, run, steps, every, out) -> dict:
 def _run_and_kill(root, run, steps, every, kill_at) -> None:
     proc = _trainer(root, run, steps, every, os.devnull)
     for line in proc.stdout:
-        print("   " + line.rstrip())
+        _show(line)
         if line.startswith(f"[{run}] step {kill_at} "):
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait()
     print(f"   -- trainer SIGKILLed after step {kill_at} (exit {proc.returncode})")
+
+
+def _stop_daemon(root: str) -> None:
+    """The trainers started a daemon for the root; it outlives them by design."""
+    try:
+        with open(os.path.join(root, ".snapd.lock")) as f:
+            pid = int(f.read().strip())
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            os.kill(pid, 0)
+            time.sleep(0.1)
+    except (OSError, ValueError):
+        pass  # gone (or never started)
 
 
 def story(steps: int, every: int, kill_at: int, keep: str | None) -> int:
@@ -171,6 +194,12 @@ def story(steps: int, every: int, kill_at: int, keep: str | None) -> int:
     for key in reference:
         mark = "equal" if key not in differ else "DIFFERENT"
         print(f"   {key:10s} {mark:9s} {resumed[key]}")
+    replay = plan_recovery(RunStore(root, "interrupted")).last_replay or {}
+    print(f"   replay check of the recomputed steps {replay.get('from')}..{replay.get('to')}: "
+          f"{replay.get('verdict')} ({replay.get('checked')} steps compared with the log)")
+    if replay.get("verdict") != "match":
+        differ.append("replay")
+    _stop_daemon(root)
     if not keep:
         shutil.rmtree(root, ignore_errors=True)
     verdict = "IDENTICAL: the resumed run is the same run" if not differ else \
