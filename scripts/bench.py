@@ -144,13 +144,39 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def shm_used() -> int:
-    st = os.statvfs("/dev/shm")
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
+def rss_shmem(pid: int) -> int:
+    """Shared-memory pages mapped by a process (RssShmem), in bytes."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def own_shm(trainer: int, daemon: Optional[int]) -> int:
+    """/dev/shm bytes that are this worker's: snapd's arena (or, for DCP, the shared
+    staging copy torch maps and unlinks at once) plus the daemon's hot copies."""
+    arena, hot = 0, 0
+    uid = os.getuid()
+    try:
+        with os.scandir("/dev/shm") as it:
+            for e in it:
+                if e.name.startswith(f"snapd-{uid}-{trainer}-"):
+                    arena += e.stat().st_size
+                elif daemon and e.name.startswith(f"snapd-hot-{uid}-") and \
+                        f"-{daemon}x" in e.name:
+                    hot += e.stat().st_size
+    except OSError:
+        pass
+    return max(arena, rss_shmem(trainer)) + hot
 
 
 class PeakSampler:
-    """Peak RSS of this process (and of added pids) and of /dev/shm, every 10 ms."""
+    """Peak RSS of this process (and of added pids), and of this worker's /dev/shm
+    use (see own_shm), every 10 ms."""
 
     def __init__(self, interval: float = 0.01) -> None:
         import psutil
@@ -182,7 +208,9 @@ class PeakSampler:
             except self._psutil.Error:
                 continue
             self.peak[role] = max(self.peak[role], rss)
-        self.peak["shm"] = max(self.peak["shm"], shm_used())
+        daemon = self.procs.get("daemon")
+        self.peak["shm"] = max(self.peak["shm"],
+                               own_shm(os.getpid(), daemon.pid if daemon else None))
 
     def reset(self) -> None:
         for k in self.peak:
@@ -250,7 +278,7 @@ def worker(args) -> Dict[str, Any]:
     os.makedirs(args.root, exist_ok=True)
     sampler = PeakSampler().start()
     res["rss_before"] = sampler.peak["trainer"]
-    res["shm_before"] = shm_used()
+    res["shm_before"] = own_shm(os.getpid(), None)
     try:
         fn = {"ref": w_ref, "torch_save": w_torch_save, "dcp_save": w_dcp_save,
               "dcp_async": w_dcp_async, "snapd_wait": w_snapd, "snapd_overlap": w_snapd,
@@ -260,7 +288,10 @@ def worker(args) -> Dict[str, Any]:
         stop_daemon(args.root)
         peaks = sampler.stop()
         res.setdefault("peak", peaks)
-        res["shm_left"] = snapd_shm_files()
+        mine = [f"snapd-{os.getuid()}-{os.getpid()}-"]
+        if res.get("daemon_pid"):
+            mine.append(f"-{res['daemon_pid']}x")
+        res["shm_left"] = [n for n in snapd_shm_files() if any(m in n for m in mine)]
     return res
 
 
@@ -277,9 +308,9 @@ def w_ref(args, model, opt, tensors, sampler, res) -> None:
                 times.append(time.perf_counter() - t0)
     res["copy_s"] = times
     del dst
-    path = os.path.join(args.root, "raw.bin")
     durable = []
     for i in range(args.reps + 1):  # the first is a warm-up, like every method's
+        path = os.path.join(args.root, f"raw{i}.bin")
         t0 = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -294,7 +325,6 @@ def w_ref(args, model, opt, tensors, sampler, res) -> None:
         fsync_dir(args.root)
         if i:
             durable.append(time.perf_counter() - t0)
-        os.unlink(path)
     res["durable_s"] = durable
     res["peak"] = sampler.stop()
 
@@ -304,8 +334,6 @@ def w_torch_save(args, model, opt, tensors, sampler, res) -> None:
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
     stall, path = [], None
     for i in range(args.reps + 1):
-        if path:
-            os.unlink(path)
         path = os.path.join(args.root, f"ts{i}.pt")
         t0 = time.perf_counter()
         with open(path, "wb") as f:
@@ -327,6 +355,7 @@ def w_torch_save(args, model, opt, tensors, sampler, res) -> None:
         return time.perf_counter() - t0
 
     del sd
+    restore()  # uncounted warm-up, as for every method (see the module docstring)
     res["restore_warm_s"] = [restore() for _ in range(args.reps)]
     res["cold_dropped"], res["restore_cold_s"] = [], []
     for _ in range(args.cold_reps):
@@ -339,8 +368,6 @@ def w_dcp_save(args, model, opt, tensors, sampler, res) -> None:
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
     stall, path = [], None
     for i in range(args.reps + 1):
-        if path:
-            shutil.rmtree(path)
         path = os.path.join(args.root, f"d{i}")
         t0 = time.perf_counter()
         dcp.save(sd, checkpoint_id=path)
@@ -357,6 +384,7 @@ def w_dcp_save(args, model, opt, tensors, sampler, res) -> None:
         return time.perf_counter() - t0
 
     del sd
+    restore()  # uncounted warm-up, as for every method (see the module docstring)
     res["restore_warm_s"] = [restore() for _ in range(args.reps)]
     res["cold_dropped"], res["restore_cold_s"] = [], []
     for _ in range(args.cold_reps):
@@ -377,8 +405,6 @@ def w_dcp_async(args, model, opt, tensors, sampler, res) -> None:
     ret, stall, durable, path = [], [], [], None
     try:
         for i in range(args.reps + 1):
-            if path:
-                shutil.rmtree(path)
             path = os.path.join(args.root, f"a{i}")
             t0 = time.perf_counter()
             resp = dcp.async_save(sd, checkpoint_id=path, async_stager=stager)
@@ -409,7 +435,9 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
     ckpt.track(model=model, optimizer=opt)
     # Warm-up: starts the daemon and allocates the staging arena.
     t0 = time.perf_counter()
-    ckpt.snapshot(0).wait()
+    h = ckpt.snapshot(0)
+    res["first_call_s"] = time.perf_counter() - t0
+    h.wait()
     res["first_snapshot_s"] = time.perf_counter() - t0
     pid = daemon_pid_of(args.root)
     res["daemon_pid"], res["client_daemon_pid"] = pid, ckpt.daemon_pid
@@ -450,7 +478,12 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
     ckpt.close()
     if mode == "overlap":
         return
-    # Restore: hot (the daemon holds the committed copy), warm files, cold files.
+    # Restore: an uncounted warm-up from the files, then hot (the daemon holds the
+    # committed copy), then warm files, then cold files.
+    c = Client(args.root, RUN, daemon=False)
+    c.track(model=model, optimizer=opt)
+    c.restore()
+    c.close()
     hot, how = [], []
     for _ in range(args.reps):
         c = Client(args.root, RUN)
@@ -514,19 +547,28 @@ def w_slowdown(args, model, opt, tensors, sampler, res) -> None:
         return times, handles
 
     step()  # warm
-    base_a, _ = block(args.slow_steps)
     ckpt = Client(args.root, RUN, mode="overlap")
     ckpt.track(model=model, optimizer=opt)
     ckpt.snapshot(0).wait()   # warm-up: daemon, arena
-    pid = daemon_pid_of(args.root)
+    pid = res["daemon_pid"] = daemon_pid_of(args.root)
     if pid:
         sampler.add("daemon", pid)
-    # One more iteration than counted: the first has no previous snapshot to overlap.
-    snap, handles = block(args.slow_steps + 1, ckpt, start=1)
+    rounds, steps = args.slow_rounds or 1, args.slow_steps or 2
+    # Blocks alternate (A B A B A) so that load from other processes hits both sides.
+    base, snap, first, handles = [], [], [], []
+    for r in range(rounds):
+        base += block(steps)[0]
+        # One more step than counted: the first has no earlier snapshot to overlap.
+        times, hs = block(steps + 1, ckpt, start=1 + r * (steps + 1))
+        first.append(times[0])
+        snap += times[1:]
+        handles += hs
+        for h in hs:
+            h.wait()   # the next baseline block runs with the daemon idle
+    base += block(steps)[0]
     results = [h.wait() for h in handles]
     ckpt.close()
-    base_b, _ = block(args.slow_steps)
-    res.update(base_s=base_a + base_b, snap_s=snap[1:], snap_first_s=snap[0],
+    res.update(base_s=base, snap_s=snap, snap_first_s=first,
                backpressure_s=[h.stall_seconds for h in handles],
                skipped=list(ckpt.skipped),
                daemon_write_s=[r.seconds for r in results if r is not None])
@@ -545,7 +587,7 @@ def run_worker(method: str, size: str, root: str, out: str, args, **extra) -> Di
     cmd = [sys.executable, os.path.abspath(__file__), "--method", method, "--size", size,
            "--root", root, "--out", out, "--reps", str(extra.get("reps", args.reps_for)),
            "--cold-reps", str(args.cold_reps), "--threads", str(args.threads)]
-    for k in ("step_seconds", "slow_steps"):
+    for k in ("step_seconds", "slow_steps", "slow_rounds"):
         if k in extra:
             cmd += [f"--{k.replace('_', '-')}", str(extra[k])]
     t0 = time.perf_counter()
@@ -626,6 +668,15 @@ def machine() -> Dict[str, Any]:
             if "/tmp".startswith(parts[1].rstrip("/") or "/") and len(parts[1]) >= len(best):
                 best, dev, fstype = parts[1], parts[0], parts[2]
     du = shutil.disk_usage("/tmp")
+    # First touch of fresh memory vs touching it again: on a VM whose freed pages go
+    # back to the host, every new page (page cache, tmpfs, fresh tensors) is slow.
+    x = torch.empty(512 * MiB, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    x.fill_(1)
+    t1 = time.perf_counter()
+    x.fill_(2)
+    t2 = time.perf_counter()
+    del x
     return {"nproc": len(os.sched_getaffinity(0)), "cpu": model,
             "mem_total": psutil.virtual_memory().total,
             "mem_available": psutil.virtual_memory().available,
@@ -633,7 +684,9 @@ def machine() -> Dict[str, Any]:
             "kernel": platform.release(),
             "tmp_disk": f"{dev} ({fstype}, mounted on {best}), {du.total / GiB:.0f} GiB, "
                         f"{du.free / GiB:.0f} GiB free",
-            "shm_total": shutil.disk_usage("/dev/shm").total}
+            "shm_total": shutil.disk_usage("/dev/shm").total,
+            "first_touch_gbps": 512 * MiB / (t1 - t0) / 1e9,
+            "retouch_gbps": 512 * MiB / (t2 - t1) / 1e9}
 
 
 def orchestrate(args) -> None:
@@ -668,12 +721,15 @@ def orchestrate(args) -> None:
             print(f"slowdown loop ({size}, step ~{step_s:.1f} s)", file=sys.stderr)
             slow = run_worker("slowdown", size, f"{base}/sl", f"{base}/slowdown.json", args,
                               reps=1, step_seconds=round(step_s, 2),
-                              slow_steps=args.slow_steps or (2 if args.quick else 4))
+                              slow_steps=args.slow_steps or 2,
+                              slow_rounds=args.slow_rounds or (1 if args.quick else 2))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     info["load_after"] = os.getloadavg()
     info["busy_after"] = busy_processes()
-    info["shm_left"] = [n for n in snapd_shm_files() if n not in shm_before]
+    # Ours only: other sessions' daemons may share /dev/shm (their files are theirs).
+    info["shm_left"] = [n for n in snapd_shm_files() if n not in shm_before and
+                        n.startswith(f"snapd-hot-{os.getuid()}-{RUN}-")]
     info["elapsed_s"] = time.perf_counter() - t_start
     info["date"] = start.strftime("%Y-%m-%d %H:%M UTC")
     info["command"] = "python scripts/bench.py " + " ".join(sys.argv[1:])
@@ -719,7 +775,11 @@ def report(results, slow, info, args) -> str:
         f"{info['mem_total'] / GiB:.1f} GiB memory ({info['mem_available'] / GiB:.1f} GiB "
         f"available at start), /dev/shm {info['shm_total'] / GiB:.0f} GiB; Python "
         f"{info['python']}, torch {info['torch']}, Linux {info['kernel']}. "
-        f"Disk under /tmp: {info['tmp_disk']}.", "",
+        f"Disk under /tmp: {info['tmp_disk']}. Writing 512 MiB of freshly allocated "
+        f"memory ran at {info['first_touch_gbps']:.1f} GB/s, writing it again at "
+        f"{info['retouch_gbps']:.1f} GB/s: this VM pays for every new page (new page-cache "
+        "pages of a file being written, new tmpfs pages, new tensors), which weighs on "
+        "every method that writes new files or allocates new memory.", "",
         "All figures are from **one run** of the script (medians over "
         "the counted repetitions: 3 at 100M, 2 at 1G, 1 at 2G, after one uncounted "
         "warm-up save per method); they are not averaged across runs. "
@@ -744,8 +804,11 @@ def report(results, slow, info, args) -> str:
         "called right after snapshot() (no forward/backward to hide the copy behind), "
         "so its stall is the worst case. Peak RSS counts the mapped shared-memory pages "
         "(snapd's staging arena is counted in the trainer and in the daemon); /dev/shm is "
-        "the peak use of that filesystem during the method (the arena and the daemon's "
-        "hot copy live there).", ""]
+        "the peak of the method's own shared memory: snapd's staging arena plus the "
+        "daemon's hot copies (a new one is written before the previous is unlinked), "
+        "DCP's shared-memory staging copy. Every method keeps all the checkpoints it "
+        "wrote until its process ends (snapd's default retention keeps everything), so "
+        "each save writes new files.", ""]
     targets: List[tuple] = []
     for size, per in results.items():
         lines += per_size(size, per, targets)
@@ -759,11 +822,14 @@ def report(results, slow, info, args) -> str:
                                     if r.get("shm_left")]
     errors = [f"{r['method']}@{r['size']}: {r['error'][-300:]}" for per in results.values()
               for r in per.values() if "error" in r]
+    if slow is not None and slow.get("shm_left"):
+        leftovers.append(f"slowdown: {slow['shm_left']}")
     if slow is not None and "error" in slow:
         errors.append(f"slowdown: {slow['error'][-300:]}")
     if errors:
         lines += ["Errors:", ""] + [f"- `{e}`" for e in errors] + [""]
-    lines += [f"snapd files left in /dev/shm after the run: "
+    lines += [f"snapd files this run left in /dev/shm (staging arenas of its trainer "
+              f"processes, hot copies of its daemons; checked after each method): "
               f"{', '.join(leftovers) if leftovers else 'none'}.", ""]
     return "\n".join(lines)
 
@@ -813,8 +879,10 @@ def per_size(size: str, per: Dict[str, Dict[str, Any]], targets: list) -> List[s
     if "daemon_write_s" in sw:
         notes.append(f"snapd wait: the daemon's own write (checksums, write, fsync, "
                      f"commit) took {fs(m('snapd_wait', 'daemon_write_s'))} of the "
-                     f"{fs(m('snapd_wait', 'durable_s'))} to durable; first snapshot "
-                     f"(daemon start + arena) {fs(sw.get('first_snapshot_s'))}")
+                     f"{fs(m('snapd_wait', 'durable_s'))} to durable; the first snapshot (not "
+                     f"counted: daemon start, arena allocation) stalled "
+                     f"{fs(sw.get('first_call_s'))} and was durable after "
+                     f"{fs(sw.get('first_snapshot_s'))}")
     da = per.get("dcp_async", {})
     if "return_s" in da:
         notes.append(f"dcp.async_save returned after {fs(m('dcp_async', 'return_s'))}; "
@@ -888,19 +956,22 @@ def slowdown_lines(slow: Dict[str, Any], targets: list) -> List[str]:
         return out + [f"error: `{slow['error'][-300:]}`", ""]
     base, snap = statistics.mean(slow["base_s"]), statistics.mean(slow["snap_s"])
     pct = (snap / base - 1) * 100
+    mbase, msnap = median(slow["base_s"]), median(slow["snap_s"])
+    mpct = (msnap / mbase - 1) * 100
     out += [f"CPU-bound loop, `torch.set_num_threads(1)` (the daemon has the other core): "
             f"each step is {slow['units']} 1024×1024 matmuls + AdamW step on the "
             f"{slow['state_bytes'] / GiB:.2f} GiB state, target ~{slow['target_step_s']} s "
             f"(1.3× snapd's time to durable for this size, so each write ends before "
-            f"the next snapshot). {len(slow['snap_s'])} steps with a snapshot after each "
-            f"(after one uncounted), against {len(slow['base_s'])} without (half before, "
-            "half after).", "",
-            "| | mean step | min | max |", "|---|---|---|---|",
-            f"| no snapshots | {fs(base)} | {fs(min(slow['base_s']))} | "
+            f"the next snapshot). Blocks alternate, without and with snapshots "
+            f"(A B A ... A): {len(slow['snap_s'])} steps with a snapshot after each (the "
+            f"first step of each snapshot block, with no earlier snapshot to overlap, is "
+            f"not counted), against {len(slow['base_s'])} without.", "",
+            "| | mean step | median | min | max |", "|---|---|---|---|---|",
+            f"| no snapshots | {fs(base)} | {fs(mbase)} | {fs(min(slow['base_s']))} | "
             f"{fs(max(slow['base_s']))} |",
-            f"| snapshot every step | {fs(snap)} | {fs(min(slow['snap_s']))} | "
-            f"{fs(max(slow['snap_s']))} |",
-            f"| slowdown | {pct:+.1f}% | | |", "",
+            f"| snapshot every step | {fs(snap)} | {fs(msnap)} | "
+            f"{fs(min(slow['snap_s']))} | {fs(max(slow['snap_s']))} |",
+            f"| slowdown | {pct:+.1f}% | {mpct:+.1f}% | | |", "",
             f"- daemon write per snapshot: {fs(median(slow['daemon_write_s']))}; "
             f"time snapshot() waited for a free slot (backpressure): "
             f"{fs(max(slow['backpressure_s'] or [0]))} at most; skipped: "
@@ -944,7 +1015,10 @@ def main() -> None:
     ap.add_argument("--no-slowdown", action="store_true")
     ap.add_argument("--slow-size", default=None)
     ap.add_argument("--step-seconds", type=float, default=None)
-    ap.add_argument("--slow-steps", type=int, default=None)
+    ap.add_argument("--slow-steps", type=int, default=None,
+                    help="steps per block of the slowdown loop (default 2)")
+    ap.add_argument("--slow-rounds", type=int, default=None,
+                    help="baseline/snapshot block pairs (default 2; 1 with --quick)")
     ap.add_argument("--cold-reps", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900)

@@ -62,6 +62,14 @@ def build_log(root: Path, n: int) -> float:
     return time.perf_counter() - t0
 
 
+def _plan(run_dir: Path, stats: IOStats):
+    from snapd.recovery import plan_recovery
+    from snapd.store import RunStore
+    plan = plan_recovery(RunStore(str(run_dir.parent), run_dir.name), 0)
+    stats.bytes_read += plan.bytes_read
+    return plan
+
+
 def timed(fn, repeat: int = 20) -> tuple[float, int]:
     """Best-of wall time in ms, and the bytes one call reads."""
     best = float("inf")
@@ -71,6 +79,24 @@ def timed(fn, repeat: int = 20) -> tuple[float, int]:
         fn(stats)
         best = min(best, time.perf_counter() - t0)
     return best * 1e3, stats.bytes_read
+
+
+def bench_client_log(root: Path, n: int) -> dict:
+    """The whole fast path a training loop pays: Client.log() with RNG digests."""
+    import torch
+    from snapd_client import Client
+    client = Client(str(root), "bench", daemon=False)
+    client.track(gen=torch.Generator().manual_seed(0))  # a private stream, as a loader has
+    lat = []
+    for i in range(n):
+        t0 = time.perf_counter_ns()
+        client.log(i + 1, loss=1.0 / (i + 1), lr=3e-4)
+        lat.append(time.perf_counter_ns() - t0)
+    client.close()
+    size = sum(p.stat().st_size for p in list_segments(root / "bench", 0))
+    q = statistics.quantiles(lat, n=100)
+    return {"p50": q[49] / 1e3, "p99": q[98] / 1e3, "mean": statistics.fmean(lat) / 1e3,
+            "bytes_per_step": size / n}
 
 
 def main() -> None:
@@ -90,6 +116,12 @@ def main() -> None:
                          f"{100 * r['p99'] / (STEP_MS * 1e3):.3f}% of a {STEP_MS:g} ms step"))
         rows.append(("log bytes per step (realistic record, incl. framing and marks)",
                      f"{r['bytes_per_step']:.1f} B", ""))
+        c = bench_client_log(tmp / "client", min(args.appends, 50_000))
+        rows.append(("Client.log() p50 / p99 / mean (RNG digests + record + append, "
+                     "flush every 1 s)", f"{c['p50']:.2f} / {c['p99']:.2f} / {c['mean']:.2f} us",
+                     f"mean = {100 * c['mean'] / (STEP_MS * 1e3):.3f}% of a {STEP_MS:g} ms step"))
+        rows.append(("Client.log() bytes per step (4 RNG digests, 2 scalars)",
+                     f"{c['bytes_per_step']:.1f} B", ""))
         big = tmp / "big"
         built = build_log(big, args.records)
         size = sum(p.stat().st_size for p in list_segments(big, 0))
@@ -104,6 +136,7 @@ def main() -> None:
                 big, 0, random.randrange(args.records), stats=s),
             "plan = find_last(snapshot) + read_tail(100)": lambda s: (
                 find_last(big, 0, "snapshot", stats=s), read_tail(big, 0, 100, stats=s)),
+            "plan_recovery (what restore() and snapd status run)": lambda s: _plan(big, s),
         }
         for name, fn in probes.items():
             ms, nbytes = timed(fn)

@@ -112,6 +112,12 @@ class Submission:
     options: Options
     accepted: float = field(default_factory=time.time)
     started: Optional[float] = None
+    bytes_done: int = 0   # raw bytes written so far (the writer's progress calls)
+    _progress_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def advance(self, n: int) -> None:
+        with self._progress_lock:  # called from several writer threads at once
+            self.bytes_done += n
 
     run = property(lambda self: self.plan.run)
     rank = property(lambda self: self.plan.rank)

@@ -1,20 +1,15 @@
 """The live view of a root (``snapd watch``): a status model, a pure render, one loop.
 
-After rich's ``live.py``, three separate parts:
+After rich's ``live.py``: :func:`collect` builds the *status model* (plain, JSON-able
+data on every run and rank, the snapshots in flight, the disk, the daemon);
+:func:`render` turns a model into a renderable, purely (tests build a model by hand and
+capture the text at a fixed width); :func:`refresh_loop`, the only loop, wakes on file
+events under the root (watchdog, debounced) or every ``interval``, when it also asks
+the daemon for its status (in-flight progress lives only there).
 
-- :func:`collect` builds the *status model*: plain data (JSON-able) about every run and
-  rank, the snapshots in flight, the disk and the daemon.
-- :func:`render` turns a model into a rich renderable. It is pure (no clock, no I/O),
-  so tests build a model by hand and capture the text at a fixed width.
-- :func:`refresh_loop` is the only loop: it wakes on file-system events under the root
-  (watchdog, debounced) or after ``interval``, polls the daemon's status at most once
-  per ``interval`` (in-flight progress lives only in the daemon), and hands the status
-  to a callback: the live view or the line printer of ``snapd.commands.watch``.
-
-What is read: the tail of each rank's state log (bounded: at most ``TAIL_BUDGET``
-records, newest first), the LATEST/BEST pointers, the listing of ``snapshots/``, the
-daemon's ``status`` over ``<root>/.snapd.sock`` and the pid in ``.snapd.lock``. Never
-a tensor file, and never a daemon started: the view only looks.
+Read: the newest ``TAIL_BUDGET`` records of each rank's log, LATEST/BEST, the listing
+of ``snapshots/``, the daemon's ``status`` and the pid in ``.snapd.lock``. Never a
+tensor file; never a daemon started.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ import statistics
 import threading
 import time
 import warnings
-from contextlib import closing
+from contextlib import closing, suppress
 from typing import Any, Callable, Dict, List, Optional
 
 import psutil
@@ -35,16 +30,15 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from snapd import protocol as proto
-from snapd import statelog
+from snapd import protocol as proto, statelog
 from snapd.commands.common import age
 from snapd.recovery import RecoveryPlan, plan_recovery
 from snapd.store import RunStore, list_runs
 
 SOCKET_NAME, LOCK_NAME = ".snapd.sock", ".snapd.lock"
-TAIL_BUDGET = 2048     # records read per rank and refresh, newest first
+TAIL_BUDGET = 1024     # records read per rank and refresh, newest first
 SPARK_POINTS = 24      # losses in the sparkline
-STALL_SAMPLES = 64     # staged records the stall statistics cover
+STALL_SAMPLES = 32     # staged records the stall statistics cover
 BLOCKS = "▁▂▃▄▅▆▇█"
 _QUERY = object()      # collect(): ask the daemon yourself
 _PROCESSES: Dict[int, psutil.Process] = {}   # cpu_percent needs the same object
@@ -83,20 +77,26 @@ class DaemonProbe:
             return None
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._sock, sock = None, self._sock
+        if sock is not None:
+            sock.close()
 
 
-def _lock_holder(root: str) -> Optional[psutil.Process]:
-    """The live process whose pid ``.snapd.lock`` holds (a daemon not answering)."""
+def _lock_holder(root: str) -> Optional[Dict[str, Any]]:
+    """Pid, CPU and RSS of the live process whose pid ``.snapd.lock`` holds."""
     try:
         with open(os.path.join(root, LOCK_NAME), "r", encoding="ascii") as f:
             pid = int(f.read(32).strip() or 0)
         if pid <= 0:
             return None
         proc = _PROCESSES.get(pid) or _PROCESSES.setdefault(pid, psutil.Process(pid))
-        return proc if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE else None
+        cmd = proc.cmdline()   # `snapd serve` or `python -m snapd serve`
+        if proc.status() == psutil.STATUS_ZOMBIE or "serve" not in cmd or \
+                not any(os.path.basename(arg) == "snapd" for arg in cmd):
+            return None   # a dead daemon's pid, maybe reused by another process
+        with proc.oneshot():
+            return {"pid": pid, "cpu_percent": proc.cpu_percent(interval=None),
+                    "rss": proc.memory_info().rss}
     except (OSError, ValueError, UnicodeDecodeError, psutil.Error):
         return None
 
@@ -104,20 +104,15 @@ def _lock_holder(root: str) -> Optional[psutil.Process]:
 def daemon_model(root: str, status: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """What the view shows of the daemon: from its status reply, else the lock's pid."""
     if status is not None:
-        clients = [c for c in status.get("clients") or [] if c.get("run")]
         return {"running": True, "answering": True, "pid": status.get("pid"),
                 "cpu_percent": status.get("cpu_percent"), "rss": status.get("rss"),
-                "started": status.get("started"), "clients": len(clients),
-                "stopping": bool(status.get("stopping"))}
-    proc = _lock_holder(root)
-    if proc is None:
+                "started": status.get("started"), "stopping": bool(status.get("stopping")),
+                "clients": sum(1 for c in status.get("clients") or [] if c.get("run"))}
+    holder = _lock_holder(root)
+    if holder is None:
         return {"running": False, "answering": False, "pid": None}
-    try:
-        cpu, rss = proc.cpu_percent(interval=None), proc.memory_info().rss
-    except psutil.Error:
-        cpu = rss = None
-    return {"running": True, "answering": False, "pid": proc.pid, "cpu_percent": cpu,
-            "rss": rss, "started": None, "clients": None, "stopping": False}
+    return {"running": True, "answering": False, **holder, "started": None,
+            "clients": None, "stopping": False}
 
 
 def flight_model(entry: Dict[str, Any], now: float) -> Dict[str, Any]:
@@ -125,11 +120,7 @@ def flight_model(entry: Dict[str, Any], now: float) -> Dict[str, Any]:
     total, written = entry.get("bytes_total") or 0, entry.get("bytes_written") or 0
     started = entry.get("started")
     rate = written / max(now - started, 1e-3) if started else None
-    eta = None
-    if rate and total > written:
-        eta = (total - written) / rate
-    elif started and total and written >= total:
-        eta = 0.0
+    eta = max(total - written, 0) / rate if rate else None
     return {"run": entry.get("run"), "rank": entry.get("rank"), "step": entry.get("step"),
             "state": "writing" if started else "queued", "bytes_written": written,
             "bytes_total": total, "fraction": min(1.0, written / total) if total else None,
@@ -142,10 +133,9 @@ def flight_model(entry: Dict[str, Any], now: float) -> Dict[str, Any]:
 
 def _scan_tail(run_dir: str, rank: int) -> Dict[str, Any]:
     """Losses, stalls, skips and failures from the newest TAIL_BUDGET records."""
-    losses: List[float] = []
+    losses: List[float] = []   # newest first, as are stalls
     stalls: List[float] = []
-    skipped = failed = seen = 0
-    committed: Optional[Dict[str, Any]] = None
+    skipped, failed, seen, committed = 0, 0, 0, None
     with closing(statelog.newest_first(run_dir, rank)) as records:
         for seen, record in enumerate(records, 1):
             kind, event = record.get("kind"), record.get("event")
@@ -172,13 +162,6 @@ def _retention(store: RunStore) -> Dict[str, Any]:
     latest, best = store.read_pointer("LATEST"), store.read_pointer("BEST")
     return {"committed": len(store.committed()), "tmp": len(store.tmp_dirs()),
             "latest": latest.name if latest else None, "best": best.name if best else None}
-
-
-def _pointer_age(store: RunStore, now: float) -> Optional[float]:
-    try:
-        return now - os.stat(os.path.join(store.path, "LATEST")).st_mtime
-    except OSError:
-        return None
 
 
 def _progress(plan: RecoveryPlan, committed: Optional[Dict[str, Any]], now: float
@@ -209,8 +192,9 @@ def rank_model(store: RunStore, rank: int, now: float) -> Dict[str, Any]:
         plan = RecoveryPlan(store.run, rank)
     # The newest committed record: the tail's, else the plan's (from further back).
     row.update(_progress(plan, row.pop("_committed", None) or plan.last_committed, now))
-    if row["committed_age_s"] is None:
-        row["committed_age_s"] = _pointer_age(store, now)
+    with suppress(OSError):   # no commit in the log: the age of the LATEST pointer
+        if row["committed_age_s"] is None:
+            row["committed_age_s"] = now - os.stat(f"{store.path}/LATEST").st_mtime
     row["retention"] = _retention(store)
     return row
 
@@ -226,13 +210,11 @@ def collect(root: str, status: Any = _QUERY, *, now: Optional[float] = None
     root, now = os.path.abspath(root), time.time() if now is None else now
     if status is _QUERY:
         probe = DaemonProbe(root)
-        status = probe.status()
-        probe.close()
-    try:
+        status, _ = probe.status(), probe.close()
+    disk = None
+    with suppress(OSError):
         usage = psutil.disk_usage(root)
         disk = {"free": usage.free, "total": usage.total}
-    except OSError:
-        disk = None
     runs = [rank_model(RunStore(root, run), rank, now) for run in list_runs(root)
             for rank in statelog.list_ranks(os.path.join(root, run)) or [0]]
     flights = [flight_model(e, now) for e in (status or {}).get("in_flight") or []]
@@ -245,11 +227,9 @@ def collect(root: str, status: Any = _QUERY, *, now: Optional[float] = None
 def sparkline(values: List[float], points: int = SPARK_POINTS) -> str:
     """Unicode blocks, lowest value ``▁``, highest ``█``; non-finite values skipped."""
     values = [v for v in values if math.isfinite(v)][-points:]
-    if not values:
-        return ""
+    if not values or min(values) == max(values):
+        return BLOCKS[3] * len(values)   # flat: mid height ("" when there is none)
     lo, hi = min(values), max(values)
-    if hi == lo:
-        return BLOCKS[3] * len(values)
     return "".join(BLOCKS[round((v - lo) / (hi - lo) * (len(BLOCKS) - 1))] for v in values)
 
 
@@ -327,16 +307,13 @@ def _snapshot_table(runs: List[Dict[str, Any]]) -> Table:
     return table
 
 
-def progress_bar(fraction: Optional[float], width: int) -> str:
-    filled = round((fraction or 0.0) * width)
-    return "█" * filled + "░" * (width - filled)
-
-
 def _flight_line(f: Dict[str, Any], width: int) -> Text:
     head = f"{f['run']} r{f['rank']} step {f['step']}  "
     if f["state"] == "queued":
         return Text(head + f"queued {age(f.get('queued_s'))} (waiting for the writer)")
-    bar = progress_bar(f.get("fraction"), max(10, min(40, width // 4)))
+    cells = max(10, min(40, width // 4))
+    filled = round((f.get("fraction") or 0.0) * cells)
+    bar = "█" * filled + "░" * (cells - filled)
     pct = "-" if f.get("fraction") is None else f"{f['fraction'] * 100:.0f}%"
     eta = "-" if f.get("eta_s") is None else age(f["eta_s"])
     return Text.assemble(head, (bar, "green"), f" {pct}  {size(f['bytes_written'])} / "
@@ -347,15 +324,14 @@ def _flight_line(f: Dict[str, Any], width: int) -> Text:
 def _history(runs: List[Dict[str, Any]]) -> List[Text]:
     lines = []
     for r in runs:
-        who = f"{r['run']} r{r['rank']}: "
+        who, resume, replay = f"{r['run']} r{r['rank']}: ", r["last_resume"], \
+            r["last_replay"]
         if r.get("error"):
             lines.append(Text(who + "log unreadable: " + r["error"], style="red"))
-        resume, replay = r.get("last_resume"), r.get("last_replay")
         if resume:
-            lines.append(Text(who + f"resumed from {resume.get('snapshot')} "
-                              f"({resume.get('mode')}, {resume.get('recompute')} to "
-                              "recompute)" + (f"; replay {replay.get('verdict')} at step "
-                                              f"{replay.get('step')}" if replay else "")))
+            verdict = replay and f"; replay {replay['verdict']} at step {replay['step']}"
+            lines.append(Text(f"{who}resumed from {resume['snapshot']} ({resume['mode']}, "
+                              f"{resume['recompute']} to recompute){verdict or ''}"))
     return lines
 
 
@@ -369,12 +345,9 @@ def render(model: Dict[str, Any], width: int = 100) -> Group:
         points = max(8, min(SPARK_POINTS, width // 6))
         parts += [Text(""), _training_table(runs, points), Text(""), _snapshot_table(runs)]
     flights = model.get("in_flight") or []
-    parts.append(Text(""))
-    parts.append(Text("in flight", style="bold") if flights else Text("in flight: none"))
+    parts += [Text(""), Text("in flight" if flights else "in flight: none", style="bold")]
     parts += [_flight_line(f, width) for f in flights] + _history(runs)
-    if model.get("refresh"):
-        parts.append(Text(model["refresh"], style="dim"))
-    return Group(*parts)
+    return Group(*parts, Text(model.get("refresh") or "", style="dim"))
 
 
 # --- the refresh loop ----------------------------------------------------------------
@@ -400,9 +373,10 @@ def start_observer(root: str, wake: threading.Event) -> Any:
 
 
 def refresh_loop(root: str, tick: Callable[[Optional[Dict[str, Any]], str], bool], *,
-                 interval: float = 1.0, debounce: float = 0.1) -> None:
-    """Call ``tick(daemon_status, mode)`` on each change under root (debounced) and at
-    least every ``interval``; the daemon is asked at most once per ``interval``.
+                 interval: float = 1.0, debounce: float = 0.1, min_gap: float = 0.25
+                 ) -> None:
+    """Call ``tick(daemon_status, mode)`` on each change under root (debounced, and at
+    most once per ``min_gap``) and at least every ``interval``, when the daemon is asked.
     ``mode`` is "events" or "polling" (watchdog failed). Stops when tick returns False."""
     probe, wake = DaemonProbe(root), threading.Event()
     observer = start_observer(root, wake)
@@ -413,12 +387,12 @@ def refresh_loop(root: str, tick: Callable[[Optional[Dict[str, Any]], str], bool
                 status, polled = probe.status(), time.monotonic()
             if tick(status, mode) is False:
                 return
-            remaining = max(0.0, interval - (time.monotonic() - polled))
-            if observer is not None and wake.wait(remaining):
-                time.sleep(debounce)   # a burst of writes becomes one refresh
+            ticked = time.monotonic()
+            remaining = max(0.0, interval - (ticked - polled))
+            if wake.wait(remaining) if observer else time.sleep(remaining):
+                # A burst of writes is one refresh; a busy log, one per min_gap at most.
+                time.sleep(max(debounce, ticked + min_gap - time.monotonic()))
                 wake.clear()
-            elif observer is None:
-                time.sleep(remaining)
     finally:
         probe.close()
         if observer is not None:

@@ -12,7 +12,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import xxhash
 
@@ -21,6 +21,9 @@ from snapd import fsio
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan
 from snapd.store import RunStore, SnapshotId
+
+
+Progress = Optional[Callable[[int], None]]
 
 
 @dataclass
@@ -59,7 +62,8 @@ class _CompressionPolicy:
         return 1 if packed_time < raw_time else None
 
 
-def _write_object_file(directory: str, obj: ObjectPlan, opts: Options) -> Dict[str, Any]:
+def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
+                       progress: Progress = None) -> Dict[str, Any]:
     """Write one object's tensors as chunks; returns its manifest entries."""
     name = f"{obj.name}{fmt.TENSOR_FILE_SUFFIX}"
     policy = _CompressionPolicy(opts.compression)
@@ -79,6 +83,8 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options) -> Dict[s
                 chunks.append([offset, len(stored), raw_len, codec, fmt.checksum(stored)])
                 hasher.update(stored)
                 offset += fsio.write_all(fd, stored)
+                if progress is not None:
+                    progress(raw_len)
             entries.append({"path": t.path, "dtype": t.dtype, "shape": list(t.shape),
                             "nbytes": len(t.data), "device": t.device, "chunks": chunks,
                             "xxh3": fmt.checksum(t.data)})
@@ -105,8 +111,12 @@ def _manifest(plan: SnapshotPlan, written: Dict[str, Dict[str, Any]]) -> Dict[st
             "objects": objects, "files": files}
 
 
-def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options) -> CommitResult:
+def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
+                   progress: Progress = None) -> CommitResult:
     """Write and commit one snapshot. On any failure nothing is published.
+
+    ``progress(n)`` is called (from writer threads) as each chunk's ``n`` raw bytes
+    reach the file: what a progress bar shows against ``plan.nbytes``.
 
     A failure leaves at most a ``.tmp-*`` directory, which no reader lists and the
     next collection removes; LATEST still names the previous committed snapshot.
@@ -121,7 +131,8 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options) -> Commit
     with_tensors = [o for o in plan.objects if o.tensors]
     workers = max(1, min(opts.writer_threads, len(with_tensors)))
     with ThreadPoolExecutor(workers) as pool:
-        results = list(pool.map(lambda o: _write_object_file(tmp, o, opts), with_tensors))
+        results = list(pool.map(lambda o: _write_object_file(tmp, o, opts, progress),
+                                with_tensors))
     written = {o.name: r for o, r in zip(with_tensors, results)}
     # 2. The manifest last: its presence means every file it lists is durable.
     fsio.write_file_durable(os.path.join(tmp, fmt.MANIFEST_NAME),

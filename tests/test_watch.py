@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -163,11 +165,23 @@ def test_collect_reads_logs_pointers_and_listing(root):
 
 
 def test_collect_falls_back_to_the_lock_pid(root):
-    with open(os.path.join(root, ".snapd.lock"), "w") as f:
-        f.write(f"{os.getpid()}\n")
-    daemon = view.collect(root)["daemon"]   # asks the socket itself: none there
-    assert daemon["running"] and not daemon["answering"]
-    assert daemon["pid"] == os.getpid() and daemon["rss"] > 0
+    """A daemon holding the lock but not answering: pid, CPU and RSS from psutil."""
+    lock = os.path.join(root, ".snapd.lock")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                               "snapd", "serve"])
+    try:
+        with open(lock, "w") as f:
+            f.write(f"{holder.pid}\n")
+        daemon = view.collect(root)["daemon"]   # asks the socket itself: none there
+        assert daemon["running"] and not daemon["answering"]
+        assert daemon["pid"] == holder.pid and daemon["rss"] > 0
+        assert "not answering" in text_of(view.render(view.collect(root)))
+        with open(lock, "w") as f:               # a pid that is no daemon's
+            f.write(f"{os.getpid()}\n")
+        assert not view.collect(root)["daemon"]["running"]
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_cli_once_json_help_and_missing_root(root):

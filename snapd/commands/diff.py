@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import click
 import numpy as np
 import torch
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -152,7 +153,8 @@ def _fmt(x: Optional[float]) -> str:
 def render(out: Dict[str, Any], show_equal: bool, console: Console) -> None:
     counts = {"equal": 0, "different": 0, "mismatch": 0}
     for name, obj in out["objects"].items():
-        table = Table(title=f"object {name}", title_justify="left")
+        table = Table(title=f"object {name}", title_justify="left", box=box.SIMPLE_HEAD,
+                      padding=(0, 1, 0, 0), pad_edge=False)
         for column in ("tensor", "dtype", "shape", "max abs", "max rel", "differ", "status"):
             table.add_column(column, justify="right" if column in ("max abs", "max rel",
                                                                     "differ") else "left")

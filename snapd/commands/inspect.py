@@ -12,6 +12,7 @@ import time
 from typing import Any, Dict, Optional
 
 import click
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -80,7 +81,8 @@ def render(info: Dict[str, Any], console: Console) -> None:
         highlight=False)
     if info["files_problem"]:
         console.print(f"  [red]files: {escape(info['files_problem'])}[/red]", highlight=False)
-    objects = Table(title="objects", title_justify="left")
+    objects = Table(title="objects", title_justify="left", box=box.SIMPLE_HEAD,
+                    padding=(0, 1, 0, 0), pad_edge=False)
     for column in ("object", "type", "tensors", "bytes", "stored", "file"):
         objects.add_column(column, justify="right" if column in ("tensors", "bytes",
                                                                   "stored") else "left")
@@ -91,7 +93,8 @@ def render(info: Dict[str, Any], console: Console) -> None:
     for name, obj in info["objects"].items():
         if not obj["tensors"]:
             continue
-        table = Table(title=f"{name} tensors", title_justify="left")
+        table = Table(title=f"{name} tensors", title_justify="left",
+                      box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
         for column in ("path", "dtype", "shape", "bytes", "codec"):
             table.add_column(column, justify="right" if column == "bytes" else "left")
         for t in obj["tensors"]:

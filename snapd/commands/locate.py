@@ -186,15 +186,18 @@ def iso_time(t: Optional[float]) -> Optional[str]:
         timespec="seconds")
 
 
-def lineage_text(lineage: Optional[Dict[str, Any]]) -> str:
-    """``0`` for a fresh run; ``1 warm_start from gpt/00001200`` for a warm start."""
+def lineage_text(lineage: Optional[Dict[str, Any]], run: Optional[str] = None) -> str:
+    """``0`` for a fresh run; ``1 warm_start from gpt/00001200`` for a warm start, or
+    ``1 from 00001200`` when ``run`` (the row's own run) is the parent's: short form."""
     lineage = lineage or {}
     text = str(lineage.get("id", 0))
     parent = lineage.get("parent")
-    if lineage.get("mode") and lineage.get("mode") != "fresh":
+    if run is None and lineage.get("mode") and lineage.get("mode") != "fresh":
         text += f" {lineage['mode']}"
     if parent:
-        text += f" from {parent.get('run')}/{parent.get('snapshot')}"
+        where = parent.get("snapshot") if run is not None and parent.get("run") == run \
+            else f"{parent.get('run')}/{parent.get('snapshot')}"
+        text += f" from {where}"
     return text
 
 

@@ -11,6 +11,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 import click
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -59,22 +60,27 @@ def collect(root: str, runs: List[str], verify: bool) -> List[Dict[str, Any]]:
     return rows
 
 
-def render(rows: List[Dict[str, Any]], now: float) -> Table:
-    table = Table(title="snapd ls", title_justify="left")
-    for column in ("run", "snapshot", "step", "lineage", "size", "metric", "created",
-                   "age", "verified", ""):
-        table.add_column(column, justify="right" if column in ("step", "size", "metric",
-                                                                "age") else "left")
+def render(rows: List[Dict[str, Any]], now: float, with_run: bool = True) -> Table:
+    """The table; ``with_run=False`` leaves out the run column (one run listed)."""
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
+    columns = ("run", "snapshot", "marks", "step", "lineage", "size", "metric", "created",
+               "age", "verified")[0 if with_run else 1:]
+    for column in columns:
+        table.add_column(column, no_wrap=column != "lineage",
+                         min_width=8 if column == "lineage" else None,
+                         justify="right" if column in ("step", "size", "metric", "age")
+                         else "left")
     for r in rows:
         created = iso_time(r["created"])
-        table.add_row(
-            r["run"], r["name"], "-" if r["step"] is None else str(r["step"]),
-            "-" if r["lineage"] is None else lineage_text(r["lineage"]),
-            human_bytes(r["bytes"]), "-" if r["metric"] is None else f"{r['metric']:.6g}",
-            created[:19].replace("T", " ") if created else "-",
+        cells = [
+            r["run"], r["name"], " ".join(r["marks"]),
+            "-" if r["step"] is None else str(r["step"]),
+            "-" if r["lineage"] is None else lineage_text(r["lineage"], r["run"]),
+            human_bytes(r["bytes"]), "-" if r["metric"] is None else f"{r['metric']:.4g}",
+            created[5:16].replace("T", " ") if created else "-",
             age(None if r["created"] is None else now - r["created"]),
-            "[red]DAMAGED[/red]" if r["verified"] == "DAMAGED" else r["verified"],
-            " ".join(r["marks"]))
+            "[red]DAMAGED[/red]" if r["verified"] == "DAMAGED" else r["verified"]]
+        table.add_row(*cells[0 if with_run else 1:])
     return table
 
 
@@ -101,7 +107,7 @@ def ls(run: Optional[str], root: Optional[str], verify: bool, as_json: bool) -> 
         click.echo(f"no committed snapshot under {base}" + (f" for run {run!r}" if run else ""))
     else:
         console = Console()
-        console.print(render(rows, time.time()))
+        console.print(render(rows, time.time(), with_run=run is None))
         for r in rows:
             if r["error"]:
                 console.print(f"[red]{r['run']}/{r['name']}[/red]: {escape(r['error'])}",

@@ -121,5 +121,7 @@ def plot(run: str, output: str, scalar: str, rank: int, root: Optional[str],
                    "output": output})
     else:
         points = sum(len(p) for p in data["lines"].values())
-        click.echo(f"wrote {output}: {points} steps of {scalar}, "
-                   f"{len(data['snapshots'])} snapshots, {len(data['resumes'])} resumes")
+        snaps, resumes = len(data["snapshots"]), len(data["resumes"])
+        click.echo(f"wrote {output}: {points} steps of {scalar}, {snaps} snapshot"
+                   f"{'' if snaps == 1 else 's'} committed, {resumes} resume"
+                   f"{'' if resumes == 1 else 's'}")

@@ -11,11 +11,13 @@ status; neither starts a daemon.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
 import sys
 import time
+import warnings
 from contextlib import closing
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -31,6 +33,7 @@ from snapd.store import list_runs
 BACKLOG = 10          # events printed at start, per (run, rank)
 NEW_BUDGET = 5000     # records read per (run, rank) and poll, newest first
 BACKLOG_SCAN = 512    # records the backlog is chosen from
+TIME_SLACK = 5.0      # records are stamped before their write: order is only roughly by time
 Item = Tuple[str, int, Dict[str, Any]]   # (run, rank, record)
 
 
@@ -48,7 +51,8 @@ def _fields(record: Dict[str, Any], *names: str) -> str:
             continue
         if isinstance(value, float):
             value = f"{value:.4g}"
-        elif isinstance(value, str) and (" " in value or not value):
+        elif isinstance(value, str) and (not value or any(c.isspace() or c in '"='
+                                                          for c in value)):
             value = json.dumps(value)
         out.append(f"{name}={value}")
     return " ".join(out)
@@ -129,11 +133,11 @@ class LogFollower:
         items: List[Item] = []
         for run in list_runs(self.root):
             run_dir = os.path.join(self.root, run)
-            for rank in statelog.list_ranks(run_dir):
-                try:
+            try:
+                for rank in statelog.list_ranks(run_dir):
                     items += [(run, rank, r) for r in self._new(run_dir, run, rank)]
-                except (OSError, ValueError):   # rotation race or a bad segment: retry
-                    continue
+            except (OSError, ValueError):   # a race with rotation, a bad segment: next time
+                continue
         self.started = True
         return sorted(items, key=lambda item: item[2].get("time") or 0.0)
 
@@ -143,8 +147,8 @@ class LogFollower:
         fresh: List[Dict[str, Any]] = []
         with closing(statelog.newest_first(run_dir, rank)) as records:
             for record in records:
-                if last is not None and (_key(record) == _key(last) or
-                                         (record.get("time") or 0) < (last.get("time") or 0)):
+                if last is not None and (_key(record) == _key(last) or (
+                        record.get("time") or 0) < (last.get("time") or 0) - TIME_SLACK):
                     break
                 fresh.append(record)
                 if len(fresh) >= (BACKLOG_SCAN if first else NEW_BUDGET):
@@ -156,22 +160,18 @@ class LogFollower:
         return fresh[::-1]
 
 
-def _daemon_line(status: Optional[Dict[str, Any]]) -> str:
-    if status is None:
-        return f"{stamp(None)} daemon not running"
-    return f"{stamp(None)} daemon running pid={status.get('pid')}"
-
-
 def follow_lines(root: str, interval: float) -> None:
+    """Piped mode: the lines of new records, and a line when the daemon comes or goes."""
     follower, limiter = LogFollower(root), StepLimiter()
+    warnings.simplefilter("ignore", statelog.TornTailWarning)   # a trainer mid-write
     said: List[Optional[str]] = [None]
 
     def tick(status: Optional[Dict[str, Any]], _mode: str) -> bool:
         lines = lines_for_new_records(follower.poll(), limiter) + limiter.flush(time.time())
-        daemon = _daemon_line(status)
-        if daemon.split(" ", 1)[1] != said[0]:
-            said[0] = daemon.split(" ", 1)[1]
-            lines.insert(0, daemon)
+        daemon = "not running" if status is None else f"running pid={status.get('pid')}"
+        if daemon != said[0]:
+            said[0] = daemon
+            lines.insert(0, f"{stamp(None)} daemon {daemon}")
         for line in lines:
             sys.stdout.write(line + "\n")
         sys.stdout.flush()
@@ -192,7 +192,10 @@ def live_view(root: str, interval: float, console: Console) -> None:
     with Live(console=console, auto_refresh=False, redirect_stdout=False,
               vertical_overflow="crop") as live:
         def tick(status: Optional[Dict[str, Any]], mode: str) -> bool:
-            live.update(view.render(model(status, mode), console.width), refresh=True)
+            try:
+                live.update(view.render(model(status, mode), console.width), refresh=True)
+            except OSError:   # a run removed while read: the next refresh shows it
+                pass
             return True
 
         view.refresh_loop(root, tick, interval=interval)
@@ -231,6 +234,7 @@ def watch(root: Optional[str], interval: float, once: bool, as_json: bool) -> No
         console.print(view.render(view.collect(root), console.width))
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.getLogger("watchdog").addHandler(logging.NullHandler())   # its stop warnings
     try:
         if sys.stdout.isatty():
             live_view(root, interval, console)
@@ -238,5 +242,5 @@ def watch(root: Optional[str], interval: float, once: bool, as_json: bool) -> No
             follow_lines(root, interval)
     except KeyboardInterrupt:
         pass
-    except BrokenPipeError:   # `snapd watch | head`: the reader left
-        sys.stderr.close()
+    except BrokenPipeError:   # `snapd watch | head`: the reader left; exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

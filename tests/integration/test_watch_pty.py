@@ -61,12 +61,12 @@ def _env():
 
 @pytest.fixture(scope="module")
 def training(tmp_path_factory):
-    """(root, run): a trainer running for ~25 s under a short root."""
+    """(root, run): a trainer running for ~30 s (killed at teardown) under a short root."""
     root = tempfile.mkdtemp(prefix="sd-", dir="/tmp")   # socket path < 107 bytes
     run = f"w{secrets.token_hex(3)}"
     script = tmp_path_factory.mktemp("watch") / "train.py"
     script.write_text(TRAINER)
-    trainer = subprocess.Popen([sys.executable, str(script), root, run, "400"], env=_env(),
+    trainer = subprocess.Popen([sys.executable, str(script), root, run, "600"], env=_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         yield root, run, trainer
