@@ -53,7 +53,8 @@ def try_connect(root: str) -> Optional[socket.socket]:
     """A socket connected to the root's daemon, or None when none listens."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(os.path.join(root, SOCKET_NAME))
+        with proto.socket_address(root) as address:
+            sock.connect(address)
         return sock
     except OSError as e:
         sock.close()

@@ -10,16 +10,38 @@ fields is a protocol error and the connection is closed.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, Optional, Type
+from typing import Any, Dict, Iterator, Optional, Type
 
 import msgpack
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct("<I")
+SOCKET_NAME = ".snapd.sock"
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+@contextmanager
+def socket_address(root: str) -> Iterator[str]:
+    """An AF_UNIX address for ``<root>/.snapd.sock``, whatever the root's length.
+
+    A path too long for ``sun_path`` is reached through ``/proc/self/fd/<dirfd>/``
+    (Linux resolves it at bind/connect time), so deep roots work without a symlink.
+    """
+    path = os.path.join(root, SOCKET_NAME)
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        yield path
+        return
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{SOCKET_NAME}"
+    finally:
+        os.close(fd)
 
 
 class ProtocolError(Exception):

@@ -40,7 +40,6 @@ _CRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 _OBJECT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
 SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
                   "best_mode", "hot_restore")
-MAX_SOCKET_PATH = 107
 
 
 def peer_allowed(peer_uid: int, own_uid: int) -> bool:
@@ -324,9 +323,6 @@ class Server:
 
     def bind(self) -> None:
         """Listen on <root>/.snapd.sock, mode 0600 (the caller holds the root lock)."""
-        if len(self.path.encode()) > MAX_SOCKET_PATH:
-            raise SnapdError(f"socket path {self.path} is longer than Unix sockets allow "
-                             f"({MAX_SOCKET_PATH} bytes); use a shorter --root")
         try:   # a socket left by a dead daemon: we hold the lock, so it is stale
             os.unlink(self.path)
         except FileNotFoundError:
@@ -334,7 +330,8 @@ class Server:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)   # never exists with looser permissions, even briefly
         try:
-            listener.bind(self.path)
+            with p.socket_address(self.root) as address:
+                listener.bind(address)
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)

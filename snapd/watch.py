@@ -50,7 +50,8 @@ class DaemonProbe:
     """A status-only connection to the root's daemon, reopened when lost."""
 
     def __init__(self, root: str, timeout: float = 2.0) -> None:
-        self.path, self.timeout = os.path.join(root, SOCKET_NAME), timeout
+        self.root, self.timeout = root, timeout
+        self.path = os.path.join(root, SOCKET_NAME)
         self._sock: Optional[socket.socket] = None
         self._ids = iter(range(1, 1 << 62))
 
@@ -68,7 +69,8 @@ class DaemonProbe:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._sock.settimeout(self.timeout)
-                self._sock.connect(self.path)
+                with proto.socket_address(self.root) as address:
+                    self._sock.connect(address)
                 self._request(proto.Hello(proto.PROTOCOL_VERSION, os.getpid(), "", 0))
             reply = self._request(proto.Status())
             return reply.get("status") if reply.get("op") == "status_reply" else None

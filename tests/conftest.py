@@ -26,6 +26,13 @@ def _snapshots_in_process():
         os.environ["SNAPD_DAEMON"] = before
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_daemon_left(tmp_path_factory):
+    """Whatever a test forgot, no daemon started under the session's tmp dirs outlives it."""
+    yield
+    stop_daemons_under(str(tmp_path_factory.getbasetemp()))
+
+
 @pytest.fixture(autouse=True)
 def _daemon_for_integration(request, monkeypatch):
     """Tests marked ``integration`` use the real daemon (and stop it themselves)."""

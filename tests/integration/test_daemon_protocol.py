@@ -21,6 +21,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 import pytest
+
+from conftest import stop_daemons_under
 import torch
 
 from snapd import protocol as p
@@ -451,3 +453,23 @@ def test_insufficient_space(harness, small_disk):
     assert store.committed() == [SnapshotId(0, 1)] and store.tmp_dirs() == []
     assert store.read_pointer("LATEST") == SnapshotId(0, 1)
     assert_snapshot_equals(store.snapshot_path(SnapshotId(0, 1)), first)
+
+
+@pytest.mark.integration
+def test_a_root_deeper_than_a_unix_socket_path_still_works(tmp_path):
+    """sun_path holds 107 bytes; a deep root is reached through /proc/self/fd."""
+    import torch
+    from snapd_client import Client
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    assert len(str(deep / ".snapd.sock")) > 107
+    model = torch.nn.Linear(3, 3)
+    client = Client(str(deep), "r", daemon=True)
+    client.track(model=model)
+    try:
+        client.snapshot(1).wait()
+        client.close()
+        assert os.path.isdir(deep / "r" / "snapshots" / "00000001")
+        assert os.path.exists(deep / ".snapd.sock")
+    finally:
+        stop_daemons_under(str(tmp_path))
