@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from snapd import retention
 from snapd.options import Options
 from snapd.recovery import RecoveryPlan, plan_recovery
 from snapd.store import RunStore, SnapshotId
@@ -162,7 +163,8 @@ class Client:
             objects=[obj for obj, _ in pieces], rng=self.rng.capture(),
             cursor=self._stream.state() if self._stream is not None else None,
             metric=None if metric is None else float(metric),
-            data_version=self.data_version, rank=self.rank)
+            data_version=self.data_version, rank=self.rank,
+            supersedes=self.restored.refused_names if self.restored else [])
         return plan, [pairs for _, pairs in pieces]
 
     def capture(self, step: int, metric: Optional[float] = None) -> SnapshotPlan:
@@ -205,11 +207,22 @@ class Client:
             handle = SnapshotHandle(step)
             plan = self.capture(step, metric)
             try:
-                handle.set_result(write_snapshot(self.store, plan, self.options))
+                result = write_snapshot(self.store, plan, self.options)
             except Exception as e:  # reported through the handle, as a daemon's would be
                 handle.set_error(e)
+            else:
+                self._retain()
+                handle.set_result(result)
         handle.plan_state = (plan.rng, plan.cursor)
         return handle
+
+    def _retain(self) -> None:
+        """In-process writes apply retention and move BEST, as the daemon does."""
+        try:
+            retention.apply_retention(self.store, self.options)
+        except Exception as e:  # the snapshot is committed; keeping too much is safe
+            warnings.warn(f"retention in {self.store.snapshots_path} failed, snapshots "
+                          f"kept: {e}", RuntimeWarning)
 
     def _record_outcome(self, handle: SnapshotHandle) -> None:
         """The lifecycle record of a snapshot; a committed one carries the full RNG
@@ -266,19 +279,22 @@ class Client:
             self._handoff.wait_copies()
 
     def log(self, step: int, *, samples: Optional[Iterable[int]] = None,
-            **scalars: float) -> None:
+            unchecked: Optional[Dict[str, float]] = None, **scalars: float) -> None:
         """Append this step's record: time, cursor, RNG digests, ``scalars``.
 
         One write, no fsync (grouped by time; forced at snapshot() and close()). After
         a resume, each recomputed step is checked against the interrupted run's
         record (ReplayDivergence, or a warning with ``replay_check="warn"``).
         ``samples``: the dataset indices this step consumed, when the loop knows them;
-        ``snapd batch RUN STEP`` prints them.
+        ``snapd batch RUN STEP`` prints them. ``unchecked``: values recorded but left
+        out of the replay check because they differ between runs by nature (wall-clock
+        time, throughput).
         """
         self._check_open()
         cursor = [self._stream.epoch, self._stream.index] if self._stream else None
         self.journal.step(step, cursor, scalars,
-                          None if samples is None else [int(i) for i in samples])
+                          None if samples is None else [int(i) for i in samples],
+                          unchecked)
 
     # --- restore -------------------------------------------------------------------
 

@@ -62,12 +62,15 @@ class Journal:
         self.closed = False
 
     def step(self, step: int, cursor: Optional[list], scalars: Dict[str, Any],
-             samples: Optional[list] = None) -> None:
+             samples: Optional[list] = None,
+             unchecked: Optional[Dict[str, Any]] = None) -> None:
         record = {"kind": "step", "step": step, "time": time.time(), "cursor": cursor,
                   "rng": self.rng.live_digests(),
                   "scalars": {k: float(v) for k, v in scalars.items()}}
         if samples is not None:
             record["samples"] = samples
+        if unchecked:
+            record["unchecked"] = {k: float(v) for k, v in unchecked.items()}
         self.writer.append(record)
         if self._replay is not None:
             self._check(record)

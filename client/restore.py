@@ -42,6 +42,7 @@ class Loaded:
     manifest: Dict[str, Any]
     states: Dict[str, Any]
     refused: List[str] = field(default_factory=list)
+    refused_names: List[str] = field(default_factory=list)  # newer, damaged snapshots
 
 
 def type_name(obj: Any) -> str:
@@ -141,6 +142,7 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                     tensor_source: Optional[TensorProvider] = None) -> Optional[Loaded]:
     """The newest snapshot that verifies and fits, fully read; None if the run is new."""
     refused: List[str] = []
+    refused_names: List[str] = []
     for sid in candidates(store):
         path = store.snapshot_path(sid)
         try:
@@ -157,11 +159,12 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                 _check_optimizer_groups(name, states[name], obj, source)
         except CorruptSnapshot as e:
             refused.append(f"{sid.name}: {e}")
+            refused_names.append(sid.name)
             warnings.warn(f"snapshot {path} refused: {e}; trying an older one "
                           "(the refused snapshot is left on disk)", FallbackWarning,
                           stacklevel=3)
             continue
-        return Loaded(sid, path, reader.manifest, states, refused)
+        return Loaded(sid, path, reader.manifest, states, refused, refused_names)
     if refused:
         raise CorruptSnapshot(f"{store.path}: no snapshot verifies; refused: "
                               + "; ".join(refused) + ". To start over, use a new run "

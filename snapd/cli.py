@@ -1,30 +1,53 @@
 """``snapd``: the command line. A registry only; each subcommand is its own module
-under snapd/commands/."""
+under snapd/commands/, imported when it runs, so that ``snapd status`` or
+``snapd watch`` does not pay for importing torch."""
 
 from __future__ import annotations
+
+import importlib
+from typing import Dict, List, Optional, Tuple
 
 import click
 
 from snapd import __version__
-from snapd.commands import batch, serve, status
-from snapd.commands import watch
-from snapd.commands import diff, export, gc, inspect, ls, plot, verify
+
+# name: (module under snapd.commands, one-line summary for `snapd --help`)
+COMMANDS: Dict[str, Tuple[str, str]] = {
+    "serve": ("serve", "Run the daemon for a root (clients start one themselves)."),
+    "status": ("status", "Runs, progress, last snapshot, updates at risk, last resume."),
+    "watch": ("watch", "Live view of a root: steps, snapshots in flight, stalls, disk."),
+    "batch": ("batch", "Which batches and samples a step consumed, from the log."),
+    "ls": ("ls", "List snapshots with step, size, metric and LATEST/BEST marks."),
+    "inspect": ("inspect", "Objects, tensors, RNG streams, cursor and lineage of one."),
+    "verify": ("verify", "Read every file and check every checksum (exit 1 on damage)."),
+    "diff": ("diff", "Compare two snapshots tensor by tensor (exit 1 if different)."),
+    "gc": ("gc", "Apply retention; never deletes the last verified snapshot."),
+    "export": ("export", "Model weights only, as safetensors, with lineage metadata."),
+    "plot": ("plot", "Loss over steps from the log, snapshots and resumes marked."),
+}
 
 
-@click.group()
+class LazyGroup(click.Group):
+    """Imports a subcommand's module only when that subcommand is asked for."""
+
+    def list_commands(self, ctx: click.Context) -> List[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> Optional[click.Command]:
+        if name not in COMMANDS:
+            return None
+        module = importlib.import_module(f"snapd.commands.{COMMANDS[name][0]}")
+        return getattr(module, name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, summary) for name, (_, summary) in COMMANDS.items()])
+
+
+@click.group(cls=LazyGroup)
 @click.version_option(__version__, prog_name="snapd")
 def main() -> None:
-    """snapd: asynchronous snapshots of PyTorch training, and exact resume."""
+    """snapd: asynchronous snapshots of PyTorch training, and exact resume.
 
-
-main.add_command(serve.serve)
-main.add_command(status.status)
-main.add_command(batch.batch)
-main.add_command(watch.watch)
-main.add_command(ls.ls)
-main.add_command(inspect.inspect)
-main.add_command(verify.verify)
-main.add_command(diff.diff)
-main.add_command(gc.gc)
-main.add_command(export.export)
-main.add_command(plot.plot)
+    Example: snapd status checkpoints
+    """

@@ -54,6 +54,9 @@ class SnapshotPlan:
     data_version: Optional[str] = None
     rank: int = 0
     world_size: int = 1
+    # Names of damaged snapshots restore() refused: the writer may move one aside
+    # (never delete it) when this snapshot needs its name.
+    supersedes: List[str] = field(default_factory=list)
 
     @property
     def sid(self) -> SnapshotId:
@@ -80,7 +83,8 @@ def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any
     return {"run": plan.run, "step": plan.step, "lineage": plan.lineage,
             "objects": objects, "rng": plan.rng, "cursor": plan.cursor,
             "metric": plan.metric, "data_version": plan.data_version,
-            "rank": plan.rank, "world_size": plan.world_size}
+            "rank": plan.rank, "world_size": plan.world_size,
+            "supersedes": list(plan.supersedes)}
 
 
 def from_descriptor(desc: Dict[str, Any], slot: memoryview) -> SnapshotPlan:
@@ -102,4 +106,5 @@ def from_descriptor(desc: Dict[str, Any], slot: memoryview) -> SnapshotPlan:
                                   obj.get("metadata")))
     return SnapshotPlan(desc["run"], desc["step"], desc["lineage"], objects, desc["rng"],
                         desc.get("cursor"), desc.get("metric"), desc.get("data_version"),
-                        desc.get("rank", 0), desc.get("world_size", 1))
+                        desc.get("rank", 0), desc.get("world_size", 1),
+                        [str(n) for n in desc.get("supersedes") or []])

@@ -28,6 +28,7 @@ from snapd import fsio
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}$")
 _SNAPSHOT_NAME = re.compile(r"^(\d{8,})(?:\.L(\d+))?$")
 TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = ".damaged-"
 POINTERS = ("LATEST", "BEST")
 
 
@@ -102,6 +103,15 @@ class RunStore:
     def write_pointer(self, which: str, sid: SnapshotId) -> None:
         assert which in POINTERS
         fsio.replace_file_atomic(os.path.join(self.path, which), f"{sid.name}\n".encode())
+
+    def set_aside(self, sid: SnapshotId) -> str:
+        """Rename a damaged snapshot to ``.damaged-<name>-<nonce>``: no longer listed as
+        committed, never collected, kept for inspection. Returns its new path."""
+        aside = os.path.join(self.snapshots_path,
+                             f"{DAMAGED_PREFIX}{sid.name}-{secrets.token_hex(4)}")
+        os.rename(self.snapshot_path(sid), aside)
+        fsio.fsync_dir(self.snapshots_path)
+        return aside
 
     def tmp_dirs(self) -> List[str]:
         try:

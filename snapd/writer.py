@@ -124,8 +124,10 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
     t0 = time.perf_counter()
     final = store.snapshot_path(plan.sid)
     if os.path.exists(final):
-        raise FileExistsError(f"{final} already exists: snapshot step {plan.step} was "
-                              "committed before; snapshot a later step")
+        if plan.sid.name not in plan.supersedes:
+            raise FileExistsError(f"{final} already exists: snapshot step {plan.step} was "
+                                  "committed before; snapshot a later step")
+        store.set_aside(plan.sid)  # refused as damaged at restore: kept, renamed
     tmp = store.new_tmp_dir(plan.sid)
     # 1. Tensor files into the private tmp dir, each fsynced before the manifest.
     with_tensors = [o for o in plan.objects if o.tensors]

@@ -246,3 +246,32 @@ def test_snapshot_of_an_existing_step_fails_through_the_handle(root):
     assert handle.done() and handle.failed
     with pytest.raises(Exception, match="already exists"):
         client.close()
+
+
+def test_a_refused_snapshot_is_set_aside_not_deleted_when_its_step_is_saved_again(root):
+    snaps = make_run(root)
+    flip_byte(os.path.join(snaps, "00000002", "model.tensors"), fmt.HEADER_BYTES + 7)
+    client, _ = fresh(root)
+    with pytest.warns(FallbackWarning):
+        assert client.restore() == 1
+    client.snapshot(2).wait()  # the resumed run reaches step 2 again
+    client.close()
+    names = os.listdir(snaps)
+    aside = [n for n in names if n.startswith(".damaged-00000002-")]
+    assert len(aside) == 1 and "00000002" in names
+    SnapshotReader(os.path.join(snaps, "00000002")).verify()
+    with pytest.raises(CorruptSnapshot):  # the damaged one is kept as it was
+        SnapshotReader(os.path.join(snaps, aside[0])).verify()
+
+
+def test_in_process_writes_apply_retention_and_move_best(root):
+    snaps = make_run(root, steps=(1, 2, 3), keep_last=2)
+    assert sorted(os.listdir(snaps)) == ["00000002", "00000003"]
+    client, _ = fresh(root)
+    client.options = client.options.replace(keep_last=2, keep_best=1)
+    client.restore()
+    client.snapshot(4, metric=0.5).wait()
+    client.snapshot(5, metric=0.9).wait()
+    client.close()
+    assert open(os.path.join(root, "r", "BEST")).read().strip() == "00000004"
+    assert "00000004" in os.listdir(snaps)  # the best is kept past keep_last

@@ -21,9 +21,9 @@ def consumed(path: str, rank: int, step: int) -> dict:
     if after and start:
         if start[0] == after[0]:
             out["batches"] = [[after[0], i] for i in range(start[1], after[1])]
-        else:  # the step crossed an epoch boundary
-            out["batches"] = ([[start[0], f"{start[1]}.."]]
-                              + [[after[0], i] for i in range(after[1])])
+        else:  # the step crossed an epoch boundary: epoch start[0] ran out first
+            out["batches"] = [[after[0], i] for i in range(after[1])]
+            out["previous_epoch_from"] = [start[0], start[1]]
     return out
 
 
@@ -43,6 +43,10 @@ def batch(run: str, step: int, root: str | None, rank: int, as_json: bool) -> No
         emit_json(info)
         return
     click.echo(f"step {step} (rank {rank}) consumed:")
+    if "previous_epoch_from" in info:
+        epoch, index = info["previous_epoch_from"]
+        click.echo(f"  epoch {epoch} from batch {index} to its end (none if it had "
+                   f"{index} batches)")
     for epoch, index in info.get("batches", []):
         click.echo(f"  epoch {epoch} batch {index}")
     if info["samples"] is not None:

@@ -184,10 +184,11 @@ def render(out: Dict[str, Any], show_equal: bool, console: Console) -> None:
     for side in ("only_in_a", "only_in_b"):
         if out[side]:
             console.print(f"objects only in {side[-1].upper()}: {', '.join(out[side])}")
+    rng = ", ".join(out["rng_different"]) + " differ" if out["rng_different"] else "equal"
     console.print(
         f"{sum(counts.values())} tensors compared: {counts['equal']} equal, "
         f"{counts['different']} different, {counts['mismatch']} shape/dtype mismatches; "
-        f"rng streams: {', '.join(out['rng_different']) + ' differ' if out['rng_different'] else 'equal'}; "
+        f"rng streams: {rng}; "
         f"cursor: {'equal' if out['cursor_equal'] else 'different'}", highlight=False)
     console.print("[green]EQUAL[/green]" if out["equal"] else "[red]DIFFERENT[/red]")
 

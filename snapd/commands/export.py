@@ -100,11 +100,12 @@ def weights(reader: SnapshotReader, name: str) -> Tuple[Dict[str, torch.Tensor],
 def metadata(reader: SnapshotReader, name: str, snapshot_name: str) -> Dict[str, str]:
     m = reader.manifest
     parent = (m.get("lineage") or {}).get("parent")
+    version = m.get("data_version")
     return {"format": "pt", "snapd.run": str(m.get("run") or ""),
             "snapd.step": str(m["step"]), "snapd.snapshot": snapshot_name,
-            "snapd.object": name,
-            "snapd.data_version": "" if m.get("data_version") is None else str(m["data_version"]),
-            "snapd.base_revision": f"{parent.get('run')}/{parent.get('snapshot')}" if parent else ""}
+            "snapd.object": name, "snapd.data_version": "" if version is None else str(version),
+            "snapd.base_revision": f"{parent.get('run')}/{parent.get('snapshot')}"
+                                   if parent else ""}
 
 
 @click.command()

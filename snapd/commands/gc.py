@@ -49,7 +49,8 @@ def plan_run(store: RunStore, opts: Options) -> Dict[str, Any]:
             "protected": [i.sid.name for i in protected], "refused": refused}
 
 
-def apply_run(store: RunStore, plan: Dict[str, Any], opts: Options, dry_run: bool) -> Dict[str, Any]:
+def apply_run(store: RunStore, plan: Dict[str, Any], opts: Options,
+              dry_run: bool) -> Dict[str, Any]:
     sizes = {i.sid.name: _dir_bytes(store.snapshot_path(i.sid)) for i in plan["delete"]}
     if not dry_run:
         trash = [retention.trash_snapshot(store, i.sid) for i in plan["delete"]]

@@ -75,7 +75,8 @@ def render(info: Dict[str, Any], console: Console) -> None:
         f"[bold]{escape(info['path'])}[/bold]\n"
         f"  run {escape(str(info['run']))}  step {info['step']}  rank {info['rank']} of "
         f"{info['world_size']}  metric {metric}\n"
-        f"  created {info['created_iso']} ({age(None if created is None else time.time() - created)} ago)"
+        f"  created {info['created_iso']} "
+        f"({age(None if created is None else time.time() - created)} ago)"
         f"  data_version {escape(repr(info['data_version']))}\n"
         f"  lineage {escape(lineage_text(info['lineage']))}  files {human_bytes(info['bytes'])}",
         highlight=False)

@@ -17,7 +17,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from snapd.commands.common import ROOT_HELP, age, emit_json, resolve_root, run_dir
-from snapd.commands.locate import files_bytes, human_bytes, iso_time, lineage_text
+from snapd.commands.locate import (Located, files_bytes, human_bytes, iso_time,
+                                   lineage_text)
+from snapd.commands.verify import check
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId, list_runs
@@ -40,12 +42,9 @@ def describe(store: RunStore, sid: SnapshotId, *, verify: bool,
     row.update(step=m["step"], lineage=m.get("lineage"), bytes=files_bytes(m),
                metric=m.get("metric"), created=m.get("created"),
                data_version=m.get("data_version"), verified="manifest ok")
-    if verify:
-        try:
-            reader.verify()
-            row["verified"] = "ok"
-        except CorruptSnapshot as e:
-            row.update(verified="DAMAGED", error=str(e))
+    if verify:  # the same checks as snapd verify: every byte, every skeleton
+        result = check(Located(path, sid.name, store.run))
+        row.update(verified="ok" if result["ok"] else "DAMAGED", error=result["error"])
     return row
 
 

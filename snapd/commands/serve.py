@@ -18,6 +18,8 @@ def serve(root: str, foreground: bool) -> None:
 
     Exit code 0 after a clean stop (SIGTERM/SIGINT drain accepted snapshots first),
     2 when another daemon already serves the root.
+
+    Example: snapd serve --root checkpoints
     """
     from snapd.daemon import main  # imported here so that `snapd --help` stays fast
     sys.exit(main(root))

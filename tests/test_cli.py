@@ -1,0 +1,31 @@
+"""Every subcommand is registered, loads, and has --help with an example."""
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from snapd.cli import COMMANDS, main
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_each_command_has_help_with_an_example(name):
+    result = CliRunner().invoke(main, [name, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Example" in result.output
+
+
+def test_top_level_help_lists_every_command_without_importing_torch():
+    code = ("import sys; from click.testing import CliRunner; from snapd.cli import main; "
+            "r = CliRunner().invoke(main, ['--help']); print(r.output); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert all(name in out for name in COMMANDS)
+    assert out.strip().endswith("False")
+
+
+def test_unknown_command_is_an_error():
+    result = CliRunner().invoke(main, ["frobnicate"])
+    assert result.exit_code == 2 and "No such command" in result.output
