@@ -531,19 +531,52 @@ def w_slowdown(args, model, opt, tensors, sampler, res) -> None:
     units = max(1, round((args.step_seconds - min(opt_s)) / unit))
     res.update(matmul_s=unit, units=units, opt_step_s=opt_s, target_step_s=args.step_seconds)
 
+    parts = {"base": [], "snap": []}   # per step: (matmuls, optimizer step, snapshot())
+
     def step():
+        t0 = time.perf_counter()
         for _ in range(units):
             torch.mm(a, b, out=c)
-        opt.step()
+        t1 = time.perf_counter()
+        opt.step()   # in overlap mode snapd's pre-hook waits here for the copy
+        return t1 - t0, time.perf_counter() - t1
+
+    import psutil
+    me = psutil.Process()
+    cpu_acc = {"base": [0.0, 0.0, 0.0, 0.0], "snap": [0.0, 0.0, 0.0, 0.0]}
+
+    def cpu_now():
+        """(trainer CPU-s, daemon CPU-s, machine busy CPU-s, machine steal CPU-s)"""
+        t = me.cpu_times()
+        d = 0.0
+        if "daemon" in sampler.procs:
+            try:
+                dt = sampler.procs["daemon"].cpu_times()
+                d = dt.user + dt.system
+            except psutil.Error:
+                pass
+        m = psutil.cpu_times()
+        busy = sum(m) - m.idle - getattr(m, "iowait", 0.0) - getattr(m, "steal", 0.0) \
+            - getattr(m, "guest", 0.0) - getattr(m, "guest_nice", 0.0)
+        return [t.user + t.system, d, busy, getattr(m, "steal", 0.0)]
 
     def block(n, ckpt=None, start=0):
         times, handles = [], []
+        c0 = cpu_now()
         for i in range(n):
             t0 = time.perf_counter()
-            step()
+            mm, st = step()
+            t1 = time.perf_counter()
             if ckpt is not None:
                 handles.append(ckpt.snapshot(start + i))
             times.append(time.perf_counter() - t0)
+            if ckpt is None or i:   # as counted: not the first step of a snapshot block
+                parts["snap" if ckpt is not None else "base"].append(
+                    (mm, st, time.perf_counter() - t1))
+        c1 = cpu_now()
+        kind = "snap" if ckpt is not None else "base"
+        for k in range(4):
+            cpu_acc[kind][k] += c1[k] - c0[k]
         return times, handles
 
     step()  # warm
@@ -572,6 +605,12 @@ def w_slowdown(args, model, opt, tensors, sampler, res) -> None:
                backpressure_s=[h.stall_seconds for h in handles],
                skipped=list(ckpt.skipped),
                daemon_write_s=[r.seconds for r in results if r is not None])
+    # CPU-seconds per block kind: trainer, daemon, whole machine (busy), steal.
+    res["cpu"] = {k: dict(zip(("trainer", "daemon", "machine", "steal"), v))
+                  for k, v in cpu_acc.items()}
+    res["cpu_wall"] = {"base": sum(base), "snap": sum(snap) + sum(first)}
+    res["cpu_steps"] = {"base": len(base), "snap": len(snap) + len(first)}
+    res["parts"] = parts
     res["peak"] = sampler.stop()
 
 
@@ -972,6 +1011,7 @@ def slowdown_lines(slow: Dict[str, Any], targets: list) -> List[str]:
             f"| snapshot every step | {fs(snap)} | {fs(msnap)} | "
             f"{fs(min(slow['snap_s']))} | {fs(max(slow['snap_s']))} |",
             f"| slowdown | {pct:+.1f}% | {mpct:+.1f}% | | |", "",
+            *cpu_lines(slow),
             f"- daemon write per snapshot: {fs(median(slow['daemon_write_s']))}; "
             f"time snapshot() waited for a free slot (backpressure): "
             f"{fs(max(slow['backpressure_s'] or [0]))} at most; skipped: "
@@ -979,6 +1019,30 @@ def slowdown_lines(slow: Dict[str, Any], targets: list) -> List[str]:
     targets.append(("training slowdown < 5% (overlap, snapshot every step)",
                     slow.get("size"), f"{pct:+.1f}%", pct < 5))
     return out
+
+
+def cpu_lines(slow: Dict[str, Any]) -> List[str]:
+    """Where the CPU went during the blocks: ours, the daemon's, other processes'."""
+    cpu, wall, steps = slow.get("cpu"), slow.get("cpu_wall"), slow.get("cpu_steps")
+    if not cpu:
+        return []
+    out = []
+    parts = slow.get("parts")
+    if parts and parts["base"] and parts["snap"]:
+        b = [statistics.mean(x) for x in zip(*parts["base"])]
+        s = [statistics.mean(x) for x in zip(*parts["snap"])]
+        out += ["", "| where the step time went (mean) | matmuls | optimizer step (with "
+                "snapd's pre-hook) | snapshot() call |", "|---|---|---|---|",
+                f"| no snapshots | {fs(b[0])} | {fs(b[1])} | – |",
+                f"| snapshot every step | {fs(s[0])} | {fs(s[1])} | {fs(s[2])} |"]
+    out += ["", "| CPU per step (CPU-s) | trainer | daemon | other processes | steal | "
+           "cores busy (of 2) |", "|---|---|---|---|---|---|"]
+    for kind, label in (("base", "no snapshots"), ("snap", "snapshot every step")):
+        c, n, w = cpu[kind], max(steps[kind], 1), max(wall[kind], 1e-9)
+        other = max(c["machine"] - c["trainer"] - c["daemon"], 0.0)
+        out.append(f"| {label} | {c['trainer'] / n:.2f} | {c['daemon'] / n:.2f} | "
+                   f"{other / n:.2f} | {c['steal'] / n:.2f} | {c['machine'] / w:.2f} |")
+    return out + [""]
 
 
 def write_doc(path: str, section: str) -> None:

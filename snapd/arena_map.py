@@ -181,9 +181,8 @@ class HotCache:
                 removed += 1
         return removed
 
-    def put(self, run: str, rank: int, data: memoryview, plan: Dict[str, Any],
-            snapshot: str) -> HotEntry:
-        """Copy ``data`` into a fresh segment, then replace the previous one."""
+    def copy(self, run: str, rank: int, data: memoryview) -> str:
+        """Copy ``data`` into a fresh segment; returns its name (not yet published)."""
         name = self.segment_name(run, rank)
         path = os.path.join(self.shm_dir, name)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
@@ -195,13 +194,28 @@ class HotCache:
             _unlink_quietly(path)
             raise
         os.close(fd)
-        entry = HotEntry(name, snapshot, plan, len(data))
+        return name
+
+    def publish(self, run: str, rank: int, name: str, plan: Dict[str, Any],
+                snapshot: str, size: int) -> HotEntry:
+        """Make a copied segment the held snapshot of (run, rank), replacing the last."""
+        entry = HotEntry(name, snapshot, plan, size)
         with self._lock:
             old = self._entries.get((run, rank))
             self._entries[(run, rank)] = entry
         if old is not None:  # a reader that mapped the old one keeps its mapping
             _unlink_quietly(os.path.join(self.shm_dir, old.shm))
         return entry
+
+    def discard(self, name: str) -> None:
+        """Unlink a copied segment that will not be published (its write failed)."""
+        _unlink_quietly(os.path.join(self.shm_dir, name))
+
+    def put(self, run: str, rank: int, data: memoryview, plan: Dict[str, Any],
+            snapshot: str) -> HotEntry:
+        """Copy ``data`` into a fresh segment, then replace the previous one."""
+        return self.publish(run, rank, self.copy(run, rank, data), plan, snapshot,
+                            len(data))
 
     def get(self, run: str, rank: int) -> Optional[HotEntry]:
         with self._lock:

@@ -226,18 +226,25 @@ class Daemon:
     # --- one snapshot ---------------------------------------------------------------
 
     def _write(self, sub: Submission) -> None:
-        """Write, retain, hot-copy, free the slot, report. Never raises."""
+        """Write, retain, hot-copy, free the slot, report. Never raises.
+
+        The hot copy (a memcpy of the slot) runs beside the disk write, which is
+        slower, so that it adds nothing to the time until the snapshot is durable.
+        """
         sub.started = time.time()
         store = RunStore(self.root, sub.run)
+        hot = _Background(self._hot_copy, sub) if self._hot_wanted(sub) else None
         try:
             result = self._commit(store, sub)
         except Exception as e:
             self._collect_failed(store)
+            if hot is not None and hot.result():
+                self.hot_cache.discard(hot.result())
             sub.release()
             self._report_failure(sub, e)
             return
         trash = self._retain(store, sub)
-        self._hot_copy(sub, result)
+        self._publish_hot(sub, result, hot.result() if hot is not None else None)
         self.runs[sub.run] = {"last_committed": result.sid.name, "step": sub.step,
                               "bytes": result.bytes_written,
                               "seconds": round(result.seconds, 3),
@@ -289,21 +296,29 @@ class Daemon:
             log(f"run {sub.run!r}: retention deleted {', '.join(result.deleted)}")
         return result.trash
 
-    def _hot_copy(self, sub: Submission, result: CommitResult) -> None:
-        """Keep the committed slot in memory for a fast restore, when memory allows."""
-        slot_bytes = sub.arena.slot_bytes
-        if not sub.options.hot_restore or \
-                psutil.virtual_memory().available <= 2 * slot_bytes:
-            self.hot_cache.drop(sub.run, sub.rank)   # an older copy is not the latest
-            return
+    def _hot_wanted(self, sub: Submission) -> bool:
+        """Keep the snapshot in memory for a fast restore, when memory allows."""
+        return bool(sub.options.hot_restore) and \
+            psutil.virtual_memory().available > 2 * sub.arena.slot_bytes
+
+    def _hot_copy(self, sub: Submission) -> Optional[str]:
+        """The slot's used bytes copied into a new segment (None if that failed)."""
         data = sub.view[:used_bytes(sub.desc)]
         try:
-            self.hot_cache.put(sub.run, sub.rank, data, sub.desc, result.sid.name)
-        except Exception as e:   # the snapshot is committed; the copy is optional
-            self.hot_cache.drop(sub.run, sub.rank)
-            log(f"no hot copy of {sub.run!r} {result.sid.name}: {e}")
+            return self.hot_cache.copy(sub.run, sub.rank, data)
+        except Exception as e:   # the copy is optional; the snapshot is not
+            log(f"no hot copy of {sub.run!r} step {sub.step}: {e}")
+            return None
         finally:
             data.release()
+
+    def _publish_hot(self, sub: Submission, result: CommitResult,
+                     segment: Optional[str]) -> None:
+        if segment is None:   # an older copy is no longer the latest snapshot
+            self.hot_cache.drop(sub.run, sub.rank)
+            return
+        self.hot_cache.publish(sub.run, sub.rank, segment, sub.desc, result.sid.name,
+                               used_bytes(sub.desc))
 
     # --- status -------------------------------------------------------------------
 
@@ -324,6 +339,22 @@ class Daemon:
                 "bytes_total": sub.plan.nbytes,
                 "bytes_written": sub.bytes_done,   # raw bytes, like bytes_total
                 "accepted": sub.accepted, "started": sub.started}
+
+
+class _Background:
+    """Run ``fn(*args)`` on a thread now; ``result()`` joins and returns its value."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._value: Any = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        self._value = fn(*args)
+
+    def result(self) -> Any:
+        self._thread.join()
+        return self._value
 
 
 def _pid_alive(pid: Any) -> bool:
