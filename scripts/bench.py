@@ -36,7 +36,7 @@ its own subprocess (``--method M --size S``, JSON out) so peak RSS figures do no
 
 The first snapshot/save of each method is a warm-up and is not counted (the daemon
 starts and the arena is allocated there; DCP's stager allocates its staging copy).
-Figures are medians over the counted repetitions. ``--quick`` is a smoke test (100M,
+Figures are medians over the counted repetitions (3 up to 1G, 1 above). ``--quick`` is a smoke test (100M,
 2 repetitions, a short slowdown loop).
 """
 
@@ -661,7 +661,7 @@ def psutil_alive(pid: int) -> bool:
 def reps_for(nbytes: int, quick: bool) -> int:
     if quick:
         return 2
-    return 3 if nbytes <= 256 * MiB else 2 if nbytes <= 1536 * MiB else 1
+    return 3 if nbytes <= 1536 * MiB else 1
 
 
 def busy_processes() -> List[str]:
@@ -771,7 +771,10 @@ def orchestrate(args) -> None:
                         n.startswith(f"snapd-hot-{os.getuid()}-{RUN}-")]
     info["elapsed_s"] = time.perf_counter() - t_start
     info["date"] = start.strftime("%Y-%m-%d %H:%M UTC")
-    info["command"] = "python scripts/bench.py " + " ".join(sys.argv[1:])
+    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                   if k.startswith("SNAPD_"))
+    info["command"] = (env + " " if env else "") + "python scripts/bench.py " + \
+        " ".join(sys.argv[1:])
     text = report(results, slow, info, args)
     print(text)
     if args.json:
@@ -808,7 +811,8 @@ def check(ok: Optional[bool]) -> str:
 def report(results, slow, info, args) -> str:
     lines = [SECTION, ""]
     lines += [f"Measured {info['date']} with:", "", "```sh",
-              f".venv/bin/{info['command']}", "```", ""]
+              info["command"].replace("python scripts", ".venv/bin/python scripts").strip(),
+              "```", ""]
     lines += [
         f"Machine: {info['nproc']} CPUs (`nproc`; {info['cpu']}), "
         f"{info['mem_total'] / GiB:.1f} GiB memory ({info['mem_available'] / GiB:.1f} GiB "
@@ -820,7 +824,7 @@ def report(results, slow, info, args) -> str:
         "pages of a file being written, new tmpfs pages, new tensors), which weighs on "
         "every method that writes new files or allocates new memory.", "",
         "All figures are from **one run** of the script (medians over "
-        "the counted repetitions: 3 at 100M, 2 at 1G, 1 at 2G, after one uncounted "
+        "the counted repetitions: 3 up to 1G, 1 at 2G, after one uncounted "
         "warm-up save per method); they are not averaged across runs. "
         f"Load average at start {info['load_before'][0]:.2f}, at end "
         f"{info['load_after'][0]:.2f}; the whole run took {info['elapsed_s'] / 60:.1f} min.",
