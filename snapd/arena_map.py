@@ -158,6 +158,11 @@ class HotCache:
     def __init__(self, *, shm_dir: str = SHM_DIR) -> None:
         self.shm_dir = shm_dir
         self._entries: Dict[Tuple[str, int], HotEntry] = {}
+        # The segment a newer commit replaced, kept to be written over by the next
+        # copy: its pages are already faulted in, and fresh pages cost this machine
+        # several times a warm memcpy (docs/benchmarks.md). Two segments per (run,
+        # rank) at most, which is what the copy-then-replace order needs anyway.
+        self._spares: Dict[Tuple[str, int], str] = {}
         self._lock = threading.Lock()
 
     def segment_name(self, run: str, rank: int) -> str:
@@ -182,13 +187,24 @@ class HotCache:
         return removed
 
     def copy(self, run: str, rank: int, data: memoryview) -> str:
-        """Copy ``data`` into a fresh segment; returns its name (not yet published)."""
-        name = self.segment_name(run, rank)
+        """Copy ``data`` into a segment (the spare, else a new one); returns its name,
+        not yet published. A restore that still maps the spare reads changing bytes
+        and falls back to the files: it verifies every tensor's checksum."""
+        with self._lock:
+            name = self._spares.pop((run, rank), None)
+        if name is None:
+            name = self.segment_name(run, rank)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        else:
+            flags = os.O_WRONLY
         path = os.path.join(self.shm_dir, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:   # the spare was unlinked behind our back
+            return self.copy(run, rank, data)
         try:
             fsio.write_all(fd, data)
+            os.ftruncate(fd, len(data))
         except BaseException:
             os.close(fd)
             _unlink_quietly(path)
@@ -198,13 +214,17 @@ class HotCache:
 
     def publish(self, run: str, rank: int, name: str, plan: Dict[str, Any],
                 snapshot: str, size: int) -> HotEntry:
-        """Make a copied segment the held snapshot of (run, rank), replacing the last."""
+        """Make a copied segment the held snapshot of (run, rank); the one it replaces
+        becomes the spare (an older spare is unlinked)."""
         entry = HotEntry(name, snapshot, plan, size)
         with self._lock:
             old = self._entries.get((run, rank))
             self._entries[(run, rank)] = entry
-        if old is not None:  # a reader that mapped the old one keeps its mapping
-            _unlink_quietly(os.path.join(self.shm_dir, old.shm))
+            extra = self._spares.pop((run, rank), None)
+            if old is not None:
+                self._spares[(run, rank)] = old.shm
+        if extra is not None:
+            _unlink_quietly(os.path.join(self.shm_dir, extra))
         return entry
 
     def discard(self, name: str) -> None:
@@ -224,15 +244,17 @@ class HotCache:
     def drop(self, run: str, rank: int) -> None:
         with self._lock:
             old = self._entries.pop((run, rank), None)
-        if old is not None:
-            _unlink_quietly(os.path.join(self.shm_dir, old.shm))
+            spare = self._spares.pop((run, rank), None)
+        for name in ([old.shm] if old is not None else []) + ([spare] if spare else []):
+            _unlink_quietly(os.path.join(self.shm_dir, name))
 
     def close(self) -> None:
         """Unlink every hot segment (clean shutdown: the memory is returned)."""
         with self._lock:
-            entries, self._entries = list(self._entries.values()), {}
-        for entry in entries:
-            _unlink_quietly(os.path.join(self.shm_dir, entry.shm))
+            names = [e.shm for e in self._entries.values()] + list(self._spares.values())
+            self._entries, self._spares = {}, {}
+        for name in names:
+            _unlink_quietly(os.path.join(self.shm_dir, name))
 
 
 def used_bytes(desc: Dict[str, Any]) -> int:

@@ -94,9 +94,13 @@ def test_hot_cache_replaces_and_unlinks(shm):
     assert "=" not in first.shm and (shm / first.shm).read_bytes() == b"abc"
     assert oct((shm / first.shm).stat().st_mode & 0o777) == "0o600"
     second = hot.put("r=1", 0, memoryview(b"de"), {"objects": []}, "00000002")
-    assert not (shm / first.shm).exists() and hot.get("r=1", 0) == second
+    assert hot.get("r=1", 0) == second and second.shm != first.shm
+    assert (shm / first.shm).exists()  # kept as the spare the next copy writes over
+    third = hot.put("r=1", 0, memoryview(b"fgh"), {"objects": []}, "00000003")
+    assert third.shm == first.shm and (shm / third.shm).read_bytes() == b"fgh"
+    assert (shm / second.shm).exists() and len(os.listdir(shm)) == 2  # never more
     hot.close()
-    assert not (shm / second.shm).exists() and hot.get("r=1", 0) is None
+    assert os.listdir(shm) == [] and hot.get("r=1", 0) is None
 
 
 def test_hot_copies_of_dead_daemons_are_reclaimed(shm):
