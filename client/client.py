@@ -30,7 +30,7 @@ import torch
 from snapd import retention
 from snapd.options import Options
 from snapd.recovery import RecoveryPlan, plan_recovery
-from snapd.store import RunStore, SnapshotId
+from snapd.store import RunStore
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.writer import write_snapshot
 from snapd_client.cursor import BatchStream
@@ -191,7 +191,7 @@ class Client:
                            stall=time.perf_counter() - started,
                            waited=handle.stall_seconds, mode=self.options.mode
                            if self._handoff is not None else "in-process")
-        self.journal.sync()  # the steps a snapshot covers are durable before it is
+        self.journal.sync_soon()  # flushed now by the log's thread: no fsync here
         handle.add_done_callback(self._record_outcome)
         # Only handles close() may still have to wait for or raise are kept.
         self._handles = [h for h in self._handles if h.pending] + [handle]

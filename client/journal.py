@@ -114,8 +114,9 @@ class Journal:
             "from": replay["from"], "to": replay["to"], "checked": replay["checked"],
             **fields})
 
-    def sync(self) -> None:
-        self.writer.sync()
+    def sync_soon(self) -> None:
+        """Make the log durable promptly, without the caller waiting for the disk."""
+        self.writer.sync_soon()
 
     def resume(self, **fields: Any) -> Dict[str, Any]:
         """The resume record; kept, so that later committed records can carry it."""

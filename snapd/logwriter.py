@@ -53,6 +53,7 @@ class LogWriter:
                 fsync_dir(str(d.parent))  # the new directory entry survives a crash
         self._open_last()
         self._stop, self._thread = threading.Event(), None
+        self._wake = threading.Event()  # sync_soon(): flush now, not at the next tick
         if flush_interval:
             self._thread = threading.Thread(target=self._flush_loop, args=(flush_interval,),
                                             name=f"snapd-log-flush-{rank}", daemon=True)
@@ -180,8 +181,21 @@ class LogWriter:
             if self._fd is not None and self._seq == seq and upto > self._marked:
                 self._write_mark(upto)
 
+    def sync_soon(self) -> None:
+        """Ask the flush thread to fsync now, without waiting for it: what a training
+        loop calls, since it must never wait for the disk. Without a flush thread,
+        this is ``sync()``."""
+        if self._thread is None:
+            self.sync()
+        else:
+            self._wake.set()
+
     def _flush_loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
+        while not self._stop.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return  # close() seals the segment itself
             try:
                 self._sync(only_if_dirty=True)
             except OSError as e:  # kept for the next append, sync or close to raise
@@ -192,6 +206,7 @@ class LogWriter:
         """Stop the flush thread and seal the segment; raise a background failure once."""
         if self._thread is not None:
             self._stop.set()
+            self._wake.set()
             self._thread.join()
         with self._lock:
             if self._closed:

@@ -394,3 +394,22 @@ def test_torn_million_record_log_is_still_read_from_the_tail(million, tmp_path):
     assert last_record(tmp_path, 0, stats=stats)["step"] == 1_000_000
     assert stats.bytes_read < 64 << 10
     assert tail_report(tmp_path, 0).torn_at is not None
+
+
+def test_sync_soon_flushes_without_waiting_for_the_tick(tmp_path):
+    """snapshot() asks for a flush; the flush thread does it at once, not after 1 s."""
+    import threading
+    calls = []
+    done = threading.Event()
+
+    def counting_fsync(fd):
+        calls.append(fd)
+        done.set()
+
+    with LogWriter(tmp_path, 0, flush_interval=3600, fsync=counting_fsync) as w:
+        w.append({"kind": "step", "step": 1})
+        done.clear()
+        before = len(calls)
+        w.sync_soon()
+        assert done.wait(10), "sync_soon() did not wake the flush thread"
+        assert len(calls) > before

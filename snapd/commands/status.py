@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from snapd import statelog
-from snapd.commands.common import ROOT_HELP, age, emit_json, resolve_root
+from snapd.commands.common import age, emit_json, resolve_root
 from snapd.recovery import plan_recovery
 from snapd.store import RunStore, list_runs
 
