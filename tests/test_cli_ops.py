@@ -88,7 +88,8 @@ def test_ls_lists_both_with_latest_mark(pristine):
     rows = data["snapshots"]
     assert [r["name"] for r in rows] == ["00000001", "00000002"]
     assert [r["step"] for r in rows] == [1, 2]
-    assert rows[1]["marks"] == ["LATEST"] and rows[0]["marks"] == []
+    # the loss falls, so the latest is also the best (in-process writes move BEST too)
+    assert rows[1]["marks"] == ["LATEST", "BEST"] and rows[0]["marks"] == []
     assert all(r["verified"] == "manifest ok" and r["bytes"] > 0 for r in rows)
     assert rows[0]["metric"] is not None and rows[0]["lineage"]["id"] == 0
 
@@ -290,12 +291,14 @@ def test_missing_snapshot_exits_2_naming_the_path(pristine, command, tmp_path):
     assert gone.exit_code == 2 and str(tmp_path / "nowhere") in gone.output
 
 
-def test_missing_run_and_pointer_exit_2(pristine):
-    result = cli("diff", "nope/1", f"{RUN}/1", "--root", pristine)
-    assert result.exit_code == 2 and os.path.join(pristine, "nope") in result.output
-    best = cli("inspect", f"{RUN}@best", "--root", pristine)
-    assert best.exit_code == 2 and os.path.join(pristine, RUN, "BEST") in best.output
-    assert cli("verify", "--root", pristine).exit_code == 2  # neither SNAPSHOT nor --all
+def test_missing_run_and_pointer_exit_2(root):
+    result = cli("diff", "nope/1", f"{RUN}/1", "--root", root)
+    assert result.exit_code == 2 and os.path.join(root, "nope") in result.output
+    assert cli("inspect", f"{RUN}@best", "--root", root).exit_code == 0
+    os.unlink(os.path.join(root, RUN, "BEST"))
+    best = cli("inspect", f"{RUN}@best", "--root", root)
+    assert best.exit_code == 2 and os.path.join(root, RUN, "BEST") in best.output
+    assert cli("verify", "--root", root).exit_code == 2  # neither SNAPSHOT nor --all
 
 
 def test_every_command_has_an_example():
