@@ -164,7 +164,7 @@ class Client:
             cursor=self._stream.state() if self._stream is not None else None,
             metric=None if metric is None else float(metric),
             data_version=self.data_version, rank=self.rank,
-            supersedes=self.restored.refused_names if self.restored else [])
+            supersedes=list(self.restored.refused) if self.restored else [])
         return plan, [pairs for _, pairs in pieces]
 
     def capture(self, step: int, metric: Optional[float] = None) -> SnapshotPlan:

@@ -28,7 +28,7 @@ from snapd import errors
 from snapd import protocol as proto
 from snapd.errors import DaemonUnavailable, SnapdError
 
-SOCKET_NAME = ".snapd.sock"
+SOCKET_NAME = proto.SOCKET_NAME
 LOG_NAME = ".snapd.log"
 SPAWN_TIMEOUT = 30.0
 POLL = 0.2

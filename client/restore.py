@@ -41,8 +41,7 @@ class Loaded:
     path: str
     manifest: Dict[str, Any]
     states: Dict[str, Any]
-    refused: List[str] = field(default_factory=list)
-    refused_names: List[str] = field(default_factory=list)  # newer, damaged snapshots
+    refused: Dict[str, str] = field(default_factory=dict)  # newer, damaged: name -> why
 
 
 def type_name(obj: Any) -> str:
@@ -141,8 +140,7 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                     data_version: Optional[str], need_cursor: bool,
                     tensor_source: Optional[TensorProvider] = None) -> Optional[Loaded]:
     """The newest snapshot that verifies and fits, fully read; None if the run is new."""
-    refused: List[str] = []
-    refused_names: List[str] = []
+    refused: Dict[str, str] = {}
     for sid in candidates(store):
         path = store.snapshot_path(sid)
         try:
@@ -158,16 +156,16 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
             for name, obj in tracked.items():
                 _check_optimizer_groups(name, states[name], obj, source)
         except CorruptSnapshot as e:
-            refused.append(f"{sid.name}: {e}")
-            refused_names.append(sid.name)
+            refused[sid.name] = str(e)
             warnings.warn(f"snapshot {path} refused: {e}; trying an older one "
                           "(the refused snapshot is left on disk)", FallbackWarning,
                           stacklevel=3)
             continue
-        return Loaded(sid, path, reader.manifest, states, refused, refused_names)
+        return Loaded(sid, path, reader.manifest, states, refused)
     if refused:
         raise CorruptSnapshot(f"{store.path}: no snapshot verifies; refused: "
-                              + "; ".join(refused) + ". To start over, use a new run "
+                              + "; ".join(f"{n}: {why}" for n, why in refused.items())
+                              + ". To start over, use a new run "
                               "name (the damaged snapshots are kept for inspection)",
                               path=store.snapshots_path, field="snapshots")
     return None

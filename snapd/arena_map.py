@@ -231,12 +231,6 @@ class HotCache:
         """Unlink a copied segment that will not be published (its write failed)."""
         _unlink_quietly(os.path.join(self.shm_dir, name))
 
-    def put(self, run: str, rank: int, data: memoryview, plan: Dict[str, Any],
-            snapshot: str) -> HotEntry:
-        """Copy ``data`` into a fresh segment, then replace the previous one."""
-        return self.publish(run, rank, self.copy(run, rank, data), plan, snapshot,
-                            len(data))
-
     def get(self, run: str, rank: int) -> Optional[HotEntry]:
         with self._lock:
             return self._entries.get((run, rank))

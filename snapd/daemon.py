@@ -238,8 +238,9 @@ class Daemon:
             result = self._commit(store, sub)
         except Exception as e:
             self._collect_failed(store)
-            if hot is not None and hot.result():
-                self.hot_cache.discard(hot.result())
+            segment = hot.result() if hot is not None else None
+            if segment is not None:
+                self.hot_cache.discard(segment)
             sub.release()
             self._report_failure(sub, e)
             return
@@ -264,9 +265,7 @@ class Daemon:
             self.root, needed, self.options.min_free_bytes,
             reclaim=lambda: retention.apply_retention(store, sub.options))
         try:
-            if self.writer is write_snapshot:
-                return write_snapshot(store, sub.plan, sub.options, progress=sub.advance)
-            return self.writer(store, sub.plan, sub.options)  # a substitute (tests)
+            return self.writer(store, sub.plan, sub.options, progress=sub.advance)
         except OSError as e:
             if diskguard.is_enospc(e):
                 raise diskguard.from_enospc(e, self.root, needed) from e

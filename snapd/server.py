@@ -314,7 +314,7 @@ class Server:
 
     def __init__(self, root: str, handler: Handler) -> None:
         self.root = root
-        self.path = os.path.join(root, ".snapd.sock")
+        self.path = os.path.join(root, p.SOCKET_NAME)
         self.handler = handler
         self.connections: List[Connection] = []
         self._threads: List[threading.Thread] = []

@@ -88,15 +88,21 @@ def test_arena_slots_and_retire(shm):
     assert arena.closed and not os.path.exists(shm / arena.name)
 
 
+def put(hot, data: bytes, snapshot: str):
+    """What the daemon does around a commit: copy the slot, then publish the copy."""
+    return hot.publish("r=1", 0, hot.copy("r=1", 0, memoryview(data)), {"objects": []},
+                       snapshot, len(data))
+
+
 def test_hot_cache_replaces_and_unlinks(shm):
     hot = HotCache(shm_dir=str(shm))
-    first = hot.put("r=1", 0, memoryview(b"abc"), {"objects": []}, "00000001")
+    first = put(hot, b"abc", "00000001")
     assert "=" not in first.shm and (shm / first.shm).read_bytes() == b"abc"
     assert oct((shm / first.shm).stat().st_mode & 0o777) == "0o600"
-    second = hot.put("r=1", 0, memoryview(b"de"), {"objects": []}, "00000002")
+    second = put(hot, b"de", "00000002")
     assert hot.get("r=1", 0) == second and second.shm != first.shm
     assert (shm / first.shm).exists()  # kept as the spare the next copy writes over
-    third = hot.put("r=1", 0, memoryview(b"fgh"), {"objects": []}, "00000003")
+    third = put(hot, b"fgh", "00000003")
     assert third.shm == first.shm and (shm / third.shm).read_bytes() == b"fgh"
     assert (shm / second.shm).exists() and len(os.listdir(shm)) == 2  # never more
     hot.close()
@@ -280,7 +286,7 @@ def test_commit_frees_slot_before_the_event(root, shm):
 
 
 def test_enospc_during_write_is_a_failed_event(root, shm):
-    def full_disk(store, plan, opts):   # a writer that fills the disk half way
+    def full_disk(store, plan, opts, progress=None):   # a writer that fills the disk half way
         tmp = store.new_tmp_dir(plan.sid)
         with open(os.path.join(tmp, "model.tensors"), "wb") as f:
             f.write(b"partial")
