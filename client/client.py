@@ -314,10 +314,15 @@ class Client:
         if self._handoff is not None and self.options.hot_restore:
             self._handoff.wait_copies()
             hot = self._handoff.hot_source()  # never starts a daemon just to restore
-        self.recovery = plan_recovery(self.store, self.rank)  # the log: no tensor file
-        loaded = load_for_resume(self.store, self._tracked, self.rng,
-                                 data_version=self.data_version,
-                                 need_cursor=self._stream is not None, tensor_source=hot)
+        try:
+            self.recovery = plan_recovery(self.store, self.rank)  # the log: no tensor file
+            loaded = load_for_resume(self.store, self._tracked, self.rng,
+                                     data_version=self.data_version,
+                                     need_cursor=self._stream is not None, tensor_source=hot,
+                                     omit=set(_omit))
+        finally:
+            if hot is not None:
+                hot.close()
         if loaded is None:
             if self.recovery.reached:
                 _say(f"run {self.run}: no snapshot to resume from; training had reached "

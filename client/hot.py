@@ -5,51 +5,78 @@ trainer restarted on the same node then reads its tensors from memory instead of
 disk. The segment is a hint, like LATEST: it is used only for the snapshot restore()
 chose, and each tensor must match the committed manifest (path, dtype, shape, size,
 and the xxh3 of its raw bytes) or the object is read from the files instead.
+
+Each byte is copied once: the segment is read (pread, not mapped: mapping 1 GiB of
+4 KiB pages costs more than copying it on a VM) straight into the tensor the live
+module or optimizer already holds at that path, when one fits, and hashed there in
+pieces small enough to still be in cache. ``load_state_dict`` then finds its own
+tensors and copies nothing, and no new memory is touched (new pages are what such a
+machine writes slowest). Tensors with no live counterpart get new memory. Tensors
+are read on a few threads; the kernel copies and the hash release the GIL.
+
+Reading in place means a live tensor is written before its checksum is known. A
+mismatch makes restore() read that object from the files, which overwrite it; the
+object names are kept in ``touched`` so that a restore that then fails altogether
+can say which objects hold partial state. What verification protects against is
+the same as for the files; reading after the copy also catches a segment the daemon
+rewrites meanwhile.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
+import xxhash
 
 from snapd import format as fmt
 from snapd.errors import SnapdError
-from snapd.plan import from_descriptor
+from snapd.plan import tensor_extent
 from snapd.reader import SnapshotReader
 
 SHM_DIR = "/dev/shm"
+PIECE_BYTES = 4 << 20  # read, then hashed while still in cache
+MAX_READERS = 4
 
 
-def _map_readonly(name: str) -> mmap.mmap:
+def _open_segment(name: str) -> int:
     if "/" in name or not name.startswith("snapd-"):
         raise SnapdError(f"hot segment name {name!r} is not a snapd segment")
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or not st.st_size:
-            raise SnapdError(f"hot segment {name}: not a non-empty file of ours")
-        return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or not st.st_size:
         os.close(fd)
+        raise SnapdError(f"hot segment {name}: not a non-empty file of ours")
+    return fd
 
 
-def _copy_out(data: memoryview, entry: Dict[str, Any]) -> Optional[torch.Tensor]:
-    """The tensor ``entry`` describes, copied from ``data`` and checked; else None."""
-    out = torch.empty(len(data), dtype=torch.uint8)
-    if len(data):
-        np.copyto(out.numpy(), np.frombuffer(data, dtype=np.uint8))
-    # Checked after the copy: what is verified is what will be used.
-    if fmt.checksum(memoryview(out.numpy())) != entry["xxh3"]:
-        return None
+def _destination(live: Optional[torch.Tensor], entry: Dict[str, Any]) -> torch.Tensor:
+    """The live tensor when the bytes can go straight into it, else new memory."""
     dtype = fmt.DTYPES[entry["dtype"]]
-    if not len(data):
-        return torch.empty(entry["shape"], dtype=dtype)
-    return out.view(dtype).reshape(entry["shape"])
+    if live is not None and live.dtype == dtype and list(live.shape) == \
+            list(entry["shape"]) and live.device.type == "cpu" and live.is_contiguous():
+        return live
+    return torch.empty(entry["shape"], dtype=dtype)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    if not t.numel():
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _read_verified(fd: int, start: int, out: memoryview, expected: int) -> bool:
+    """Read ``len(out)`` bytes at ``start`` into ``out``; True iff their xxh3 matches."""
+    hasher = xxhash.xxh3_64()
+    for pos in range(0, len(out), PIECE_BYTES):
+        piece = out[pos:pos + PIECE_BYTES]
+        if os.preadv(fd, [piece], start + pos) != len(piece):
+            return False
+        hasher.update(piece)
+    return hasher.intdigest() == expected
 
 
 class HotSource:
@@ -59,44 +86,54 @@ class HotSource:
         self.shm, self.snapshot, self.plan = shm, snapshot, plan
         self.hits: List[str] = []
         self.misses: List[str] = []
+        self.touched: List[str] = []  # written in place, then failed: read from files
+        self._fd: Optional[int] = None
+        self._pool: Optional[ThreadPoolExecutor] = None
 
     @property
     def used(self) -> bool:
         """Every object restore() read came from memory."""
         return bool(self.hits) and not self.misses
 
-    def __call__(self, reader: SnapshotReader, name: str) -> Optional[List[torch.Tensor]]:
+    def __call__(self, reader: SnapshotReader, name: str,
+                 live: Dict[str, torch.Tensor]) -> Optional[List[torch.Tensor]]:
         if os.path.basename(reader.path) != self.snapshot:
             return None
         try:
-            tensors = self._load(reader.objects[name]["tensors"], name)
+            tensors = self._load(reader.objects[name]["tensors"], name, live)
         except (OSError, ValueError, KeyError, TypeError, SnapdError):
             tensors = None  # gone, replaced or malformed: the files are the truth
         (self.hits if tensors is not None else self.misses).append(name)
         return tensors
 
-    def _load(self, entries: List[Dict[str, Any]], name: str) -> Optional[List[torch.Tensor]]:
-        mapping = _map_readonly(self.shm)
-        view = memoryview(mapping)
-        try:
-            plan = from_descriptor(self.plan, view)  # every offset bounds-checked
-            held = next((o for o in plan.objects if o.name == name), None)
-            if held is None or len(held.tensors) != len(entries):
+    def _load(self, entries: List[Dict[str, Any]], name: str,
+              live: Dict[str, torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        if self._fd is None:
+            self._fd = _open_segment(self.shm)
+            self._pool = ThreadPoolExecutor(min(MAX_READERS, os.cpu_count() or 1),
+                                            thread_name_prefix="snapd-hot")
+        size = os.fstat(self._fd).st_size
+        held = next((o for o in self.plan["objects"] if o["name"] == name), None)
+        if held is None or len(held["tensors"]) != len(entries):
+            return None
+        starts = []
+        for t, entry in zip(held["tensors"], entries):
+            if (t["path"], t["dtype"], list(t["shape"]), t["nbytes"]) != \
+                    (entry["path"], entry["dtype"], list(entry["shape"]), entry["nbytes"]):
                 return None
-            out = []
-            for t, entry in zip(held.tensors, entries):
-                if (t.path, t.dtype, list(t.shape), len(t.data)) != \
-                        (entry["path"], entry["dtype"], list(entry["shape"]), entry["nbytes"]):
-                    return None
-                tensor = _copy_out(t.data, entry)
-                if tensor is None:
-                    return None
-                out.append(tensor)
+            starts.append(tensor_extent(t, size)[0])  # bounds-checked
+        out = [_destination(live.get(e["path"]), e) for e in entries]
+        checks = self._pool.map(_read_verified, [self._fd] * len(out), starts,
+                                [_bytes_of(t) for t in out], [e["xxh3"] for e in entries])
+        if all(list(checks)):
             return out
-        finally:
-            plan = held = t = None  # drop the slices before the mapping goes
-            view.release()
-            try:
-                mapping.close()
-            except BufferError:
-                pass  # a slice outlived us; the GC unmaps it
+        if any(t is live.get(e["path"]) for t, e in zip(out, entries)):
+            self.touched.append(name)
+        return None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = self._pool = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -25,8 +25,11 @@ from snapd_client.state import flatten, tensor_meta, unflatten
 
 
 # Tensors of one object from elsewhere than the files (the daemon's hot copy), or
-# None to read the files. The source must verify them against the manifest.
-TensorProvider = Callable[[SnapshotReader, str], Optional[List[torch.Tensor]]]
+# None to read the files. The source must verify them against the manifest. It is
+# given the tensors the live object holds now, by path, and may read into them; one
+# that did so and then failed verification lists the object in its ``touched``.
+TensorProvider = Callable[[SnapshotReader, str, Dict[str, torch.Tensor]],
+                          Optional[List[torch.Tensor]]]
 
 
 class FallbackWarning(UserWarning):
@@ -109,13 +112,24 @@ def _check_object_fit(name: str, saved: Dict[str, Any], obj: Any, source: str) -
                                 f"lacks: {extra}", field=f"objects.{name}")
 
 
-def _read_states(reader: SnapshotReader, names: List[str],
+def _live_tensors(obj: Any, name: str) -> Dict[str, torch.Tensor]:
+    """The tensors a module or optimizer holds now, by path: restore may read into
+    them, since its load_state_dict replaces them anyway. Other objects: none."""
+    if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        return {}
+    flat = flatten(obj.state_dict(), name)
+    return dict(zip(flat.paths, flat.tensors))
+
+
+def _read_states(reader: SnapshotReader, tracked: Dict[str, Any],
                  tensor_source: Optional[TensorProvider] = None) -> Dict[str, Any]:
     states = {}
-    for name in names:
+    for name, obj in tracked.items():
         entry = reader.objects[name]
         source = f"{reader.path}/{entry.get('file') or 'manifest.snapd'}"
-        tensors = tensor_source(reader, name) if tensor_source else None
+        tensors = None
+        if tensor_source is not None:
+            tensors = tensor_source(reader, name, _live_tensors(obj, name))
         if tensors is None:
             tensors = reader.load_object(name)
         state = unflatten(entry["skeleton"], tensors, source=source)
@@ -125,9 +139,12 @@ def _read_states(reader: SnapshotReader, names: List[str],
     return states
 
 
-def _check_optimizer_groups(name: str, state: Any, obj: Any, source: str) -> None:
+def _check_optimizer_groups(name: str, entry: Dict[str, Any], obj: Any,
+                            source: str) -> None:
+    """From the skeleton alone, before any tensor is read."""
     if not isinstance(obj, torch.optim.Optimizer):
         return
+    state = unflatten(entry["skeleton"], None, source=source)
     now = [len(g["params"]) for g in obj.param_groups]
     then = [len(g["params"]) for g in state.get("param_groups", [])]
     if now != then:
@@ -138,8 +155,10 @@ def _check_optimizer_groups(name: str, state: Any, obj: Any, source: str) -> Non
 
 def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *,
                     data_version: Optional[str], need_cursor: bool,
-                    tensor_source: Optional[TensorProvider] = None) -> Optional[Loaded]:
-    """The newest snapshot that verifies and fits, fully read; None if the run is new."""
+                    tensor_source: Optional[TensorProvider] = None,
+                    omit: Iterable[str] = ()) -> Optional[Loaded]:
+    """The newest snapshot that verifies and fits, fully read; None if the run is new.
+    Objects named in ``omit`` are checked but not read (their states are absent)."""
     refused: Dict[str, str] = {}
     for sid in candidates(store):
         path = store.snapshot_path(sid)
@@ -152,9 +171,10 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                                       "position cannot be restored", path=source,
                                       field="cursor")
             check_fit(reader.manifest, tracked, source=source, data_version=data_version)
-            states = _read_states(reader, list(tracked), tensor_source)
             for name, obj in tracked.items():
-                _check_optimizer_groups(name, states[name], obj, source)
+                _check_optimizer_groups(name, reader.objects[name], obj, source)
+            states = _read_states(reader, {n: o for n, o in tracked.items()
+                                           if n not in omit}, tensor_source)
         except CorruptSnapshot as e:
             refused[sid.name] = str(e)
             warnings.warn(f"snapshot {path} refused: {e}; trying an older one "
@@ -163,10 +183,14 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
             continue
         return Loaded(sid, path, reader.manifest, states, refused)
     if refused:
+        touched = getattr(tensor_source, "touched", None)
         raise CorruptSnapshot(f"{store.path}: no snapshot verifies; refused: "
                               + "; ".join(f"{n}: {why}" for n, why in refused.items())
                               + ". To start over, use a new run "
-                              "name (the damaged snapshots are kept for inspection)",
+                              "name (the damaged snapshots are kept for inspection)"
+                              + (f". The daemon's copy was read into {sorted(touched)} "
+                                 "before it failed its checksum: do not train on with "
+                                 "them in this process" if touched else ""),
                               path=store.snapshots_path, field="snapshots")
     return None
 
@@ -181,7 +205,8 @@ def load_weights(store: RunStore, modules: Dict[str, torch.nn.Module]) -> Option
             for n in names:
                 _check_object_fit(n, reader.objects[n], modules[n],
                                   os.path.join(path, "manifest.snapd"))
-            return Loaded(sid, path, reader.manifest, _read_states(reader, names))
+            return Loaded(sid, path, reader.manifest,
+                          _read_states(reader, {n: modules[n] for n in names}))
         except CorruptSnapshot as e:
             warnings.warn(f"snapshot {path} refused: {e}; trying an older one",
                           FallbackWarning, stacklevel=3)

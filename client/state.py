@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import msgpack
 import numpy as np
@@ -113,21 +113,26 @@ def flatten(state: Any, name: str) -> Flat:
     return Flat(skeleton, flattener.tensors, flattener.paths)
 
 
-def unflatten(skeleton: bytes, tensors: List[torch.Tensor], *, source: str) -> Any:
-    """Rebuild the state tree from its skeleton and loaded tensors."""
+def unflatten(skeleton: bytes, tensors: Optional[List[torch.Tensor]], *,
+              source: str) -> Any:
+    """Rebuild the state tree from its skeleton and loaded tensors. ``tensors=None``
+    gives the tree with None for every tensor: what checks can see before reading."""
 
-    def index(data: bytes) -> int:
+    def index(data: bytes) -> Optional[int]:
         (i,) = _INDEX.unpack(data)
+        if tensors is None:
+            return None
         if i >= len(tensors):
             raise CorruptSnapshot(f"{source}: skeleton names tensor {i} of "
                                   f"{len(tensors)}", path=source, field="skeleton")
         return i
 
     def hook(code: int, data: bytes) -> Any:
-        if code == EXT_TENSOR:
-            return tensors[index(data)]
-        if code == EXT_NDARRAY:
-            return tensors[index(data)].numpy()
+        if code in (EXT_TENSOR, EXT_NDARRAY):
+            i = index(data)
+            if i is None:
+                return None
+            return tensors[i] if code == EXT_TENSOR else tensors[i].numpy()
         if code == EXT_TUPLE:
             return tuple(_unpack(data, hook))
         if code == EXT_ORDERED:

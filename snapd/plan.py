@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from snapd.errors import SnapdError
 from snapd.format import DTYPES
@@ -87,19 +87,25 @@ def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any
             "supersedes": list(plan.supersedes)}
 
 
+def tensor_extent(t: Dict[str, Any], size: int) -> Tuple[int, int]:
+    """(start, end) of a descriptor tensor within a ``size``-byte slot, checked."""
+    if t["dtype"] not in DTYPES:
+        raise SnapdError(f"descriptor: tensor {t['path']!r} has unknown dtype")
+    nbytes = math.prod(t["shape"]) * DTYPES[t["dtype"]].itemsize
+    start, end = t["offset"], t["offset"] + t["nbytes"]
+    if nbytes != t["nbytes"] or start < 0 or end > size:
+        raise SnapdError(f"descriptor: tensor {t['path']!r} lies outside its "
+                         f"{size}-byte slot or disagrees with its shape")
+    return start, end
+
+
 def from_descriptor(desc: Dict[str, Any], slot: memoryview) -> SnapshotPlan:
     """Rebuild a plan over a mapped slot; every offset is bounds-checked first."""
     objects = []
     for obj in desc["objects"]:
         tensors = []
         for t in obj["tensors"]:
-            if t["dtype"] not in DTYPES:
-                raise SnapdError(f"descriptor: tensor {t['path']!r} has unknown dtype")
-            nbytes = math.prod(t["shape"]) * DTYPES[t["dtype"]].itemsize
-            start, end = t["offset"], t["offset"] + t["nbytes"]
-            if nbytes != t["nbytes"] or start < 0 or end > len(slot):
-                raise SnapdError(f"descriptor: tensor {t['path']!r} lies outside its "
-                                 f"{len(slot)}-byte slot or disagrees with its shape")
+            start, end = tensor_extent(t, len(slot))
             tensors.append(TensorSource(t["path"], t["dtype"], list(t["shape"]),
                                         slot[start:end], t.get("device", "cpu")))
         objects.append(ObjectPlan(obj["name"], obj["type"], obj["skeleton"], tensors,
