@@ -25,7 +25,7 @@ import pytest
 import torch
 import xxhash
 
-from snapd.errors import DaemonUnavailable, SnapshotFailed
+from snapd.errors import CorruptSnapshot, DaemonUnavailable, SnapshotFailed
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore
 from snapd_client import Client
@@ -427,6 +427,99 @@ def test_hot_restore_when_the_daemon_holds_the_latest_snapshot(env):
     assert (step, fresh.restored_from) == (1, "disk")
     assert_same(state, expected)
     assert env.lock_pid() is None and fresh.daemon_pid is None
+
+
+def _tensor_ptrs(model, opt) -> dict:
+    ptrs = {f"model{k}": v.data_ptr() for k, v in model.state_dict().items()}
+    for i, s in opt.state_dict()["state"].items():
+        ptrs.update({f"opt{i}.{k}": v.data_ptr() for k, v in s.items()
+                     if isinstance(v, torch.Tensor)})
+    return ptrs
+
+
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_hot_restore_writes_into_the_live_tensors_and_keeps_no_alias(env):
+    model, opt = make_model()
+    client = Client(env.root, env.run)
+    client.track(model=model, optimizer=opt)
+    train_step(model, opt)
+    client.snapshot(1).wait()
+    expected = state_of(model, opt)
+    client.close()
+
+    # A trainer that already holds state of the same shapes (other values): the held
+    # bytes go straight into its tensors, which keep their memory.
+    live_model, live_opt = make_model(seed=123)
+    for _ in range(2):
+        train_step(live_model, live_opt)
+    before = _tensor_ptrs(live_model, live_opt)
+    fresh = Client(env.root, env.run)
+    fresh.track(model=live_model, optimizer=live_opt)
+    assert fresh.restore() == 1 and fresh.restored_from == "hot"
+    fresh.close()
+    assert_same(state_of(live_model, live_opt), expected)
+    assert _tensor_ptrs(live_model, live_opt) == before
+
+    # Nothing restored still points into the daemon's segment: scribbling over it
+    # changes nothing in the trainer.
+    [hot] = glob.glob(f"/dev/shm/snapd-hot-{UID}-{env.run}-*")
+    with open(hot, "r+b") as f:
+        f.write(b"\xAA" * os.path.getsize(hot))
+    assert_same(state_of(live_model, live_opt), expected)
+
+
+def test_hot_restore_leaves_an_omitted_object_alone(env):
+    model, opt = make_model()
+    client = Client(env.root, env.run)
+    client.track(model=model, optimizer=opt)
+    train_step(model, opt)
+    client.snapshot(1).wait()
+    expected = state_of(model, opt)
+    client.close()
+
+    live_model, live_opt = make_model(seed=123)
+    train_step(live_model, live_opt)
+    own = state_of(live_model, live_opt)
+    fresh = Client(env.root, env.run)
+    fresh.track(model=live_model, optimizer=live_opt)
+    fresh.restore(_omit=["optimizer"])
+    fresh.close()
+    after = state_of(live_model, live_opt)
+    assert_same({k: v for k, v in after.items() if k.startswith("model")},
+                {k: v for k, v in expected.items() if k.startswith("model")})
+    assert_same({k: v for k, v in after.items() if k.startswith("opt")},
+                {k: v for k, v in own.items() if k.startswith("opt")})
+
+
+def test_a_damaged_hot_copy_and_damaged_files_name_the_objects_written(env):
+    model, opt = make_model()
+    client = Client(env.root, env.run)
+    client.track(model=model, optimizer=opt)
+    train_step(model, opt)
+    client.snapshot(1).wait()
+    client.close()
+    [hot] = glob.glob(f"/dev/shm/snapd-hot-{UID}-{env.run}-*")
+    _flip_byte(hot, 64)   # inside the model's first tensor
+    snapshot = RunStore(env.root, env.run).snapshot_path(
+        RunStore(env.root, env.run).committed()[-1])
+    model_file = os.path.join(snapshot, SnapshotReader(snapshot).objects["model"]["file"])
+    _flip_byte(model_file, os.path.getsize(model_file) - 1)
+
+    live_model, live_opt = make_model(seed=123)
+    fresh = Client(env.root, env.run)
+    fresh.track(model=live_model, optimizer=live_opt)
+    with pytest.warns(UserWarning, match="refused"), \
+            pytest.raises(CorruptSnapshot, match=r"read into \['model'\] before it "
+                                                 r"failed its checksum: do not train on"):
+        fresh.restore()
+    fresh.close()
 
 
 def test_a_failed_write_is_raised_once_from_its_cause(env):
