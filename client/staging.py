@@ -7,8 +7,10 @@ stays bounded (one) whatever the model, and the pages are faulted in once, at
 allocation, so that no snapshot pays for page faults on the training path.
 
 Layout: ``slots`` equal slots back to back, each a multiple of the page size. Inside a
-slot each tensor starts at a 64-byte aligned offset (cache lines, and any dtype's
-alignment), in plan order; :func:`layout` computes the offsets.
+slot, in plan order, each tensor of 4096 bytes or more starts on a 4096-byte boundary
+(so that the daemon can write it to disk by direct I/O, which needs aligned source
+addresses), and each smaller one on a 64-byte boundary (cache lines, and any dtype's
+alignment); :func:`layout` computes the offsets.
 
 On CUDA the arena is page-locked once (``cudaHostRegister``), so device-to-host
 copies are truly asynchronous; they run on a side stream that first waits for the
@@ -27,9 +29,11 @@ from typing import List, Optional, Sequence
 import torch
 
 from snapd.errors import InsufficientSpace, SnapdError
+from snapd.format import CHUNK_ALIGN
 
 SHM_DIR = "/dev/shm"
-ALIGN = 64
+ALIGN = 64                # every tensor
+BLOCK_ALIGN = CHUNK_ALIGN  # tensors of a block or more: direct I/O from the slot
 SLOT_ROUND = 2 << 20  # slots grow in 2 MiB steps (huge-page friendly, few regrowths)
 
 
@@ -42,10 +46,10 @@ def nbytes_of(t: torch.Tensor) -> int:
 
 
 def layout(tensors: Sequence[torch.Tensor]) -> tuple[List[int], int]:
-    """Each tensor's offset within a slot (64-byte aligned), and the bytes needed."""
+    """Each tensor's offset within a slot, and the bytes needed."""
     offsets, end = [], 0
     for t in tensors:
-        start = _align(end, ALIGN)
+        start = _align(end, BLOCK_ALIGN if nbytes_of(t) >= BLOCK_ALIGN else ALIGN)
         offsets.append(start)
         end = start + nbytes_of(t)
     return offsets, end

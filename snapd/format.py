@@ -1,4 +1,4 @@
-"""Snapshot format v1: the manifest, tensor files and chunks. Encode, decode, verify.
+"""Snapshot format v2: the manifest, tensor files and chunks. Encode, decode, verify.
 
 This module is the code form of docs/format.md; the two change together. It does no
 I/O policy (no fsync, no directory layout): it turns structures into bytes and back,
@@ -8,7 +8,7 @@ Manifest file ``manifest.snapd``::
 
     offset  size  field
     0       8     magic  b"SNAPDMF\\0"
-    8       4     format version, u32 little-endian (1)
+    8       4     format version, u32 little-endian (2; 1 is still read)
     12      4     flags, u32 (0)
     16      8     payload length P, u64
     24      8     xxh3-64 of the payload, u64
@@ -18,7 +18,9 @@ A manifest is valid if and only if the magic and version match, the file is exac
 32 + P bytes, the checksum holds, and the payload passes :func:`check_manifest`.
 
 Tensor file ``<object>.tensors``: a 32-byte header (magic b"SNAPDTN\\0", u32 version,
-u32 flags, 16 reserved zero bytes), then chunks back to back. Each chunk is the raw
+u32 flags, 16 reserved zero bytes), then chunks, each starting at the first multiple
+of 4096 after the previous one ends (v1: back to back), the gaps zero, the file
+ending on a multiple of 4096 (so that the writer can use direct I/O). Each chunk is the raw
 bytes of part of one tensor, stored raw or zstd-compressed; the manifest records its
 offset, stored length, raw length, codec and the xxh3-64 of the stored bytes. A chunk
 is valid if and only if its stored bytes hash to that value and (zstd) decompress to
@@ -40,7 +42,9 @@ import zstandard
 
 from snapd.errors import CorruptSnapshot
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # v1: chunks back to back; v2: each on a 4096-byte boundary
+CHUNK_ALIGN = 4096
 MANIFEST_NAME = "manifest.snapd"
 MANIFEST_MAGIC = b"SNAPDMF\0"
 TENSOR_MAGIC = b"SNAPDTN\0"
@@ -94,9 +98,9 @@ def decode_manifest(data: bytes, *, path: str) -> Dict[str, Any]:
     if magic != MANIFEST_MAGIC:
         raise CorruptSnapshot(f"{path}: not a snapd manifest (magic {magic!r})",
                               path=path, field="magic")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CorruptSnapshot(f"{path}: manifest format version {version}; this snapd "
-                              f"reads version {FORMAT_VERSION}. Upgrade snapd",
+                              f"reads versions {list(READABLE_VERSIONS)}. Upgrade snapd",
                               path=path, field="version")
     if length != len(data) - HEADER_BYTES:
         raise CorruptSnapshot(f"{path}: header declares a {length}-byte payload but the "
@@ -111,7 +115,7 @@ def decode_manifest(data: bytes, *, path: str) -> Dict[str, Any]:
     except Exception as e:  # msgpack raises several types for malformed input
         raise CorruptSnapshot(f"{path}: manifest payload is not valid msgpack: {e}",
                               path=path, field="payload") from e
-    check_manifest(manifest, path=path)
+    check_manifest(manifest, path=path, version=version)
     return manifest
 
 
@@ -121,10 +125,11 @@ def _need(cond: bool, path: str, field: str, what: str) -> None:
                               "or hostile, use an older one", path=path, field=field)
 
 
-def check_manifest(m: Any, *, path: str) -> None:
+def check_manifest(m: Any, *, path: str, version: int = FORMAT_VERSION) -> None:
     """Structural validation of a decoded manifest; file sizes are checked by the reader."""
     _need(isinstance(m, dict), path, "manifest", "is not a map")
-    _need(m.get("format") == FORMAT_VERSION, path, "format", "is not 1")
+    _need(m.get("format") == version, path, "format",
+          f"is not {version}, the version in the manifest's header")
     _need(isinstance(m.get("step"), int) and m["step"] >= 0, path, "step",
           "is not a non-negative integer")
     _need(isinstance(m.get("rng"), dict), path, "rng", "is missing")
@@ -191,14 +196,21 @@ def tensor_file_header() -> bytes:
     return _TENSOR_HEADER.pack(TENSOR_MAGIC, FORMAT_VERSION, 0)
 
 
-def check_tensor_file_header(data: bytes, *, path: str) -> None:
+def chunk_alignment(version: int) -> int:
+    """Where chunks may start in a tensor file of this version: multiples of this."""
+    return 1 if version == 1 else CHUNK_ALIGN
+
+
+def check_tensor_file_header(data: bytes, *, path: str, version: int) -> None:
+    """A tensor file's header must carry the version of the manifest listing it."""
     if len(data) < HEADER_BYTES:
         raise CorruptSnapshot(f"{path}: tensor file shorter than its header",
                               path=path, field="header")
-    magic, version, _flags = _TENSOR_HEADER.unpack_from(data)
-    if magic != TENSOR_MAGIC or version != FORMAT_VERSION:
+    magic, found, _flags = _TENSOR_HEADER.unpack_from(data)
+    if magic != TENSOR_MAGIC or found != version:
         raise CorruptSnapshot(f"{path}: bad tensor file header (magic {magic!r}, "
-                              f"version {version})", path=path, field="header")
+                              f"version {found}, manifest version {version})", path=path,
+                              field="header")
 
 
 _local = threading.local()

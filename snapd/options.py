@@ -53,8 +53,9 @@ class Options:
                              "zstd level 1..22")
         if isinstance(self.compression, int) and not 1 <= self.compression <= 22:
             raise ValueError(f"compression={self.compression}: zstd levels are 1..22")
-        if self.chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes={self.chunk_bytes}: use at least 4096")
+        if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
+            raise ValueError(f"chunk_bytes={self.chunk_bytes}: use a multiple of 4096 "
+                             "(chunks are written in 4096-byte blocks)")
         if self.slots not in (1, 2):
             raise ValueError(f"slots={self.slots}: the staging arena has 1 or 2 slots")
 

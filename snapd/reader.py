@@ -86,15 +86,17 @@ class SnapshotReader:
         file_name = obj["file"]
         full = os.path.join(self.path, file_name)
         entry = self.manifest["files"][file_name]
-        _check_tiling(obj["tensors"], entry["size"], full)
-        hasher = xxhash.xxh3_64()
+        version = self.manifest["format"]
+        _check_tiling(obj["tensors"], entry["size"], full, fmt.chunk_alignment(version))
+        hasher = _FileHasher(full)
         fd = _open_nofollow(full)
         try:
             header = os.pread(fd, fmt.HEADER_BYTES, 0)
-            fmt.check_tensor_file_header(header, path=full)
+            fmt.check_tensor_file_header(header, path=full, version=version)
             hasher.update(header)
             tensors = [self._read_tensor(fd, t, i, full, hasher, progress)
                        for i, t in enumerate(obj["tensors"])]
+            hasher.skip_to(fd, entry["size"])
         finally:
             os.close(fd)
         if hasher.intdigest() != entry["xxh3"]:
@@ -110,6 +112,7 @@ class SnapshotReader:
         for j, chunk in enumerate(meta["chunks"]):
             offset, stored_len, raw_len = chunk[0], chunk[1], chunk[2]
             field = f"tensor {meta['path']!r} chunk {j}"
+            hasher.skip_to(fd, offset)
             if chunk[3] == fmt.CODEC_RAW:
                 target = view[pos:pos + raw_len]
                 if os.preadv(fd, [target], offset) != stored_len:
@@ -138,16 +141,48 @@ class SnapshotReader:
             self.load_object(name, progress)
 
 
-def _check_tiling(tensors: List[Dict[str, Any]], size: int, path: str) -> None:
-    """Chunks must cover the file after its header exactly, in order, with no gap."""
-    expected = fmt.HEADER_BYTES
+def _check_tiling(tensors: List[Dict[str, Any]], size: int, path: str, align: int) -> None:
+    """Chunks must follow the header in order, each at the first multiple of ``align``
+    after the previous one (v1: ``align`` 1, back to back), and end the file likewise."""
+    end = fmt.HEADER_BYTES
     for t in tensors:
         for chunk in t["chunks"]:
+            expected = _align_up(end, align)
             if chunk[0] != expected:
                 raise CorruptSnapshot(f"{path}: chunk of tensor {t['path']!r} at offset "
                                       f"{chunk[0]}, expected {expected}", path=path,
                                       field="chunks")
-            expected += chunk[1]
-    if expected != size:
-        raise CorruptSnapshot(f"{path}: chunks end at byte {expected} of {size}",
+            end = chunk[0] + chunk[1]
+    if _align_up(end, align) != size:
+        raise CorruptSnapshot(f"{path}: chunks end at byte {end}, so the file should "
+                              f"be {_align_up(end, align)} bytes, not {size}",
                               path=path, field="chunks")
+
+
+def _align_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class _FileHasher:
+    """The whole-file xxh3, fed in file order: header, chunks, and the zero padding
+    between them (read here; the chunks are fed by the reader as they pass)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.pos = path, 0
+        self._hasher = xxhash.xxh3_64()
+
+    def update(self, data) -> None:
+        self._hasher.update(data)
+        self.pos += len(data)
+
+    def skip_to(self, fd: int, offset: int) -> None:
+        """Hash the padding from here to ``offset``."""
+        if offset > self.pos:
+            gap = os.pread(fd, offset - self.pos, self.pos)
+            if len(gap) != offset - self.pos:
+                raise CorruptSnapshot(f"{self.path}: short read at byte {self.pos}",
+                                      path=self.path, field="size")
+            self.update(gap)
+
+    def intdigest(self) -> int:
+        return self._hasher.intdigest()

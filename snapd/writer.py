@@ -3,7 +3,8 @@
 The commit order is the invariant this module exists for; it is written once, in
 :func:`write_snapshot`, and every path that saves a snapshot calls it. The tensor bytes
 arrive as buffers (a staging arena, or CPU tensors in the synchronous path); they go
-to the file through ``os.write`` without a Python-level copy unless compressed.
+to the file without a Python-level copy unless compressed, by direct I/O where the
+buffer and the filesystem allow (``snapd/blockfile.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import xxhash
 
 from snapd import format as fmt
 from snapd import fsio
+from snapd.blockfile import BlockFile
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan
 from snapd.store import RunStore, SnapshotId
@@ -67,31 +69,28 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
     """Write one object's tensors as chunks; returns its manifest entries."""
     name = f"{obj.name}{fmt.TENSOR_FILE_SUFFIX}"
     policy = _CompressionPolicy(opts.compression)
-    hasher = xxhash.xxh3_64()
+    hasher = xxhash.xxh3_64()  # every byte of the file, padding included
     entries = []
-    fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    out = BlockFile(os.path.join(directory, name))
     try:
-        header = fmt.tensor_file_header()
-        offset = fsio.write_all(fd, header)
-        hasher.update(header)
+        out.append(fmt.tensor_file_header(), hasher)
         for t in obj.tensors:
             level = policy.level_for(t.data, opts.chunk_bytes)
             chunks = []
             for start in range(0, len(t.data), opts.chunk_bytes):
                 stored, codec = fmt.encode_chunk(t.data[start:start + opts.chunk_bytes], level)
                 raw_len = min(opts.chunk_bytes, len(t.data) - start)
+                offset = out.append(stored, hasher)
                 chunks.append([offset, len(stored), raw_len, codec, fmt.checksum(stored)])
-                hasher.update(stored)
-                offset += fsio.write_all(fd, stored)
                 if progress is not None:
                     progress(raw_len)
             entries.append({"path": t.path, "dtype": t.dtype, "shape": list(t.shape),
                             "nbytes": len(t.data), "device": t.device, "chunks": chunks,
                             "xxh3": fmt.checksum(t.data)})
-        os.fsync(fd)
+        out.sync()
     finally:
-        os.close(fd)
-    return {"file": name, "tensors": entries, "size": offset, "xxh3": hasher.intdigest()}
+        out.close()
+    return {"file": name, "tensors": entries, "size": out.end, "xxh3": hasher.intdigest()}
 
 
 def _manifest(plan: SnapshotPlan, written: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:

@@ -68,7 +68,7 @@ def test_restore_returns_latest_step_and_loads_it(root):
 
 def test_flipped_byte_in_tensor_chunk_falls_back_with_a_named_warning(root):
     snaps = make_run(root)
-    flip_byte(os.path.join(snaps, "00000002", "model.tensors"), fmt.HEADER_BYTES + 100)
+    flip_byte(os.path.join(snaps, "00000002", "model.tensors"), fmt.CHUNK_ALIGN + 100)
     client, _ = fresh(root)
     with pytest.warns(FallbackWarning, match=r"model\.tensors.*chunk 0"):
         assert client.restore() == 1
@@ -76,9 +76,18 @@ def test_flipped_byte_in_tensor_chunk_falls_back_with_a_named_warning(root):
     assert "00000002" in client.restored.refused
 
 
+def test_flipped_padding_byte_fails_the_whole_file_checksum(root):
+    """The zeros between chunks are in no chunk; the whole-file checksum covers them."""
+    snaps = make_run(root)
+    flip_byte(os.path.join(snaps, "00000002", "model.tensors"), fmt.HEADER_BYTES + 100)
+    client, _ = fresh(root)
+    with pytest.warns(FallbackWarning, match=r"model\.tensors: whole-file checksum"):
+        assert client.restore() == 1
+
+
 def test_only_snapshot_corrupt_raises_and_touches_nothing(root):
     snaps = make_run(root, steps=(1,))
-    flip_byte(os.path.join(snaps, "00000001", "optimizer.tensors"), fmt.HEADER_BYTES + 3)
+    flip_byte(os.path.join(snaps, "00000001", "optimizer.tensors"), fmt.CHUNK_ALIGN + 3)
     client, model = fresh(root)
     before = weights(model)
     with pytest.warns(FallbackWarning):
@@ -91,7 +100,7 @@ def test_only_snapshot_corrupt_raises_and_touches_nothing(root):
 def test_model_weights_read_without_reading_optimizer_state(root):
     snaps = make_run(root, steps=(1,))
     path = os.path.join(snaps, "00000001")
-    flip_byte(os.path.join(path, "optimizer.tensors"), fmt.HEADER_BYTES + 3)
+    flip_byte(os.path.join(path, "optimizer.tensors"), fmt.CHUNK_ALIGN + 3)
     reader = SnapshotReader(path)
     assert len(reader.load_object("model")) == 4
     with pytest.raises(CorruptSnapshot, match="checksum"):
@@ -250,7 +259,7 @@ def test_snapshot_of_an_existing_step_fails_through_the_handle(root):
 
 def test_a_refused_snapshot_is_set_aside_not_deleted_when_its_step_is_saved_again(root):
     snaps = make_run(root)
-    flip_byte(os.path.join(snaps, "00000002", "model.tensors"), fmt.HEADER_BYTES + 7)
+    flip_byte(os.path.join(snaps, "00000002", "model.tensors"), fmt.CHUNK_ALIGN + 7)
     client, _ = fresh(root)
     with pytest.warns(FallbackWarning):
         assert client.restore() == 1

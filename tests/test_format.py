@@ -59,7 +59,7 @@ def test_manifest_bytes_match_the_documented_offsets(tmp_path):
     result = write_snapshot(RunStore(str(tmp_path), "r"), plan_for(STATE), Options())
     data = open(os.path.join(result.path, "manifest.snapd"), "rb").read()
     assert data[0:8] == b"SNAPDMF\0"
-    assert struct.unpack_from("<I", data, 8)[0] == 1
+    assert struct.unpack_from("<I", data, 8)[0] == 2
     assert struct.unpack_from("<I", data, 12)[0] == 0
     length = struct.unpack_from("<Q", data, 16)[0]
     assert length == len(data) - 32
@@ -68,16 +68,58 @@ def test_manifest_bytes_match_the_documented_offsets(tmp_path):
     assert set(payload) == {"format", "run", "step", "rank", "world_size", "created",
                             "data_version", "metric", "lineage", "rng", "cursor",
                             "objects", "files"}
+    assert payload["format"] == 2
     tensors = open(os.path.join(result.path, "model.tensors"), "rb").read()
-    assert tensors[:8] == b"SNAPDTN\0" and struct.unpack_from("<I", tensors, 8)[0] == 1
+    assert tensors[:8] == b"SNAPDTN\0" and struct.unpack_from("<I", tensors, 8)[0] == 2
     assert tensors[16:32] == bytes(16)
     entry = payload["files"]["model.tensors"]
     assert entry == {"size": len(tensors), "xxh3": xxhash.xxh3_64_intdigest(tensors)}
     first = payload["objects"]["model"]["tensors"][0]["chunks"][0]
-    assert first[0] == 32 and first[3] == "raw"
-    raw = tensors[32:32 + first[1]]
+    assert first[0] == 4096 and first[3] == "raw"
+    raw = tensors[4096:4096 + first[1]]
     assert xxhash.xxh3_64_intdigest(raw) == first[4]
     assert raw == STATE["bf16"].reshape(-1).view(torch.uint8).numpy().tobytes()[:first[1]]
+    # Every chunk on a 4096-byte boundary, the first after the previous one ends; the
+    # gaps zero; the file ends on a boundary.
+    covered, end = bytearray(len(tensors)), 32
+    for t in payload["objects"]["model"]["tensors"]:
+        for offset, stored, *_ in t["chunks"]:
+            assert offset == -(-end // 4096) * 4096
+            covered[offset:offset + stored] = b"\1" * stored
+            end = offset + stored
+    assert len(tensors) == -(-end // 4096) * 4096
+    assert all(b == 0 for b, c in zip(tensors[32:], covered[32:]) if not c)
+
+
+def test_version_1_snapshots_still_read_bit_for_bit(tmp_path):
+    """A v1 tensor file has its chunks back to back; rewrite a v2 snapshot that way."""
+    result = write_snapshot(RunStore(str(tmp_path), "r"), plan_for(STATE),
+                            Options(chunk_bytes=4096))
+    path = os.path.join(result.path, "model.tensors")
+    v2 = open(path, "rb").read()
+    manifest_path = os.path.join(result.path, "manifest.snapd")
+    manifest = msgpack.unpackb(open(manifest_path, "rb").read()[32:], raw=False,
+                               strict_map_key=False)
+    v1 = bytearray(struct.pack("<8sII16x", b"SNAPDTN\0", 1, 0))
+    for t in manifest["objects"]["model"]["tensors"]:
+        for chunk in t["chunks"]:
+            data = v2[chunk[0]:chunk[0] + chunk[1]]
+            chunk[0] = len(v1)
+            v1 += data
+    open(path, "wb").write(v1)
+    manifest["format"] = 1
+    manifest["files"]["model.tensors"] = {"size": len(v1),
+                                          "xxh3": xxhash.xxh3_64_intdigest(bytes(v1))}
+    payload = msgpack.packb(manifest, use_bin_type=True)
+    open(manifest_path, "wb").write(struct.pack("<8sIIQQ", b"SNAPDMF\0", 1, 0,
+                                                len(payload),
+                                                xxhash.xxh3_64_intdigest(payload)) + payload)
+    assert len(v1) < len(v2)
+    reader = SnapshotReader(result.path)
+    back = unflatten(reader.objects["model"]["skeleton"], reader.load_object("model"),
+                     source="t")
+    for key, value in STATE.items():
+        assert torch.equal(back[key], value), key
 
 
 def test_commit_leaves_no_tmp_and_moves_latest(tmp_path):

@@ -57,11 +57,14 @@ def test_allocation_is_one_private_file_of_whole_pages(arena):
     assert st.st_blocks * 512 >= arena.size
 
 
-def test_layout_aligns_every_tensor_to_64_bytes():
+def test_layout_aligns_small_tensors_to_64_bytes_and_large_ones_to_blocks():
     ts = [torch.zeros(3, dtype=torch.uint8), torch.zeros(5), torch.zeros(0),
-          torch.zeros((), dtype=torch.float64), torch.zeros(17, dtype=torch.int16)]
+          torch.zeros((), dtype=torch.float64), torch.zeros(1025),
+          torch.zeros(17, dtype=torch.int16), torch.zeros(4096, dtype=torch.uint8)]
     offsets, need = layout(ts)
     assert all(off % ALIGN == 0 for off in offsets)
+    assert offsets[1] == 64 and offsets[5] % 4096 != 0  # small ones stay packed
+    assert offsets[4] % 4096 == 0 and offsets[6] % 4096 == 0  # direct I/O sources
     ends = [off + t.numel() * t.element_size() for off, t in zip(offsets, ts)]
     assert all(ends[i] <= offsets[i + 1] for i in range(len(ts) - 1))
     assert need == ends[-1]
