@@ -87,9 +87,10 @@ def spawn_daemon(root: str, timeout: float = SPAWN_TIMEOUT) -> socket.socket:
 
 
 class _Pending:
-    def __init__(self) -> None:
+    def __init__(self, on_reply: Optional[Callable[[Any], None]] = None) -> None:
         self.event = threading.Event()
         self.reply: Any = None
+        self.on_reply = on_reply  # for requests nobody waits on (see send_request)
 
 
 class DaemonConnection:
@@ -154,6 +155,8 @@ class DaemonConnection:
                     if pending is not None:
                         pending.reply = message
                         pending.event.set()
+                        if pending.on_reply is not None:
+                            pending.on_reply(message)
                 elif isinstance(message, (proto.Committed, proto.Failed)):
                     self.on_event(message)
         except (OSError, EOFError, proto.ProtocolError) as e:
@@ -222,15 +225,24 @@ class DaemonConnection:
                                          f"serving {self.root}: {e}"))
             raise self.lost from e
 
-    def request(self, message: Any) -> Any:
-        """Send a request and return its reply; an ``error`` reply is raised."""
-        pending = _Pending()
+    def _post(self, message: Any, pending: _Pending) -> None:
         req_id = next(self._ids)
         with self._lock:
             if self.lost is not None:
                 raise self.lost
             self._pending[req_id] = pending
         self._send(message, req_id)
+
+    def send_request(self, message: Any, on_reply: Callable[[Any], None]) -> None:
+        """Send a request without waiting: ``on_reply(reply)`` runs on the reader
+        thread when it comes. If the daemon is lost first it never runs; the loss is
+        reported through ``on_lost`` instead."""
+        self._post(message, _Pending(on_reply))
+
+    def request(self, message: Any) -> Any:
+        """Send a request and return its reply; an ``error`` reply is raised."""
+        pending = _Pending()
+        self._post(message, pending)
         self.wait_for(pending.event, f"the reply to {message.op}")
         if pending.reply is None:
             raise self.lost or DaemonUnavailable(f"no reply to {message.op}")

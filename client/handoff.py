@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -133,9 +133,16 @@ class Handoff:
         finally:
             if copied is not None:
                 copied.set()
+        def refused(reply: Any) -> None:
+            if isinstance(reply, proto.Error):
+                self._release(slot, handle, error_from(reply.kind, reply.message))
+
+        # Not waited for: the trainer goes on while the daemon accepts; a refusal
+        # reaches the handle, and a lost daemon fails every snapshot in flight.
         try:
-            conn.request(proto.Submit(self.store.run, self.rank, handle.step, slot, desc,
-                                      {k: getattr(self.options, k) for k in SUBMIT_OPTIONS}))
+            conn.send_request(proto.Submit(self.store.run, self.rank, handle.step, slot,
+                                           desc, {k: getattr(self.options, k)
+                                                  for k in SUBMIT_OPTIONS}), refused)
         except Exception as e:  # the handle reports it; the trainer carries on
             self._release(slot, handle, e)
 
