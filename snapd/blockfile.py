@@ -63,9 +63,9 @@ class BlockFile:
         self.end = 0           # always a multiple of BLOCK between appends
         self.direct_bytes = 0  # how many bytes went through direct I/O
 
-    def append(self, data, hasher=None) -> int:
-        """Write ``data`` at the end, then zeros up to the next block boundary; feeds
-        ``hasher`` every byte written, padding included. Returns where ``data`` starts."""
+    def append(self, data) -> int:
+        """Write ``data`` at the end, then zeros up to the next block boundary.
+        Returns where ``data`` starts."""
         view = memoryview(data).cast("B")
         start = self.end
         whole = len(view) // BLOCK * BLOCK
@@ -86,9 +86,6 @@ class BlockFile:
             _pwrite_all(self.fd, tail, start + whole)
         if pad:
             _pwrite_all(self.fd, memoryview(_ZEROS)[:pad], start + len(view))
-        if hasher is not None:
-            hasher.update(view)
-            hasher.update(_ZEROS[:pad])
         self.end = start + len(view) + pad
         return start
 

@@ -196,6 +196,32 @@ def tensor_file_header() -> bytes:
     return _TENSOR_HEADER.pack(TENSOR_MAGIC, FORMAT_VERSION, 0)
 
 
+class FileDigest:
+    """``files[name].xxh3`` of a tensor file, fed in file order.
+
+    Version 1: the xxh3-64 of every byte of the file. Version 2: the xxh3-64 of the
+    32-byte header followed by each chunk's 8-byte little-endian xxh3 in file order,
+    so that no byte is hashed twice (each chunk's own digest already covers it) and
+    the padding, which no digest covers, must be zero instead.
+    """
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self._hasher = xxhash.xxh3_64()
+
+    def header(self, data) -> None:
+        self._hasher.update(data)
+
+    def chunk(self, stored, digest: int) -> None:
+        self._hasher.update(stored if self.version == 1 else _DIGEST.pack(digest))
+
+    def intdigest(self) -> int:
+        return self._hasher.intdigest()
+
+
+_DIGEST = struct.Struct("<Q")
+
+
 def chunk_alignment(version: int) -> int:
     """Where chunks may start in a tensor file of this version: multiples of this."""
     return 1 if version == 1 else CHUNK_ALIGN

@@ -2,7 +2,10 @@
 
 Opening a snapshot reads only its manifest and stats its files. An object's tensors
 are read on demand (the model without the optimizer), each chunk verified against its
-checksum, and the whole file against its own while the chunks stream past. Nothing is
+checksum, each tensor against the digest of its raw bytes, the padding between chunks
+for zeros, and the file against its digest (docs/format.md) while the chunks stream
+past. Each byte is read from memory once: the second digest of a chunk is taken while
+it is still in cache. Nothing is
 trusted before it is checked: names are plain file names inside the directory, every
 declared size is compared with the file before anything is allocated, and files are
 opened without following symlinks.
@@ -88,31 +91,32 @@ class SnapshotReader:
         entry = self.manifest["files"][file_name]
         version = self.manifest["format"]
         _check_tiling(obj["tensors"], entry["size"], full, fmt.chunk_alignment(version))
-        hasher = _FileHasher(full)
         fd = _open_nofollow(full)
         try:
             header = os.pread(fd, fmt.HEADER_BYTES, 0)
             fmt.check_tensor_file_header(header, path=full, version=version)
-            hasher.update(header)
-            tensors = [self._read_tensor(fd, t, i, full, hasher, progress)
+            walk = _FileWalk(full, fd, fmt.FileDigest(version))
+            walk.header(header)
+            tensors = [self._read_tensor(fd, t, i, full, walk, progress)
                        for i, t in enumerate(obj["tensors"])]
-            hasher.skip_to(fd, entry["size"])
+            walk.padding_to(entry["size"])
         finally:
             os.close(fd)
-        if hasher.intdigest() != entry["xxh3"]:
-            raise CorruptSnapshot(f"{full}: whole-file checksum mismatch (manifest field "
+        if walk.digest.intdigest() != entry["xxh3"]:
+            raise CorruptSnapshot(f"{full}: file checksum mismatch (manifest field "
                                   f"files[{file_name!r}].xxh3)", path=full, field="xxh3")
         return tensors
 
     def _read_tensor(self, fd: int, meta: Dict[str, Any], i: int, path: str,
-                     hasher, progress: Progress) -> torch.Tensor:
+                     walk: "_FileWalk", progress: Progress) -> torch.Tensor:
         out = torch.empty(meta["nbytes"], dtype=torch.uint8)
         view = memoryview(out.numpy()) if meta["nbytes"] else memoryview(b"")
+        raw_digest = xxhash.xxh3_64()
         pos = 0
         for j, chunk in enumerate(meta["chunks"]):
             offset, stored_len, raw_len = chunk[0], chunk[1], chunk[2]
             field = f"tensor {meta['path']!r} chunk {j}"
-            hasher.skip_to(fd, offset)
+            walk.padding_to(offset)
             if chunk[3] == fmt.CODEC_RAW:
                 target = view[pos:pos + raw_len]
                 if os.preadv(fd, [target], offset) != stored_len:
@@ -124,11 +128,12 @@ class SnapshotReader:
                 stored = os.pread(fd, stored_len, offset)
                 view[pos:pos + raw_len] = fmt.decode_chunk(stored, chunk, path=path,
                                                            field=field)
-            hasher.update(stored)
+            raw_digest.update(view[pos:pos + raw_len])  # just written: still in cache
+            walk.chunk(stored, chunk[4])
             pos += raw_len
             if progress:
                 progress(stored_len)
-        if fmt.checksum(view) != meta["xxh3"]:
+        if raw_digest.intdigest() != meta["xxh3"]:
             raise CorruptSnapshot(f"{path}: tensor {meta['path']!r} checksum mismatch "
                                   "after decoding", path=path, field=f"tensor {meta['path']!r}")
         dtype = fmt.DTYPES[meta["dtype"]]
@@ -163,26 +168,32 @@ def _align_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-class _FileHasher:
-    """The whole-file xxh3, fed in file order: header, chunks, and the zero padding
-    between them (read here; the chunks are fed by the reader as they pass)."""
+class _FileWalk:
+    """Follows a tensor file in order: feeds the file digest, and checks the bytes
+    between chunks. Version 2 requires them to be zero (no digest covers them);
+    version 1 has none (tiling is checked before)."""
 
-    def __init__(self, path: str) -> None:
-        self.path, self.pos = path, 0
-        self._hasher = xxhash.xxh3_64()
+    def __init__(self, path: str, fd: int, digest: fmt.FileDigest) -> None:
+        self.path, self.fd, self.digest = path, fd, digest
+        self.pos = 0
 
-    def update(self, data) -> None:
-        self._hasher.update(data)
-        self.pos += len(data)
+    def header(self, data: bytes) -> None:
+        self.digest.header(data)
+        self.pos = len(data)
 
-    def skip_to(self, fd: int, offset: int) -> None:
-        """Hash the padding from here to ``offset``."""
-        if offset > self.pos:
-            gap = os.pread(fd, offset - self.pos, self.pos)
-            if len(gap) != offset - self.pos:
-                raise CorruptSnapshot(f"{self.path}: short read at byte {self.pos}",
-                                      path=self.path, field="size")
-            self.update(gap)
+    def chunk(self, stored, chunk_digest: int) -> None:
+        self.digest.chunk(stored, chunk_digest)
+        self.pos += len(stored)
 
-    def intdigest(self) -> int:
-        return self._hasher.intdigest()
+    def padding_to(self, offset: int) -> None:
+        if offset <= self.pos:
+            return
+        gap = os.pread(self.fd, offset - self.pos, self.pos)
+        if len(gap) != offset - self.pos:
+            raise CorruptSnapshot(f"{self.path}: short read at byte {self.pos}",
+                                  path=self.path, field="size")
+        if gap.count(0) != len(gap):
+            raise CorruptSnapshot(f"{self.path}: padding at bytes {self.pos}..{offset} "
+                                  "is not zero; the file is damaged, use an older "
+                                  "snapshot", path=self.path, field="padding")
+        self.pos = offset

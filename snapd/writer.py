@@ -69,28 +69,34 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
     """Write one object's tensors as chunks; returns its manifest entries."""
     name = f"{obj.name}{fmt.TENSOR_FILE_SUFFIX}"
     policy = _CompressionPolicy(opts.compression)
-    hasher = xxhash.xxh3_64()  # every byte of the file, padding included
+    file_digest = fmt.FileDigest(fmt.FORMAT_VERSION)
     entries = []
     out = BlockFile(os.path.join(directory, name))
     try:
-        out.append(fmt.tensor_file_header(), hasher)
+        header = fmt.tensor_file_header()
+        out.append(header)
+        file_digest.header(header)
         for t in obj.tensors:
             level = policy.level_for(t.data, opts.chunk_bytes)
-            chunks = []
+            chunks, raw_digest = [], xxhash.xxh3_64()
             for start in range(0, len(t.data), opts.chunk_bytes):
-                stored, codec = fmt.encode_chunk(t.data[start:start + opts.chunk_bytes], level)
-                raw_len = min(opts.chunk_bytes, len(t.data) - start)
-                offset = out.append(stored, hasher)
-                chunks.append([offset, len(stored), raw_len, codec, fmt.checksum(stored)])
+                raw = t.data[start:start + opts.chunk_bytes]
+                stored, codec = fmt.encode_chunk(raw, level)
+                digest = fmt.checksum(stored)
+                raw_digest.update(raw)  # just hashed or compressed: still in cache
+                offset = out.append(stored)
+                file_digest.chunk(stored, digest)
+                chunks.append([offset, len(stored), len(raw), codec, digest])
                 if progress is not None:
-                    progress(raw_len)
+                    progress(len(raw))
             entries.append({"path": t.path, "dtype": t.dtype, "shape": list(t.shape),
                             "nbytes": len(t.data), "device": t.device, "chunks": chunks,
-                            "xxh3": fmt.checksum(t.data)})
+                            "xxh3": raw_digest.intdigest()})
         out.sync()
     finally:
         out.close()
-    return {"file": name, "tensors": entries, "size": out.end, "xxh3": hasher.intdigest()}
+    return {"file": name, "tensors": entries, "size": out.end,
+            "xxh3": file_digest.intdigest()}
 
 
 def _manifest(plan: SnapshotPlan, written: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:

@@ -76,12 +76,13 @@ def test_flipped_byte_in_tensor_chunk_falls_back_with_a_named_warning(root):
     assert "00000002" in client.restored.refused
 
 
-def test_flipped_padding_byte_fails_the_whole_file_checksum(root):
-    """The zeros between chunks are in no chunk; the whole-file checksum covers them."""
+def test_flipped_padding_byte_is_damage_too(root):
+    """The zeros between chunks are in no chunk's digest; they must stay zero."""
     snaps = make_run(root)
     flip_byte(os.path.join(snaps, "00000002", "model.tensors"), fmt.HEADER_BYTES + 100)
     client, _ = fresh(root)
-    with pytest.warns(FallbackWarning, match=r"model\.tensors: whole-file checksum"):
+    with pytest.warns(FallbackWarning, match=r"model\.tensors: padding at bytes "
+                                             r"32\.\.4096 is not zero"):
         assert client.restore() == 1
 
 

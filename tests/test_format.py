@@ -72,8 +72,16 @@ def test_manifest_bytes_match_the_documented_offsets(tmp_path):
     tensors = open(os.path.join(result.path, "model.tensors"), "rb").read()
     assert tensors[:8] == b"SNAPDTN\0" and struct.unpack_from("<I", tensors, 8)[0] == 2
     assert tensors[16:32] == bytes(16)
+    # v2 file digest: the header, then each chunk's digest (u64 LE), in file order.
+    chain = tensors[:32] + b"".join(struct.pack("<Q", c[4])
+                                    for t in payload["objects"]["model"]["tensors"]
+                                    for c in t["chunks"])
     entry = payload["files"]["model.tensors"]
-    assert entry == {"size": len(tensors), "xxh3": xxhash.xxh3_64_intdigest(tensors)}
+    assert entry == {"size": len(tensors), "xxh3": xxhash.xxh3_64_intdigest(chain)}
+    for t, (key, value) in zip(payload["objects"]["model"]["tensors"], STATE.items()):
+        raw = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() \
+            if value.numel() else b""
+        assert t["xxh3"] == xxhash.xxh3_64_intdigest(raw), key  # the raw bytes' digest
     first = payload["objects"]["model"]["tensors"][0]["chunks"][0]
     assert first[0] == 4096 and first[3] == "raw"
     raw = tensors[4096:4096 + first[1]]

@@ -1,7 +1,7 @@
 """``snapd verify SNAPSHOT | --all``: read every byte, check every checksum.
 
 The manifest's header checksum and structure, each file's size, every chunk's xxh3
-(and zstd length), every tensor's checksum after decoding, every file's whole-file
+(and zstd length), every tensor's checksum after decoding, every file's own
 checksum, and that each object's skeleton decodes against its tensors: everything a
 restore would check, without loading anything into a training process. Exit code 1
 names the first damaged file, tensor and chunk of each bad snapshot.
