@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Set, Tuple
 
+import numpy as np
 import psutil
 
 from snapd import fsio
@@ -163,6 +164,10 @@ class HotCache:
         # several times a warm memcpy (docs/benchmarks.md). Two segments per (run,
         # rank) at most, which is what the copy-then-replace order needs anyway.
         self._spares: Dict[Tuple[str, int], str] = {}
+        # Every segment stays mapped while it exists: the next copy into it is a
+        # memcpy (~4x cheaper here than write() into tmpfs pages, which looks each
+        # page up again), with the GIL released.
+        self._mapped: Dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def segment_name(self, run: str, rank: int) -> str:
@@ -188,29 +193,52 @@ class HotCache:
 
     def copy(self, run: str, rank: int, data: memoryview) -> str:
         """Copy ``data`` into a segment (the spare, else a new one); returns its name,
-        not yet published. A restore that still maps the spare reads changing bytes
+        not yet published. A restore that still reads the spare sees changing bytes
         and falls back to the files: it verifies every tensor's checksum."""
         with self._lock:
             name = self._spares.pop((run, rank), None)
-        if name is None:
-            name = self.segment_name(run, rank)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        else:
-            flags = os.O_WRONLY
-        path = os.path.join(self.shm_dir, name)
+        mapping = self._mapped.get(name) if name is not None else None
         try:
-            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:   # the spare was unlinked behind our back
-            return self.copy(run, rank, data)
+            if mapping is not None and len(mapping) == max(len(data), 1):
+                if len(data):  # a memcpy into faulted-in pages, GIL released
+                    np.copyto(np.frombuffer(mapping, dtype=np.uint8, count=len(data)),
+                              np.frombuffer(data, dtype=np.uint8))
+                return name
+            if name is not None:
+                self._forget(name)  # another size: the state grew or shrank
+            name = self.segment_name(run, rank)
+            self._write_new(name, data)
+        except BaseException:
+            if name is not None:
+                self._forget(name)
+            raise
+        return name
+
+    def _write_new(self, name: str, data: memoryview) -> None:
+        """Create a segment holding ``data`` and keep it mapped for the next copies.
+        New pages are filled by write(), which this machine does ~2-5x faster than
+        faulting them in through a mapping; the mapping is then populated at once."""
+        path = os.path.join(self.shm_dir, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                     os.O_CLOEXEC, 0o600)
         try:
             fsio.write_all(fd, data)
-            os.ftruncate(fd, len(data))
-        except BaseException:
+            os.ftruncate(fd, max(len(data), 1))  # mmap refuses empty files
+            self._mapped[name] = mmap.mmap(
+                fd, max(len(data), 1), mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
             os.close(fd)
-            _unlink_quietly(path)
-            raise
-        os.close(fd)
-        return name
+
+    def _forget(self, name: str) -> None:
+        """Unmap and unlink a segment."""
+        mapping = self._mapped.pop(name, None)
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # a view is still referenced; the GC unmaps it
+        _unlink_quietly(os.path.join(self.shm_dir, name))
 
     def publish(self, run: str, rank: int, name: str, plan: Dict[str, Any],
                 snapshot: str, size: int) -> HotEntry:
@@ -224,12 +252,12 @@ class HotCache:
             if old is not None:
                 self._spares[(run, rank)] = old.shm
         if extra is not None:
-            _unlink_quietly(os.path.join(self.shm_dir, extra))
+            self._forget(extra)
         return entry
 
     def discard(self, name: str) -> None:
         """Unlink a copied segment that will not be published (its write failed)."""
-        _unlink_quietly(os.path.join(self.shm_dir, name))
+        self._forget(name)
 
     def get(self, run: str, rank: int) -> Optional[HotEntry]:
         with self._lock:
@@ -240,15 +268,15 @@ class HotCache:
             old = self._entries.pop((run, rank), None)
             spare = self._spares.pop((run, rank), None)
         for name in ([old.shm] if old is not None else []) + ([spare] if spare else []):
-            _unlink_quietly(os.path.join(self.shm_dir, name))
+            self._forget(name)
 
     def close(self) -> None:
         """Unlink every hot segment (clean shutdown: the memory is returned)."""
         with self._lock:
             names = [e.shm for e in self._entries.values()] + list(self._spares.values())
             self._entries, self._spares = {}, {}
-        for name in names:
-            _unlink_quietly(os.path.join(self.shm_dir, name))
+        for name in names + list(self._mapped):
+            self._forget(name)
 
 
 def used_bytes(desc: Dict[str, Any]) -> int:
