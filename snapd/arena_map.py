@@ -33,6 +33,7 @@ from snapd import fsio
 from snapd.errors import SnapdError
 
 SHM_DIR = "/dev/shm"
+PREPARE_WAIT = 30.0  # at most this long for a spare being made, then make another
 _SHM_NAME = re.compile(r"^snapd-[A-Za-z0-9_.-]+$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _HOT_NONCE = re.compile(r"-(\d+)x[0-9a-f]+$")   # the pid of the daemon that made it
@@ -168,6 +169,10 @@ class HotCache:
         # memcpy (~4x cheaper here than write() into tmpfs pages, which looks each
         # page up again), with the GIL released.
         self._mapped: Dict[str, mmap.mmap] = {}
+        # After the first commit of a (run, rank) its spare is made in the background,
+        # so that no later commit pays for new pages (the first commit does, beside
+        # its disk write, like the client's first snapshot pays for its arena).
+        self._preparing: Dict[Tuple[str, int], threading.Event] = {}
         self._lock = threading.Lock()
 
     def segment_name(self, run: str, rank: int) -> str:
@@ -195,6 +200,10 @@ class HotCache:
         """Copy ``data`` into a segment (the spare, else a new one); returns its name,
         not yet published. A restore that still reads the spare sees changing bytes
         and falls back to the files: it verifies every tensor's checksum."""
+        with self._lock:
+            preparing = self._preparing.get((run, rank))
+        if preparing is not None:  # its spare is on the way: cheaper than another
+            preparing.wait(PREPARE_WAIT)
         with self._lock:
             name = self._spares.pop((run, rank), None)
         mapping = self._mapped.get(name) if name is not None else None
@@ -245,15 +254,56 @@ class HotCache:
         """Make a copied segment the held snapshot of (run, rank); the one it replaces
         becomes the spare (an older spare is unlinked)."""
         entry = HotEntry(name, snapshot, plan, size)
+        key = (run, rank)
         with self._lock:
-            old = self._entries.get((run, rank))
-            self._entries[(run, rank)] = entry
-            extra = self._spares.pop((run, rank), None)
+            old = self._entries.get(key)
+            self._entries[key] = entry
+            extra = self._spares.pop(key, None)
             if old is not None:
-                self._spares[(run, rank)] = old.shm
+                self._spares[key] = old.shm
+            prepare = old is None and extra is None and key not in self._preparing
+            if prepare:
+                self._preparing[key] = threading.Event()
         if extra is not None:
             self._forget(extra)
+        if prepare:
+            threading.Thread(target=self._prepare_spare, args=(key, size), daemon=True,
+                             name=f"snapd-hot-spare-{run}-{rank}").start()
         return entry
+
+    def _prepare_spare(self, key: Tuple[str, int], size: int) -> None:
+        """Make a faulted-in segment of ``size`` bytes the spare of ``key``, unless a
+        spare appeared meanwhile or the entry is gone. A hot copy is a hint: failure
+        (memory short) only means the next commit makes its own segment."""
+        name = self.segment_name(*key)
+        try:
+            self._allocate(name, size)
+            with self._lock:
+                if key in self._entries and key not in self._spares:
+                    self._spares[key], name = name, None
+        except OSError:
+            pass
+        finally:
+            if name is not None:
+                self._forget(name)
+            with self._lock:
+                done = self._preparing.pop(key, None)
+            if done is not None:
+                done.set()
+
+    def _allocate(self, name: str, size: int) -> None:
+        """A new segment of ``size`` zero bytes, allocated and mapped (populated)."""
+        size = max(size, 1)  # mmap refuses empty files
+        path = os.path.join(self.shm_dir, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                     os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            self._mapped[name] = mmap.mmap(
+                fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
 
     def discard(self, name: str) -> None:
         """Unlink a copied segment that will not be published (its write failed)."""

@@ -109,6 +109,23 @@ def test_hot_cache_replaces_and_unlinks(shm):
     assert os.listdir(shm) == [] and hot.get("r=1", 0) is None
 
 
+def test_after_the_first_commit_its_spare_is_made_in_the_background(shm):
+    """So that the second commit writes over faulted-in pages instead of new ones."""
+    hot = HotCache(shm_dir=str(shm))
+    first = put(hot, b"abcd", "00000001")
+    deadline = time.monotonic() + 10
+    while len(os.listdir(shm)) < 2:
+        assert time.monotonic() < deadline, "no spare was made"
+        time.sleep(0.01)
+    [spare] = set(os.listdir(shm)) - {first.shm}
+    assert (shm / spare).stat().st_size == 4
+    second = put(hot, b"efgh", "00000002")  # waits for the spare if still being made
+    assert second.shm == spare and (shm / spare).read_bytes() == b"efgh"
+    assert sorted(os.listdir(shm)) == sorted([first.shm, spare])
+    hot.close()
+    assert os.listdir(shm) == []
+
+
 def test_hot_copies_of_dead_daemons_are_reclaimed(shm):
     dead = subprocess.Popen(["true"])
     dead.wait()
