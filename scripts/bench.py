@@ -37,7 +37,9 @@ its own subprocess (``--method M --size S``, JSON out) so peak RSS figures do no
   snapshots vs with a snapd overlap-mode snapshot every step.
 
 The first snapshot/save of each method is a warm-up and is not counted (the daemon
-starts and the arena is allocated there; DCP's stager allocates its staging copy).
+starts and the arena is allocated there, then the daemon makes its spare hot segment
+in the background, which the script waits out; DCP's stager allocates its staging
+copy).
 Figures are medians over the counted repetitions (3 up to 1G, 1 above). ``--quick`` is a smoke test (100M,
 2 repetitions, a short slowdown loop).
 """
@@ -470,6 +472,26 @@ def w_dcp_async(args, model, opt, tensors, sampler, res) -> None:
     res["peak"] = sampler.stop()
 
 
+def wait_idle(pid: Optional[int], timeout: float = 60.0) -> float:
+    """Until the daemon has used under 10 ms of CPU in 0.25 s (after a commit it may
+    still be making its spare hot segment, new pages: that must not land in a
+    measured step); returns how long that took."""
+    import psutil
+    t0 = time.monotonic()
+    if not pid:
+        return 0.0
+    try:
+        proc = psutil.Process(pid)
+        while time.monotonic() - t0 < timeout:
+            before = sum(proc.cpu_times()[:2])
+            time.sleep(0.25)
+            if sum(proc.cpu_times()[:2]) - before < 0.01:
+                break
+    except psutil.Error:
+        pass
+    return time.monotonic() - t0
+
+
 def w_snapd(args, model, opt, tensors, sampler, res) -> None:
     from snapd_client import Client
     mode = "overlap" if args.method == "snapd_overlap" else "wait"
@@ -483,6 +505,7 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
     res["first_snapshot_s"] = time.perf_counter() - t0
     pid = daemon_pid_of(args.root)
     res["daemon_pid"], res["client_daemon_pid"] = pid, ckpt.daemon_pid
+    res["settle_s"] = wait_idle(pid)
     if pid:
         sampler.add("daemon", pid)
     stamp = {}
@@ -626,6 +649,7 @@ def w_slowdown(args, model, opt, tensors, sampler, res) -> None:
     ckpt.track(model=model, optimizer=opt)
     ckpt.snapshot(0).wait()   # warm-up: daemon, arena
     pid = res["daemon_pid"] = daemon_pid_of(args.root)
+    res["settle_s"] = wait_idle(pid)  # and the daemon's spare hot segment
     if pid:
         sampler.add("daemon", pid)
     rounds, steps = args.slow_rounds or 1, args.slow_steps or 2
@@ -640,6 +664,7 @@ def w_slowdown(args, model, opt, tensors, sampler, res) -> None:
         handles += hs
         for h in hs:
             h.wait()   # the next baseline block runs with the daemon idle
+        wait_idle(pid)
     base += block(steps)[0]
     results = [h.wait() for h in handles]
     ckpt.close()

@@ -397,36 +397,12 @@ def test_hung_daemon_fails_the_snapshot_within_the_timeout(env):
     client.close()
 
 
-def test_hot_restore_when_the_daemon_holds_the_latest_snapshot(env):
-    model, opt = make_model()
-    client = Client(env.root, env.run)
-    client.track(model=model, optimizer=opt)
-    train_step(model, opt)
-    client.snapshot(1).wait()
-    expected = state_of(model, opt)
-    daemon = env.daemon(client)
-    client.close()
-    step, state, fresh = restored_state(env)
-    assert (step, fresh.restored_from) == (1, "hot")
-    assert_same(state, expected)
-
-    # A hot copy that disagrees with the manifest is never used.
-    [hot] = glob.glob(f"/dev/shm/snapd-hot-{UID}-{env.run}-*")
-    with open(hot, "r+b") as f:
-        f.seek(64)
-        byte = f.read(1)
-        f.seek(64)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    step, state, fresh = restored_state(env)
-    assert (step, fresh.restored_from) == (1, "disk")
-    assert_same(state, expected)
-
-    # No daemon: restore reads the files and starts none.
-    stop(daemon.pid)
-    step, state, fresh = restored_state(env)
-    assert (step, fresh.restored_from) == (1, "disk")
-    assert_same(state, expected)
-    assert env.lock_pid() is None and fresh.daemon_pid is None
+def hot_segments(env) -> list:
+    """The daemon's hot copies of the run: the held one, and the spare it makes after
+    the first commit (which changing does no harm)."""
+    found = glob.glob(f"/dev/shm/snapd-hot-{UID}-{env.run}-*")
+    assert found, "the daemon holds no hot copy"
+    return found
 
 
 def _tensor_ptrs(model, opt) -> dict:
@@ -443,6 +419,34 @@ def _flip_byte(path: str, offset: int) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_hot_restore_when_the_daemon_holds_the_latest_snapshot(env):
+    model, opt = make_model()
+    client = Client(env.root, env.run)
+    client.track(model=model, optimizer=opt)
+    train_step(model, opt)
+    client.snapshot(1).wait()
+    expected = state_of(model, opt)
+    daemon = env.daemon(client)
+    client.close()
+    step, state, fresh = restored_state(env)
+    assert (step, fresh.restored_from) == (1, "hot")
+    assert_same(state, expected)
+
+    # A hot copy that disagrees with the manifest is never used.
+    for hot in hot_segments(env):
+        _flip_byte(hot, 64)
+    step, state, fresh = restored_state(env)
+    assert (step, fresh.restored_from) == (1, "disk")
+    assert_same(state, expected)
+
+    # No daemon: restore reads the files and starts none.
+    stop(daemon.pid)
+    step, state, fresh = restored_state(env)
+    assert (step, fresh.restored_from) == (1, "disk")
+    assert_same(state, expected)
+    assert env.lock_pid() is None and fresh.daemon_pid is None
 
 
 def test_hot_restore_writes_into_the_live_tensors_and_keeps_no_alias(env):
@@ -469,9 +473,9 @@ def test_hot_restore_writes_into_the_live_tensors_and_keeps_no_alias(env):
 
     # Nothing restored still points into the daemon's segment: scribbling over it
     # changes nothing in the trainer.
-    [hot] = glob.glob(f"/dev/shm/snapd-hot-{UID}-{env.run}-*")
-    with open(hot, "r+b") as f:
-        f.write(b"\xAA" * os.path.getsize(hot))
+    for hot in hot_segments(env):
+        with open(hot, "r+b") as f:
+            f.write(b"\xAA" * os.path.getsize(hot))
     assert_same(state_of(live_model, live_opt), expected)
 
 
@@ -505,12 +509,13 @@ def test_a_damaged_hot_copy_and_damaged_files_name_the_objects_written(env):
     train_step(model, opt)
     client.snapshot(1).wait()
     client.close()
-    [hot] = glob.glob(f"/dev/shm/snapd-hot-{UID}-{env.run}-*")
-    _flip_byte(hot, 64)   # inside the model's first tensor
+    for hot in hot_segments(env):
+        _flip_byte(hot, 64)   # inside the model's first tensor
     snapshot = RunStore(env.root, env.run).snapshot_path(
         RunStore(env.root, env.run).committed()[-1])
-    model_file = os.path.join(snapshot, SnapshotReader(snapshot).objects["model"]["file"])
-    _flip_byte(model_file, os.path.getsize(model_file) - 1)
+    model = SnapshotReader(snapshot).objects["model"]
+    offset, stored = model["tensors"][-1]["chunks"][-1][:2]
+    _flip_byte(os.path.join(snapshot, model["file"]), offset + stored - 1)
 
     live_model, live_opt = make_model(seed=123)
     fresh = Client(env.root, env.run)
