@@ -913,10 +913,11 @@ def report(results, slow, info, args) -> str:
         "(`1/20`: twenty times shorter). For snapd overlap mode the optimizer step is "
         "called right after snapshot() (no forward/backward to hide the copy behind), "
         "so its stall is the worst case. Peak RSS counts the mapped shared-memory pages "
-        "(snapd's staging arena is counted in the trainer and in the daemon); /dev/shm is "
+        "(snapd's staging arena is counted in the trainer and in the daemon, and the "
+        "daemon's two hot segments, which it keeps mapped, in the daemon); /dev/shm is "
         "the peak of the method's own shared memory: snapd's staging arena plus the "
-        "daemon's hot copies (a new one is written before the previous is unlinked), "
-        "DCP's shared-memory staging copy. Every method keeps all the checkpoints it "
+        "daemon's two hot segments (the copy it holds, and the spare the next commit "
+        "writes over), DCP's shared-memory staging copy. Every method keeps all the checkpoints it "
         "wrote until its process ends (snapd's default retention keeps everything), so "
         "each save writes new files.", ""]
     targets: List[tuple] = []
