@@ -318,11 +318,8 @@ def w_ref(args, model, opt, tensors, sampler, res) -> None:
         t0 = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for t in tensors:
-                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                done = 0
-                while done < len(view):
-                    done += os.write(fd, view[done:])
+            write_views(fd, [memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                             for t in tensors])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -332,6 +329,13 @@ def w_ref(args, model, opt, tensors, sampler, res) -> None:
     res["durable_s"] = durable
     res["direct_durable_s"] = raw_direct(args, tensors)
     res["peak"] = sampler.stop()
+
+
+def write_views(fd: int, views) -> None:
+    for view in views:
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
 
 
 def raw_direct(args, tensors) -> List[float]:
@@ -358,11 +362,8 @@ def raw_direct(args, tensors) -> List[float]:
             return []
         t0 = time.perf_counter()
         try:
-            for off in range(0, len(view), 4 << 20):
-                piece = view[off:off + (4 << 20)]
-                done = 0
-                while done < len(piece):
-                    done += os.write(fd, piece[done:])
+            write_views(fd, [view[off:off + (4 << 20)]
+                             for off in range(0, len(view), 4 << 20)])
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -80,6 +80,15 @@ def outside_listing(root: str) -> list:
     return sorted(found)
 
 
+def flip_byte(path: str, offset: int, mask: int = 0xFF) -> None:
+    """Damage one byte of a real file in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def read_manifest(snapshot_dir: str) -> dict:
     with open(os.path.join(snapshot_dir, fmt.MANIFEST_NAME), "rb") as f:
         return fmt.decode_manifest(f.read(), path=snapshot_dir)

@@ -19,6 +19,8 @@ from snapd.reader import SnapshotReader
 from snapd.cli import main
 from snapd_client import Client
 
+from conftest import flip_byte
+
 RUN = "gpt"
 
 
@@ -65,14 +67,6 @@ def cli(*args: str):
 
 def snap(root: str, name: str) -> str:
     return os.path.join(root, RUN, "snapshots", name)
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 # --- ls ---------------------------------------------------------------------------

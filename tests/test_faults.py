@@ -10,7 +10,7 @@ import pytest
 import torch
 import zstandard
 
-from conftest import outside_listing, read_manifest, write_manifest_raw
+from conftest import flip_byte, outside_listing, read_manifest, write_manifest_raw
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, IncompatibleState
 from snapd.reader import SnapshotReader
@@ -48,14 +48,6 @@ def weights(model):
 
 def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def flip_byte(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x40]))
 
 
 def test_restore_returns_latest_step_and_loads_it(root):

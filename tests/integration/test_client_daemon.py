@@ -30,6 +30,8 @@ from snapd.reader import SnapshotReader
 from snapd.store import RunStore
 from snapd_client import Client
 
+from conftest import flip_byte
+
 pytestmark = pytest.mark.integration
 UID = os.getuid()
 
@@ -413,14 +415,6 @@ def _tensor_ptrs(model, opt) -> dict:
     return ptrs
 
 
-def _flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_hot_restore_when_the_daemon_holds_the_latest_snapshot(env):
     model, opt = make_model()
     client = Client(env.root, env.run)
@@ -436,7 +430,7 @@ def test_hot_restore_when_the_daemon_holds_the_latest_snapshot(env):
 
     # A hot copy that disagrees with the manifest is never used.
     for hot in hot_segments(env):
-        _flip_byte(hot, 64)
+        flip_byte(hot, 64)
     step, state, fresh = restored_state(env)
     assert (step, fresh.restored_from) == (1, "disk")
     assert_same(state, expected)
@@ -449,14 +443,20 @@ def test_hot_restore_when_the_daemon_holds_the_latest_snapshot(env):
     assert env.lock_pid() is None and fresh.daemon_pid is None
 
 
-def test_hot_restore_writes_into_the_live_tensors_and_keeps_no_alias(env):
+def committed_step_one(env) -> dict:
+    """One trained step snapshotted through the daemon, which then holds it; the
+    state it holds."""
     model, opt = make_model()
     client = Client(env.root, env.run)
     client.track(model=model, optimizer=opt)
     train_step(model, opt)
     client.snapshot(1).wait()
-    expected = state_of(model, opt)
     client.close()
+    return state_of(model, opt)
+
+
+def test_hot_restore_writes_into_the_live_tensors_and_keeps_no_alias(env):
+    expected = committed_step_one(env)
 
     # A trainer that already holds state of the same shapes (other values): the held
     # bytes go straight into its tensors, which keep their memory.
@@ -480,13 +480,7 @@ def test_hot_restore_writes_into_the_live_tensors_and_keeps_no_alias(env):
 
 
 def test_hot_restore_leaves_an_omitted_object_alone(env):
-    model, opt = make_model()
-    client = Client(env.root, env.run)
-    client.track(model=model, optimizer=opt)
-    train_step(model, opt)
-    client.snapshot(1).wait()
-    expected = state_of(model, opt)
-    client.close()
+    expected = committed_step_one(env)
 
     live_model, live_opt = make_model(seed=123)
     train_step(live_model, live_opt)
@@ -503,19 +497,14 @@ def test_hot_restore_leaves_an_omitted_object_alone(env):
 
 
 def test_a_damaged_hot_copy_and_damaged_files_name_the_objects_written(env):
-    model, opt = make_model()
-    client = Client(env.root, env.run)
-    client.track(model=model, optimizer=opt)
-    train_step(model, opt)
-    client.snapshot(1).wait()
-    client.close()
+    committed_step_one(env)
     for hot in hot_segments(env):
-        _flip_byte(hot, 64)   # inside the model's first tensor
+        flip_byte(hot, 64)   # inside the model's first tensor
     snapshot = RunStore(env.root, env.run).snapshot_path(
         RunStore(env.root, env.run).committed()[-1])
     model = SnapshotReader(snapshot).objects["model"]
     offset, stored = model["tensors"][-1]["chunks"][-1][:2]
-    _flip_byte(os.path.join(snapshot, model["file"]), offset + stored - 1)
+    flip_byte(os.path.join(snapshot, model["file"]), offset + stored - 1)
 
     live_model, live_opt = make_model(seed=123)
     fresh = Client(env.root, env.run)
