@@ -82,13 +82,15 @@ class Handoff:
         except Exception as e:  # the slot is ours again; the handle reports why
             self._release(slot, handle, e)
             return handle
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="snapd-stage")
         if self.options.mode == "overlap":
             self._copied = threading.Event()
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="snapd-stage")
             self._worker.submit(self._complete, conn, *job, handle, self._copied)
-        else:
-            self._complete(conn, *job, handle, None)
+        elif self._finish_copy(*job[:3], handle, None):
+            # The copy is done: the trainer may change its tensors. Sending the plan
+            # is the worker's (in order, one thread), not the training loop's.
+            self._worker.submit(self._submit, conn, job[1], job[3], handle)
         return handle
 
     def _stage(self, plan: SnapshotPlan, sources: Sources,
@@ -123,16 +125,26 @@ class Handoff:
     def _complete(self, conn: DaemonConnection, arena: Arena, slot: int, later: list,
                   desc: dict, handle: SnapshotHandle,
                   copied: Optional[threading.Event]) -> None:
-        """Finish the copy, then submit. Runs inline, or on the worker in overlap."""
+        """Finish the copy, then submit (overlap mode, on the worker)."""
+        if self._finish_copy(arena, slot, later, handle, copied):
+            self._submit(conn, slot, desc, handle)
+
+    def _finish_copy(self, arena: Arena, slot: int, later: list, handle: SnapshotHandle,
+                     copied: Optional[threading.Event]) -> bool:
+        """Copy the deferred tensors and wait for every copy; False if that failed."""
         try:
             arena.stage(slot, [t for t, _ in later], [o for _, o in later])
             arena.wait()
+            return True
         except Exception as e:
             self._release(slot, handle, e)
-            return
+            return False
         finally:
             if copied is not None:
                 copied.set()
+
+    def _submit(self, conn: DaemonConnection, slot: int, desc: dict,
+                handle: SnapshotHandle) -> None:
         def refused(reply: Any) -> None:
             if isinstance(reply, proto.Error):
                 self._release(slot, handle, error_from(reply.kind, reply.message))

@@ -12,7 +12,8 @@ module or optimizer already holds at that path, when one fits, and hashed there 
 pieces small enough to still be in cache. ``load_state_dict`` then finds its own
 tensors and copies nothing, and no new memory is touched (new pages are what such a
 machine writes slowest). Tensors with no live counterpart get new memory. Tensors
-are read on a few threads; the kernel copies and the hash release the GIL.
+are read on this thread and a few helpers, shared by bytes; the kernel copies and the
+hash release the GIL.
 
 Reading in place means a live tensor is written before its checksum is known. A
 mismatch makes restore() read that object from the files, which overwrite it; the
@@ -89,6 +90,7 @@ class HotSource:
         self.touched: List[str] = []  # written in place, then failed: read from files
         self._fd: Optional[int] = None
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._helpers = 0
 
     @property
     def used(self) -> bool:
@@ -110,8 +112,9 @@ class HotSource:
               live: Dict[str, torch.Tensor]) -> Optional[List[torch.Tensor]]:
         if self._fd is None:
             self._fd = _open_segment(self.shm)
-            self._pool = ThreadPoolExecutor(min(MAX_READERS, os.cpu_count() or 1),
-                                            thread_name_prefix="snapd-hot")
+            self._helpers = min(MAX_READERS, os.cpu_count() or 1) - 1  # + this thread
+            self._pool = ThreadPoolExecutor(self._helpers, thread_name_prefix="snapd-hot") \
+                if self._helpers else None
         size = os.fstat(self._fd).st_size
         held = next((o for o in self.plan["objects"] if o["name"] == name), None)
         if held is None or len(held["tensors"]) != len(entries):
@@ -123,13 +126,30 @@ class HotSource:
                 return None
             starts.append(tensor_extent(t, size)[0])  # bounds-checked
         out = [_destination(live.get(e["path"]), e) for e in entries]
-        checks = self._pool.map(_read_verified, [self._fd] * len(out), starts,
-                                [_bytes_of(t) for t in out], [e["xxh3"] for e in entries])
-        if all(list(checks)):
+        if self._read_all(list(zip(starts, map(_bytes_of, out),
+                                   [e["xxh3"] for e in entries]))):
             return out
         if any(t is live.get(e["path"]) for t, e in zip(out, entries)):
             self.touched.append(name)
         return None
+
+    def _read_all(self, jobs: List[tuple]) -> bool:
+        """Run every (start, destination, digest) read, shared by bytes between this
+        thread and the helpers; True iff all verified. Returns only when every
+        read has ended: they write into live tensors."""
+        shares: List[List[tuple]] = [[] for _ in range(1 + self._helpers)]
+        loads = [0] * len(shares)
+        for job in sorted(jobs, key=lambda j: -len(j[1])):
+            i = loads.index(min(loads))
+            shares[i].append(job)
+            loads[i] += len(job[1])
+
+        def run(share: List[tuple]) -> bool:
+            return all([_read_verified(self._fd, *job) for job in share])
+
+        futures = [self._pool.submit(run, s) for s in shares[1:] if s]
+        mine = run(shares[0])
+        return all([f.result() for f in futures]) and mine
 
     def close(self) -> None:
         if self._pool is not None:
