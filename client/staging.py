@@ -29,16 +29,12 @@ from typing import List, Optional, Sequence
 import torch
 
 from snapd.errors import InsufficientSpace, SnapdError
-from snapd.format import CHUNK_ALIGN
+from snapd.format import CHUNK_ALIGN, align_up
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64                # every tensor
 BLOCK_ALIGN = CHUNK_ALIGN  # tensors of a block or more: direct I/O from the slot
 SLOT_ROUND = 2 << 20  # slots grow in 2 MiB steps (huge-page friendly, few regrowths)
-
-
-def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 def nbytes_of(t: torch.Tensor) -> int:
@@ -49,14 +45,14 @@ def layout(tensors: Sequence[torch.Tensor]) -> tuple[List[int], int]:
     """Each tensor's offset within a slot, and the bytes needed."""
     offsets, end = [], 0
     for t in tensors:
-        start = _align(end, BLOCK_ALIGN if nbytes_of(t) >= BLOCK_ALIGN else ALIGN)
+        start = align_up(end, BLOCK_ALIGN if nbytes_of(t) >= BLOCK_ALIGN else ALIGN)
         offsets.append(start)
         end = start + nbytes_of(t)
     return offsets, end
 
 
 def slot_size_for(needed: int) -> int:
-    return max(SLOT_ROUND, _align(needed, SLOT_ROUND))
+    return max(SLOT_ROUND, align_up(needed, SLOT_ROUND))
 
 
 class Arena:
@@ -69,7 +65,7 @@ class Arena:
     def __init__(self, slot_bytes: int, slots: int = 1) -> None:
         if slots not in (1, 2):
             raise ValueError(f"slots={slots}: the staging arena has 1 or 2 slots")
-        self.slot_bytes = _align(max(slot_bytes, 1), mmap.PAGESIZE)
+        self.slot_bytes = align_up(max(slot_bytes, 1), mmap.PAGESIZE)
         self.slots = slots
         self.size = self.slot_bytes * slots
         self.name = f"snapd-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"

@@ -216,25 +216,29 @@ class HotCache:
             if name is not None:
                 self._forget(name)  # another size: the state grew or shrank
             name = self.segment_name(run, rank)
-            self._write_new(name, data)
+            self._create(name, len(data), data)
         except BaseException:
             if name is not None:
                 self._forget(name)
             raise
         return name
 
-    def _write_new(self, name: str, data: memoryview) -> None:
-        """Create a segment holding ``data`` and keep it mapped for the next copies.
-        New pages are filled by write(), which this machine does ~2-5x faster than
-        faulting them in through a mapping; the mapping is then populated at once."""
+    def _create(self, name: str, size: int, data: Optional[memoryview] = None) -> None:
+        """A new segment of ``size`` bytes, ``data`` or zeros, kept mapped (populated)
+        for the copies to come. New pages are filled by write() or fallocate(), which
+        this machine does ~2-5x faster than faulting them in through a mapping."""
+        size = max(size, 1)  # mmap refuses empty files
         path = os.path.join(self.shm_dir, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
                      os.O_CLOEXEC, 0o600)
         try:
-            fsio.write_all(fd, data)
-            os.ftruncate(fd, max(len(data), 1))  # mmap refuses empty files
+            if data is not None:
+                fsio.write_all(fd, data)
+                os.ftruncate(fd, size)
+            else:
+                os.posix_fallocate(fd, 0, size)
             self._mapped[name] = mmap.mmap(
-                fd, max(len(data), 1), mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                 mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -277,7 +281,7 @@ class HotCache:
         (memory short) only means the next commit makes its own segment."""
         name = self.segment_name(*key)
         try:
-            self._allocate(name, size)
+            self._create(name, size)
             with self._lock:
                 if key in self._entries and key not in self._spares:
                     self._spares[key], name = name, None
@@ -290,20 +294,6 @@ class HotCache:
                 done = self._preparing.pop(key, None)
             if done is not None:
                 done.set()
-
-    def _allocate(self, name: str, size: int) -> None:
-        """A new segment of ``size`` zero bytes, allocated and mapped (populated)."""
-        size = max(size, 1)  # mmap refuses empty files
-        path = os.path.join(self.shm_dir, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
-                     os.O_CLOEXEC, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-            self._mapped[name] = mmap.mmap(
-                fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
 
     def discard(self, name: str) -> None:
         """Unlink a copied segment that will not be published (its write failed)."""
@@ -325,7 +315,7 @@ class HotCache:
         with self._lock:
             names = [e.shm for e in self._entries.values()] + list(self._spares.values())
             self._entries, self._spares = {}, {}
-        for name in names + list(self._mapped):
+        for name in set(names) | set(self._mapped):
             self._forget(name)
 
 

@@ -26,14 +26,9 @@ from typing import Optional
 
 import numpy as np
 
+from snapd.format import CHUNK_ALIGN as BLOCK, align_up
 
-
-BLOCK = 4096
 _ZEROS = bytes(BLOCK)
-
-
-def align_up(n: int, to: int = BLOCK) -> int:
-    return (n + to - 1) // to * to
 
 
 def _address(view: memoryview) -> int:

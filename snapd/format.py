@@ -222,6 +222,11 @@ class FileDigest:
 _DIGEST = struct.Struct("<Q")
 
 
+def align_up(n: int, to: int = CHUNK_ALIGN) -> int:
+    """The first multiple of ``to`` at or after ``n``."""
+    return (n + to - 1) // to * to
+
+
 def chunk_alignment(version: int) -> int:
     """Where chunks may start in a tensor file of this version: multiples of this."""
     return 1 if version == 1 else CHUNK_ALIGN

@@ -152,20 +152,16 @@ def _check_tiling(tensors: List[Dict[str, Any]], size: int, path: str, align: in
     end = fmt.HEADER_BYTES
     for t in tensors:
         for chunk in t["chunks"]:
-            expected = _align_up(end, align)
+            expected = fmt.align_up(end, align)
             if chunk[0] != expected:
                 raise CorruptSnapshot(f"{path}: chunk of tensor {t['path']!r} at offset "
                                       f"{chunk[0]}, expected {expected}", path=path,
                                       field="chunks")
             end = chunk[0] + chunk[1]
-    if _align_up(end, align) != size:
+    if fmt.align_up(end, align) != size:
         raise CorruptSnapshot(f"{path}: chunks end at byte {end}, so the file should "
-                              f"be {_align_up(end, align)} bytes, not {size}",
+                              f"be {fmt.align_up(end, align)} bytes, not {size}",
                               path=path, field="chunks")
-
-
-def _align_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 class _FileWalk:
