@@ -133,7 +133,9 @@ class Handoff:
                      copied: Optional[threading.Event]) -> bool:
         """Copy the deferred tensors and wait for every copy; False if that failed."""
         try:
-            arena.stage(slot, [t for t, _ in later], [o for _, o in later])
+            # share=False: in overlap mode this runs beside forward and backward,
+            # which need the cores more than this copy does.
+            arena.stage(slot, [t for t, _ in later], [o for _, o in later], share=False)
             arena.wait()
             return True
         except Exception as e:
@@ -197,7 +199,8 @@ class Handoff:
             old, self.arena = self.arena, None
             if old is not None:
                 old.close()  # idle (see _has_room); the daemon drops its mapping too
-            arena = Arena(slot_size_for(need), self.options.slots)
+            arena = Arena(slot_size_for(need), self.options.slots,
+                          self.options.copy_threads)
             try:
                 conn.request(proto.Attach(self.store.run, self.rank, arena.name,
                                           arena.size, arena.slots))

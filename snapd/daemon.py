@@ -10,6 +10,10 @@ Lifecycle of :meth:`Daemon.serve_forever`:
 4. SIGTERM or SIGINT: stop accepting, refuse new submits, finish every accepted
    snapshot (events still go to connected clients), close connections, unlink the
    socket, release the lock, exit 0.
+5. The same, unasked, when the socket file is no longer ours (checked every
+   ``root_check_seconds``): the root was deleted or the socket removed, so no new
+   client can reach this daemon, and a daemon nobody can reach would hold its hot
+   copies in memory forever. A socket another daemon bound since is left alone.
 
 One snapshot (after ``accepted``): check free space (retention first when short),
 :func:`snapd.writer.write_snapshot` (the one commit path), retention, hot copy, free
@@ -174,7 +178,8 @@ class Daemon:
             self.server.bind()
             self._install_signals()
             log(f"serving {self.root} (protocol {p.PROTOCOL_VERSION})")
-            self.server.serve(self._wake_r)
+            self.server.serve(self._wake_r, check_every=self.options.root_check_seconds,
+                              keep_serving=self._reachable)
             self.server.stop_accepting()
             pending = len(self.writes.snapshot())
             log(f"stopping: finishing {pending} accepted snapshot(s)")
@@ -196,6 +201,13 @@ class Daemon:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
             pass   # already woken
+
+    def _reachable(self) -> bool:
+        if self.server.owns_socket():
+            return True
+        log(f"{self.server.path} was removed or replaced (root deleted?); no new "
+            "client can reach this daemon: stopping")
+        return False
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -32,6 +32,7 @@ class Options:
     mode: str = "wait"            # "wait": snapshot() returns after the copy; "overlap"
     on_busy: str = "wait"         # "wait" for the previous write, or "skip" this one
     slots: int = 1                # staging arena slots (1 or 2)
+    copy_threads: int = 4         # threads copying into the arena during snapshot()
     daemon: bool = True           # snapshot through the root's daemon; False: in-process
     writer_threads: int = 2
     hot_restore: bool = True
@@ -41,6 +42,7 @@ class Options:
     replay_check: str = "raise"   # "raise", "warn" or "off"
     # Daemon liveness.
     timeout: float = 120.0        # longest wait for any daemon reply
+    root_check_seconds: float = 5.0  # how often the daemon checks its socket is there
     min_free_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
@@ -56,6 +58,12 @@ class Options:
         if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
             raise ValueError(f"chunk_bytes={self.chunk_bytes}: use a multiple of 4096 "
                              "(chunks are written in 4096-byte blocks)")
+        if not self.root_check_seconds > 0:
+            raise ValueError(f"root_check_seconds={self.root_check_seconds}: a positive "
+                             "number of seconds")
+        if self.copy_threads < 1:
+            raise ValueError(f"copy_threads={self.copy_threads}: at least 1 (the calling "
+                             "thread); more share the staging copy, up to the usable CPUs")
         if self.slots not in (1, 2):
             raise ValueError(f"slots={self.slots}: the staging arena has 1 or 2 slots")
 

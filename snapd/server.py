@@ -320,6 +320,7 @@ class Server:
         self._threads: List[threading.Thread] = []
         self._lock = threading.Lock()
         self._listener: Optional[socket.socket] = None
+        self._identity: Optional[tuple] = None   # (st_dev, st_ino) of our socket file
 
     def bind(self) -> None:
         """Listen on <root>/.snapd.sock, mode 0600 (the caller holds the root lock)."""
@@ -335,20 +336,41 @@ class Server:
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
+        st = os.stat(self.path)
+        self._identity = (st.st_dev, st.st_ino)
         listener.listen(64)
         self._listener = listener
 
-    def serve(self, wake_fd: int) -> None:
-        """Accept connections until ``wake_fd`` becomes readable."""
+    def owns_socket(self) -> bool:
+        """The socket file at our path is still the one we bound: not removed with
+        its root, nor replaced by another daemon's."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._identity
+
+    def serve(self, wake_fd: int, *, check_every: Optional[float] = None,
+              keep_serving: Callable[[], bool] = lambda: True) -> None:
+        """Accept connections until ``wake_fd`` becomes readable, or until
+        ``keep_serving()``, asked every ``check_every`` seconds, says no."""
         assert self._listener is not None
         with selectors.DefaultSelector() as sel:
             sel.register(self._listener, selectors.EVENT_READ)
             sel.register(wake_fd, selectors.EVENT_READ)
+            next_check = time.monotonic() + (check_every or 0.0)
             while True:
-                ready = [key.fileobj for key, _ in sel.select()]
+                timeout = None if check_every is None else \
+                    max(0.0, next_check - time.monotonic())
+                ready = [key.fileobj for key, _ in sel.select(timeout)]
                 if wake_fd in ready:
                     return
-                self._accept()
+                if ready:
+                    self._accept()
+                if check_every is not None and time.monotonic() >= next_check:
+                    if not keep_serving():
+                        return
+                    next_check = time.monotonic() + check_every
 
     def _accept(self) -> None:
         try:
@@ -390,6 +412,9 @@ class Server:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def unlink_socket(self) -> None:
+        """Remove our socket file; never one that another daemon bound since."""
+        if not self.owns_socket():
+            return
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 
 import pytest
 import torch
@@ -144,3 +145,67 @@ def test_a_full_shm_is_an_error_not_a_crash(monkeypatch):
         Arena(1 << 20)
     assert not [f for f in os.listdir(staging.SHM_DIR)
                 if f.startswith(f"snapd-{os.getuid()}-{os.getpid()}-")]
+
+
+@pytest.fixture
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def copiers(monkeypatch):
+    """The names of the threads that ran the shared piece copy."""
+    names = []
+    real = staging._copy_some
+
+    def recording(pieces, counter):
+        names.append(threading.current_thread().name)
+        real(pieces, counter)
+    monkeypatch.setattr(staging, "_copy_some", recording)
+    return names
+
+
+def test_shared_pieces_copy_bit_for_bit_with_helpers(one_torch_thread, copiers):
+    gen = torch.Generator().manual_seed(3)
+    big = torch.randn(5 * staging.PIECE_BYTES // 4 + 13, generator=gen)  # 6 pieces
+    ts = [big, torch.randn(1000, generator=gen).to(torch.bfloat16)] + awkward_tensors()
+    offsets, need = layout(ts)
+    a = Arena(slot_size_for(need), slots=2, copy_threads=3)
+    try:
+        a.stage(1, ts, offsets)
+        for t, off in zip(ts, offsets):
+            assert staged(a, 1, t, off) == raw(t.resolve_conj())
+        assert not a.view(0, 0, a.slot_bytes).any()
+    finally:
+        a.close()
+    assert threading.current_thread().name in copiers
+    assert any(n.startswith("snapd-copy") for n in copiers)  # a helper took part
+
+
+def test_no_helpers_in_the_background_or_beside_torch_threads(copiers):
+    big = torch.randn(3 * staging.PIECE_BYTES // 4)
+    offsets, need = layout([big])
+    a = Arena(slot_size_for(need), copy_threads=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)   # torch's own threads split copy_: no helpers
+        a.stage(0, [big], offsets)
+        assert staged(a, 0, big, 0) == raw(big) and copiers == []
+        torch.set_num_threads(1)
+        big.add_(1)
+        a.stage(0, [big], offsets, share=False)   # overlap mode's background copy
+        assert staged(a, 0, big, 0) == raw(big) and copiers == []
+    finally:
+        torch.set_num_threads(before)
+        a.close()
+
+
+def test_copy_threads_must_be_positive():
+    with pytest.raises(ValueError, match="copy_threads=0"):
+        Arena(4096, copy_threads=0)
+    from snapd.options import Options
+    with pytest.raises(ValueError, match="copy_threads=0"):
+        Options(copy_threads=0)

@@ -350,6 +350,41 @@ def test_stale_socket_is_replaced(harness):
         assert peer.request(p.Ping())["pid"] == second.proc.pid
 
 
+QUICK_CHECK = {"SNAPD_ROOT_CHECK_SECONDS": "0.2"}
+
+
+def test_deleting_the_root_stops_the_daemon_and_frees_its_hot_copy(harness):
+    root, run = harness.root(), harness.run
+    daemon = harness.start(root, extra_env=QUICK_CHECK)
+    arena = harness.arena(1 << 20)
+    with Peer(root, hello=True, run=run) as peer:
+        arena.attach(peer, run)
+        submit(peer, arena, run, 1, sample_states(0))
+        assert peer.event()["op"] == "committed"
+        hot = f"/dev/shm/{peer.request(p.HotGet(run, 0))['shm']}"
+        assert os.path.exists(hot)
+        shutil.rmtree(root)
+        assert daemon.proc.wait(15) == 0
+    assert "was removed or replaced" in daemon.text()
+    assert not os.path.exists(hot)
+    assert not glob.glob(f"/dev/shm/snapd-hot-{os.getuid()}-{run}-*")
+
+
+def test_a_socket_bound_by_another_is_left_in_place(harness):
+    root = harness.root()
+    daemon = harness.start(root, extra_env=QUICK_CHECK)
+    path = os.path.join(root, ".snapd.sock")
+    os.unlink(path)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        other.bind(path)   # as a newer daemon would after the root was recreated
+        theirs = os.stat(path).st_ino
+        assert daemon.proc.wait(15) == 0
+        assert os.stat(path).st_ino == theirs   # not unlinked on the way out
+    finally:
+        other.close()
+
+
 # --- finishing what was accepted ---------------------------------------------------------
 
 def test_sigterm_drains_in_flight(harness):
