@@ -33,8 +33,9 @@ its own subprocess (``--method M --size S``, JSON out) so peak RSS figures do no
   stopped and the files read warm (page cache), then cold (``posix_fadvise
   DONTNEED`` on every file after ``sync``: "cold (fadvise)").
 - ``slowdown``: a CPU-bound loop (``torch.set_num_threads(1)``, matmuls + AdamW step on
-  the 1G state) whose step is longer than one snapshot write; mean step time without
-  snapshots vs with a snapd overlap-mode snapshot every step.
+  the 1G state) whose step (3 s) is longer than one snapshot write; mean step time
+  without snapshots vs with a snapd overlap-mode snapshot every step. It runs first:
+  after a worker that freed ~11 GB this VM slows the loop's snapshot steps for a while.
 
 Every timed copy and save follows 50 ms of matmuls (``train_briefly``), as in a
 training loop: after a sleep this VM copies up to 2x slower, which would charge the
@@ -928,6 +929,18 @@ def orchestrate(args) -> None:
     os.makedirs(base, exist_ok=True)
     results: Dict[str, Dict[str, Any]] = {}
     try:
+        slow = None
+        if not args.no_slowdown:
+            # First, on a machine no earlier worker has disturbed: the loop measures a
+            # few percent, and after a worker that freed ~11 GB (the 2G ones) this VM
+            # slows the snapshot steps by 3-14% for a while (docs/benchmarks.md).
+            size = args.slow_size or ("100M" if args.quick else "1G")
+            step_s = args.step_seconds or (1.0 if args.quick else 3.0)
+            print(f"slowdown loop ({size}, step ~{step_s:.1f} s)", file=sys.stderr)
+            slow = run_worker("slowdown", size, f"{base}/sl", f"{base}/slowdown.json", args,
+                              reps=1, step_seconds=round(step_s, 2),
+                              slow_steps=args.slow_steps or 2,
+                              slow_rounds=args.slow_rounds or (1 if args.quick else 2))
         for size in sizes:
             nbytes = parse_size(size)
             args.reps_for = reps_for(nbytes, args.quick)
@@ -937,18 +950,6 @@ def orchestrate(args) -> None:
                 root = f"{base}/{i}{size}"
                 results[size][method] = run_worker(method, size, root,
                                                    f"{base}/{method}-{size}.json", args)
-        slow = None
-        if not args.no_slowdown:
-            size = args.slow_size or ("100M" if args.quick else "1G")
-            ref = results.get(size, {}).get("snapd_wait", {})
-            durable = median(ref.get("durable_s", []))
-            step_s = args.step_seconds or (
-                max(1.0 if args.quick else 3.0, 1.3 * durable) if durable else 5.0)
-            print(f"slowdown loop ({size}, step ~{step_s:.1f} s)", file=sys.stderr)
-            slow = run_worker("slowdown", size, f"{base}/sl", f"{base}/slowdown.json", args,
-                              reps=1, step_seconds=round(step_s, 2),
-                              slow_steps=args.slow_steps or 2,
-                              slow_rounds=args.slow_rounds or (1 if args.quick else 2))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     info["load_after"] = os.getloadavg()
@@ -1222,9 +1223,11 @@ def slowdown_lines(slow: Dict[str, Any], targets: list) -> List[str]:
     mpct = (msnap / mbase - 1) * 100
     out += [f"CPU-bound loop, `torch.set_num_threads(1)` (the daemon has the other core): "
             f"each step is {slow['units']} 1024×1024 matmuls + AdamW step on the "
-            f"{slow['state_bytes'] / GiB:.2f} GiB state, target ~{slow['target_step_s']} s "
-            f"(1.3× snapd's time to durable for this size, so each write ends before "
-            f"the next snapshot). Blocks alternate, without and with snapshots "
+            f"{slow['state_bytes'] / GiB:.2f} GiB state, target ~{slow['target_step_s']} s, "
+            f"longer than the daemon's write of one snapshot (below), so each write ends "
+            f"before the next snapshot. The loop runs first, before the other workers: "
+            f"after the 2G workers (which allocate and free ~11 GB) this VM slowed its "
+            f"snapshot steps by 3-14% for a while. Blocks alternate, without and with snapshots "
             f"(A B A ... A): {len(slow['snap_s'])} steps with a snapshot after each (the "
             f"first step of each snapshot block, with no earlier snapshot to overlap, is "
             f"not counted), against {len(slow['base_s'])} without.", "",
