@@ -52,8 +52,8 @@ The first snapshot/save of each method is a warm-up and is not counted (the daem
 starts and the arena is allocated there, then the daemon makes its spare hot segment
 in the background, which the script waits out; DCP's stager allocates its staging
 copy).
-Figures are medians over the counted repetitions (9 at 100M, 3 at 1G, 1 at 2G). ``--quick`` is a smoke test (100M,
-2 repetitions, a short slowdown loop).
+Figures are medians over the counted repetitions (9 at 100M, 3 at 1G, 1 at 2G).
+``--quick`` is a smoke test (100M, 2 repetitions, a short slowdown loop).
 """
 
 from __future__ import annotations
@@ -810,7 +810,8 @@ LABEL = {"ref": "reference", "torch_save": "torch.save + fsync", "dcp_save": "dc
 
 def run_worker(method: str, size: str, root: str, out: str, args, **extra) -> Dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--method", method, "--size", size,
-           "--root", root, "--out", out, "--reps", str(extra.get("reps", args.reps_for)),
+           "--root", root, "--out", out,
+           "--reps", str(extra["reps"] if "reps" in extra else args.reps_for),
            "--cold-reps", str(args.cold_reps), "--threads", str(args.threads)]
     for k in ("step_seconds", "slow_steps", "slow_rounds"):
         if k in extra:
@@ -1227,7 +1228,8 @@ def slowdown_lines(slow: Dict[str, Any], targets: list) -> List[str]:
             f"longer than the daemon's write of one snapshot (below), so each write ends "
             f"before the next snapshot. The loop runs first, before the other workers: "
             f"after the 2G workers (which allocate and free ~11 GB) this VM slowed its "
-            f"snapshot steps by 3-14% for a while. Blocks alternate, without and with snapshots "
+            f"snapshot steps by 3-14% for a while. Blocks alternate, without and with "
+            f"snapshots "
             f"(A B A ... A): {len(slow['snap_s'])} steps with a snapshot after each (the "
             f"first step of each snapshot block, with no earlier snapshot to overlap, is "
             f"not counted), against {len(slow['base_s'])} without.", "",
