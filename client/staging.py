@@ -21,8 +21,9 @@ plain bytes in pieces of ``PIECE_BYTES``, which the calling thread and up to
 ``copy_threads - 1`` helpers take one at a time from a shared counter: a core that
 another process holds then slows the copy by its share only, where fixed halves
 would wait for the slow half. Measured at 100 MB on this project's 2-core machine:
-about 7.5 ms shared against 9.5 ms on one thread (docs/benchmarks.md). Other
-tensors go through ``copy_``, which handles strides and the conj and neg bits.
+about 7 ms shared against 9 ms for ``copy_`` on one thread (docs/benchmarks.md,
+"Staging copy"). Other tensors go through ``copy_``, which handles strides and the
+conj and neg bits.
 
 On CUDA the arena is page-locked once (``cudaHostRegister``), so device-to-host
 copies are truly asynchronous; they run on a side stream that first waits for the
@@ -171,9 +172,9 @@ class Arena:
 
         CPU tensors are copied before this returns (the copies release the GIL, so a
         background thread may call this); ``share=False`` leaves out the helpers (a
-        background copy must not take cores from training). CUDA
-        tensors are only enqueued on the side stream; call :meth:`wait` before the
-        slot is handed to the daemon.
+        background copy must not take cores from training). CUDA tensors are only
+        enqueued on the side stream; call :meth:`wait` before the slot is handed to
+        the daemon.
         """
         pieces: List[Piece] = []
         shared = share and self._helpers is not None and torch.get_num_threads() == 1
