@@ -336,32 +336,16 @@ def w_ref(args, model, opt, tensors, sampler, res) -> None:
     import torch
     dst = [torch.empty_like(t) for t in tensors]
     times = []
-    with torch.no_grad():
-        for i in range(args.reps + 2):
-            train_briefly()
-            t0 = time.perf_counter()
-            for d, s in zip(dst, tensors):
-                d.copy_(s)
-            if i:  # the first copy faults the destination pages in
-                times.append(time.perf_counter() - t0)
+    for i in range(args.reps + 2):
+        train_briefly()
+        elapsed = timed_copy(dst, tensors)
+        if i:  # the first copy faults the destination pages in
+            times.append(elapsed)
     res["copy_s"] = times
     res["shm_read_s"] = shm_read(args, tensors, dst)
     del dst
-    durable = []
-    for i in range(args.reps + 1):  # the first is a warm-up, like every method's
-        path = os.path.join(args.root, f"raw{i}.bin")
-        t0 = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            write_views(fd, [memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                             for t in tensors])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(args.root)
-        if i:
-            durable.append(time.perf_counter() - t0)
-    res["durable_s"] = durable
+    res["durable_s"] = timed_writes(args, "raw", [
+        memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors])
     res["direct_durable_s"] = raw_direct(args, tensors)
     res["peak"] = sampler.stop()
 
@@ -435,24 +419,35 @@ def raw_direct(args, tensors) -> List[float]:
         n = t.numel() * t.element_size()
         staged[pos:pos + n].copy_(t.reshape(-1).view(torch.uint8))
         pos += n
-    view, times = memoryview(buf), []
+    try:
+        os.close(os.open(os.path.join(args.root, "direct-probe.bin"),
+                         os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except OSError:
+        return []
+    view = memoryview(buf)
+    times = timed_writes(args, "direct", [view[off:off + (4 << 20)]
+                                          for off in range(0, len(view), 4 << 20)],
+                         os.O_DIRECT)
+    del staged, view
+    return times
+
+
+def timed_writes(args, name: str, views, flags: int = 0) -> List[float]:
+    """Write ``views`` into a new file, fsync it and its directory, reps + 1 times;
+    the times of all but the first (a warm-up, like every method's)."""
+    times = []
     for i in range(args.reps + 1):
-        path = os.path.join(args.root, f"direct{i}.bin")
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        except OSError:
-            return []
+        path = os.path.join(args.root, f"{name}{i}.bin")
         t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
         try:
-            write_views(fd, [view[off:off + (4 << 20)]
-                             for off in range(0, len(view), 4 << 20)])
+            write_views(fd, views)
             os.fsync(fd)
         finally:
             os.close(fd)
         fsync_dir(args.root)
         if i:
             times.append(time.perf_counter() - t0)
-    del staged, view
     return times
 
 
