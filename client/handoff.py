@@ -12,7 +12,9 @@ Overlap mode: tensors that only ``optimizer.step()`` changes (parameters of trac
 optimizers, optimizer state) are copied by one background thread while the trainer
 runs the next forward and backward; the client's step pre-hook calls
 :meth:`Handoff.wait_copies` so no update starts before its copy is done. CUDA copies
-are enqueued on the arena's side stream inside snapshot() in both modes.
+are enqueued on the arena's side stream inside snapshot() in both modes; in overlap
+mode the compute stream waits on the GPU for those of the other tensors (buffers,
+which the next forward may change), not for the parameters' (see copy_order).
 """
 
 from __future__ import annotations
@@ -40,6 +42,22 @@ from snapd_client.staging import Arena, layout, nbytes_of, slot_size_for
 Sources = Sequence[Sequence[Tuple[str, torch.Tensor]]]
 SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
                   "best_mode", "hot_restore")
+
+
+def copy_order(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+               deferred: Sequence[bool]) -> Tuple[list, list, list]:
+    """Split the staging copies of one snapshot into three (tensor, offset) lists.
+
+    ``now``: everything not deferred, copied (CPU) or enqueued (CUDA) first; in overlap
+    mode the compute stream is then fenced behind the CUDA ones, since the next
+    forward may change them (buffers). ``device_later``: deferred CUDA tensors,
+    enqueued after the fence; only ``optimizer.step()`` changes them, and its pre-hook
+    waits. ``later``: deferred CPU tensors, copied by the background thread.
+    """
+    now, device_later, later = [], [], []
+    for t, o, d in zip(tensors, offsets, deferred):
+        (now if not d else device_later if t.is_cuda else later).append((t, o))
+    return now, device_later, later
 
 
 class Handoff:
@@ -98,11 +116,12 @@ class Handoff:
         """Copy what must be copied now; returns what _complete needs for the rest."""
         flat = [t for pairs in sources for _, t in pairs]
         flags = [d for ds in deferred for d in ds]
-        # CUDA copies are only enqueued here, so they are never deferred.
-        now = [(t, o) for t, o, d in zip(flat, offsets, flags) if not d or t.is_cuda]
-        later = [(t, o) for t, o, d in zip(flat, offsets, flags) if d and not t.is_cuda]
+        now, device_later, later = copy_order(flat, offsets, flags)
         arena = self.arena
         arena.stage(slot, [t for t, _ in now], [o for _, o in now])
+        if self.options.mode == "overlap":
+            arena.fence()  # what the next forward may write is copied before it runs
+        arena.stage(slot, [t for t, _ in device_later], [o for _, o in device_later])
         return arena, slot, later, self._descriptor(plan, sources, offsets, arena, slot)
 
     def _descriptor(self, plan: SnapshotPlan, sources: Sources, offsets: List[int],

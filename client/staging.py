@@ -218,6 +218,20 @@ class Arena:
             dst.copy_(src, non_blocking=True)
         self._pending.append(src)
 
+    def fence(self) -> None:
+        """Make the compute stream wait, on the GPU, for the copies enqueued so far.
+
+        For tensors that kernels queued after snapshot() change in place (a module's
+        buffers, in the next forward): without the fence such a kernel may run while
+        the side stream still reads the tensor. The CPU does not wait, and copies
+        enqueued after the fence do not hold the compute stream.
+        """
+        if self._stream is None or not self._pending:
+            return
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        torch.cuda.current_stream(self._stream.device).wait_event(done)
+
     def _register(self) -> None:
         """Page-lock the whole arena once: pinned memory makes D2H copies async."""
         # Flag 1 (portable): pinned for every device this process uses.

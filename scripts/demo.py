@@ -1,6 +1,7 @@
 """The demo: train, get killed with SIGKILL mid-run, resume, and prove the result exact.
 
     python scripts/demo.py                 # the whole story, in a few seconds
+    python scripts/demo.py --device cuda   # the same on a GPU (CUDA staging and RNG)
     python scripts/demo.py train --root R --run NAME --steps 48   # one trainer
 
 The story: an uninterrupted reference run trains a small transformer to step N; a
@@ -35,6 +36,7 @@ from snapd.store import RunStore
 from snapd_client import Client
 
 VOCAB, SEQ, SAMPLES = 64, 24, 384
+DEVICE = "cpu"  # --device: the story's trainers run there
 
 
 class Sequences(Dataset):
@@ -71,17 +73,21 @@ def warmup_cosine(total: int, warmup: int):
     return factor
 
 
-def state_digest(model, opt, sched, batches) -> dict:
+def state_digest(model, opt, sched, batches, device: str = "cpu") -> dict:
     """Digests of everything the next update depends on."""
     def tensors_digest(state) -> str:
         h = xxhash.xxh3_64()
         for t in _tensors(state):
-            h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                     .tobytes())
         return h.hexdigest()
+    rng = [random.random(), float(np.random.rand()), float(torch.rand(()))]
+    if device != "cpu":
+        rng.append(float(torch.rand((), device=device)))  # the device's own stream
     return {"weights": tensors_digest(model.state_dict()),
             "optimizer": tensors_digest(opt.state_dict()),
             "lr": sched.get_last_lr()[0],
-            "rng": [random.random(), float(np.random.rand()), float(torch.rand(()))],
+            "rng": rng,
             "cursor": [batches.epoch, batches.index]}
 
 
@@ -96,10 +102,27 @@ def _tensors(value):
             yield from _tensors(v)
 
 
-def train(root: str, run: str, steps: int, every: int, accumulate: int = 2) -> dict:
+def deterministic_device(device: str) -> None:
+    """On a GPU, the kernels that give the same bits for the same inputs: a resumed
+    run can only equal the reference if the hardware repeats itself."""
+    if not device.startswith("cuda"):
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    # Attention through the plain math kernels: the fused ones may accumulate
+    # gradients in a different order from run to run.
+    for name in ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_cudnn_sdp"):
+        if hasattr(torch.backends.cuda, name):
+            getattr(torch.backends.cuda, name)(False)
+
+
+def train(root: str, run: str, steps: int, every: int, accumulate: int = 2,
+          device: str = "cpu") -> dict:
+    deterministic_device(device)
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
     torch.set_num_threads(1)
-    model = TinyTransformer()
+    model = TinyTransformer().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, steps // 8))
     loader = DataLoader(Sequences(), batch_size=16, shuffle=True, num_workers=2,
@@ -113,8 +136,8 @@ def train(root: str, run: str, steps: int, every: int, accumulate: int = 2) -> d
         for _ in range(accumulate):
             x, y = next(batches)
             # input noise from every global RNG, as augmentation would draw it
-            x = (x + torch.randint(0, 2, x.shape)) % VOCAB
-            loss = nn.functional.cross_entropy(model(x), y) / accumulate
+            x = ((x + torch.randint(0, 2, x.shape)) % VOCAB).to(device)
+            loss = nn.functional.cross_entropy(model(x), y.to(device)) / accumulate
             loss = loss * (1 + 0.01 * random.random()) * (1 + 0.01 * float(np.random.rand()))
             loss.backward()
         opt.step()
@@ -126,12 +149,12 @@ def train(root: str, run: str, steps: int, every: int, accumulate: int = 2) -> d
             ckpt.snapshot(step).wait()
         print(f"[{run}] step {step} loss {loss.item() * accumulate:.4f}", flush=True)
     ckpt.close()
-    return state_digest(model, opt, sched, batches)
+    return state_digest(model, opt, sched, batches, device)
 
 
 def _trainer(root: str, run: str, steps: int, every: int, out: str) -> subprocess.Popen:
     cmd = [sys.executable, os.path.abspath(__file__), "train", "--root", root, "--run", run,
-           "--steps", str(steps), "--every", str(every), "--out", out]
+           "--steps", str(steps), "--every", str(every), "--out", out, "--device", DEVICE]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
@@ -182,7 +205,8 @@ def story(steps: int, every: int, kill_at: int, keep: str | None) -> int:
     if keep:
         shutil.rmtree(root, ignore_errors=True)
     t0 = time.time()
-    print(f"snapd demo: {steps} updates, a snapshot every {every}, root {root}")
+    print(f"snapd demo: {steps} updates, a snapshot every {every}, on {DEVICE}, "
+          f"root {root}")
     print("1. the reference: one uninterrupted run")
     reference = _run_to_end(root, "reference", steps, every, os.path.join(root, "ref.json"))
     print(f"2. the same run, killed with SIGKILL after step {kill_at}")
@@ -218,13 +242,21 @@ def main() -> int:
     t.add_argument("--steps", type=int, default=48)
     t.add_argument("--every", type=int, default=10)
     t.add_argument("--out", default=os.devnull)
+    t.add_argument("--device", default=argparse.SUPPRESS)  # the one before "train"
+    parser.add_argument("--device", default="cpu",
+                        help="where the model trains: cpu (default), cuda, cuda:N")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--kill-at", type=int, default=27)
     parser.add_argument("--keep", metavar="DIR", help="keep the checkpoints in DIR")
     args = parser.parse_args()
+    if args.device != "cpu" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device here "
+                     f"(torch {torch.__version__})")
+    global DEVICE
+    DEVICE = args.device
     if args.command == "train":
-        result = train(args.root, args.run, args.steps, args.every)
+        result = train(args.root, args.run, args.steps, args.every, device=args.device)
         with open(args.out, "w") as f:
             json.dump(result, f)
         return 0

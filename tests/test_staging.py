@@ -1,4 +1,4 @@
-"""The staging arena: layout, bit-exact copies, reuse, growth, and cleanup."""
+"""The staging arena: layout, bit-exact copies, reuse, growth, cleanup, copy order."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from snapd.errors import SnapdError
+from snapd.options import Options
+from snapd.store import RunStore
 from snapd_client import staging
+from snapd_client.handoff import Handoff, copy_order
 from snapd_client.staging import ALIGN, Arena, layout, slot_size_for
 
 
@@ -209,3 +212,50 @@ def test_copy_threads_must_be_positive():
     from snapd.options import Options
     with pytest.raises(ValueError, match="copy_threads=0"):
         Options(copy_threads=0)
+
+
+class StandIn:
+    """Stands for a tensor where only its device is read (no GPU on CI)."""
+
+    def __init__(self, is_cuda: bool) -> None:
+        self.is_cuda = is_cuda
+
+
+def test_deferred_device_copies_are_enqueued_after_all_the_others():
+    """Overlap mode fences the compute stream after the copies the next forward may
+    race (buffers); the parameters' and moments' copies must come after the fence."""
+    cuda_param, cpu_buffer, cpu_param, cuda_buffer = (
+        StandIn(True), StandIn(False), StandIn(False), StandIn(True))
+    now, device_later, later = copy_order(
+        [cuda_param, cpu_buffer, cpu_param, cuda_buffer], [0, 64, 128, 192],
+        [True, False, True, False])
+    assert now == [(cpu_buffer, 64), (cuda_buffer, 192)]
+    assert device_later == [(cuda_param, 0)]
+    assert later == [(cpu_param, 128)]
+
+
+class RecordingArena:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def stage(self, slot, tensors, offsets, **kwargs):
+        self.calls.append(("stage", slot, list(offsets)))
+
+    def fence(self):
+        self.calls.append(("fence",))
+
+
+@pytest.mark.parametrize("mode", ["wait", "overlap"])
+def test_the_fence_sits_between_the_two_stagings_in_overlap_mode_only(tmp_path, mode):
+    handoff = Handoff(RunStore(str(tmp_path), "r"), 0, Options(mode=mode))
+    handoff.arena = arena = RecordingArena()
+    handoff._descriptor = lambda *args: {}
+    sources = [[(".a", torch.ones(4)), (".b", torch.ones(4))]]
+    deferred = [[mode == "overlap", False]]
+    _, slot, later, _ = handoff._stage(None, sources, deferred, [0, 64], 1)
+    if mode == "overlap":
+        assert arena.calls == [("stage", 1, [64]), ("fence",), ("stage", 1, [])]
+        assert [o for _, o in later] == [0]
+    else:
+        assert arena.calls == [("stage", 1, [0, 64]), ("stage", 1, [])]
+        assert later == []
