@@ -25,8 +25,9 @@ about 7 ms shared against 9 ms for ``copy_`` on one thread (docs/benchmarks.md,
 "Staging copy"). Other tensors go through ``copy_``, which handles strides and the
 conj and neg bits.
 
-On CUDA the arena is page-locked once (``cudaHostRegister``), so device-to-host
-copies are truly asynchronous; they run on a side stream that first waits for the
+On CUDA the arena is page-locked once (``cudaHostRegister``; where the driver
+refuses, a warning, and copies that are synchronous), so device-to-host copies are
+truly asynchronous; they run on a side stream that first waits for the
 compute stream (the values are those at ``stage()`` time) and end with an event that
 :meth:`Arena.wait` synchronizes on.
 """
@@ -38,6 +39,7 @@ import itertools
 import mmap
 import os
 import secrets
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -125,6 +127,7 @@ class Arena:
         # Touch every page now, so the first snapshot copies into warm memory.
         self._u8.zero_()
         self._registered = False
+        self._register_tried = False
         self._stream = None
         self._event = None
         self._pending: list = []  # CUDA sources kept alive until their copy is done
@@ -207,7 +210,7 @@ class Arena:
                 f.result()
 
     def _copy_cuda(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if not self._registered:
+        if not self._register_tried:
             self._register()
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=src.device)
@@ -233,12 +236,23 @@ class Arena:
         torch.cuda.current_stream(self._stream.device).wait_event(done)
 
     def _register(self) -> None:
-        """Page-lock the whole arena once: pinned memory makes D2H copies async."""
+        """Page-lock the whole arena once: pinned memory makes D2H copies async.
+
+        Where the driver refuses (a sandboxed runtime, memory locked elsewhere), the
+        copies still land: CUDA copies into pageable memory synchronously. Snapshots
+        stay correct and stall longer, which the warning says once.
+        """
+        self._register_tried = True
         # Flag 1 (portable): pinned for every device this process uses.
         rc = torch.cuda.cudart().cudaHostRegister(self._u8.data_ptr(), self.size, 1)
         if int(rc) != 0:
-            raise SnapdError(f"cudaHostRegister of the {self.size}-byte arena "
-                             f"{self.name} failed ({rc})")
+            warnings.warn(f"cudaHostRegister of the {self.size}-byte staging arena "
+                          f"{self.path} failed (cudaError {int(rc)}): device-to-host "
+                          "copies into it are synchronous, so snapshot() stalls for the "
+                          "whole copy. Check that this runtime allows page-locked host "
+                          "memory (ulimit -l, container limits)", RuntimeWarning,
+                          stacklevel=4)
+            return
         self._registered = True
 
     def wait(self) -> None:

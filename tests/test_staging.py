@@ -259,3 +259,25 @@ def test_the_fence_sits_between_the_two_stagings_in_overlap_mode_only(tmp_path, 
     else:
         assert arena.calls == [("stage", 1, [0, 64]), ("stage", 1, [])]
         assert later == []
+
+
+def test_a_refused_page_lock_warns_once_and_staging_goes_on(monkeypatch, arena):
+    """Some runtimes refuse cudaHostRegister; snapshots must still be taken."""
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", size))
+            return 1  # cudaErrorInvalidValue
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister",))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    with pytest.warns(RuntimeWarning, match=f"{arena.path}.*synchronous"):
+        arena._register()
+    assert calls == [("register", arena.size)]
+    assert arena._register_tried and not arena._registered
+    arena.close()
+    assert ("unregister",) not in calls, "nothing was registered"
