@@ -36,7 +36,6 @@ import threading
 from typing import Any, Dict, List, Tuple
 
 import msgpack
-import torch
 import xxhash
 import zstandard
 
@@ -55,22 +54,41 @@ TENSOR_FILE_SUFFIX = ".tensors"
 CODEC_RAW, CODEC_ZSTD = "raw", "zstd"
 MAX_MANIFEST_BYTES = 256 << 20
 
-# The only dtypes a reader will construct: names map to torch dtypes through this
-# table, never through getattr on a string read from disk.
-DTYPES: Dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
-              torch.complex64, torch.complex128, torch.int64, torch.int32,
-              torch.int16, torch.int8, torch.uint8, torch.bool,
-              torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32,
-              torch.uint64)
+# The format's element types, by name, and their sizes in bytes. Writing and checking
+# a snapshot needs only this table, so the daemon, which moves bytes, never imports
+# torch (that import alone takes ~1.4 s and ~150 MiB here).
+ITEMSIZES: Dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8,
+    "complex128": 16, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+    "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint16": 2, "uint32": 4,
+    "uint64": 8,
 }
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def __getattr__(name: str) -> Any:
+    """``DTYPES``, the torch dtype of each name in ITEMSIZES, built on first use.
+
+    The only dtypes a reader will construct: names map to torch dtypes through this
+    table, never through getattr on a string read from disk.
+    """
+    if name != "DTYPES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+    table = {str(d).removeprefix("torch."): d
+             for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                       torch.complex64, torch.complex128, torch.int64, torch.int32,
+                       torch.int16, torch.int8, torch.uint8, torch.bool,
+                       torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16,
+                       torch.uint32, torch.uint64)}
+    globals()["DTYPES"] = table
+    return table
+
+
+def dtype_name(dtype: Any) -> str:
+    """The format's name of a torch dtype."""
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
+    if name not in ITEMSIZES:
         raise CorruptSnapshot(f"dtype {name} has no snapd encoding", field="dtype")
     return name
 
@@ -165,12 +183,12 @@ def _check_object(name: str, obj: Any, files: dict, path: str) -> None:
 
 
 def _check_tensor(t: Any, file_size: int, path: str, field: str) -> None:
-    _need(isinstance(t, dict) and t.get("dtype") in DTYPES, path, f"{field}.dtype",
+    _need(isinstance(t, dict) and t.get("dtype") in ITEMSIZES, path, f"{field}.dtype",
           "is not a known dtype")
     shape = t.get("shape")
     _need(isinstance(shape, list) and all(_is_uint(s) for s in shape), path,
           f"{field}.shape", "is not a list of sizes")
-    nbytes = math.prod(shape) * DTYPES[t["dtype"]].itemsize
+    nbytes = math.prod(shape) * ITEMSIZES[t["dtype"]]
     _need(t.get("nbytes") == nbytes, path, f"{field}.nbytes", "disagrees with shape")
     _need(_is_uint(t.get("xxh3")), path, f"{field}.xxh3", "is missing")
     raw_total = 0

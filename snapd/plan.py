@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from snapd.errors import SnapdError
-from snapd.format import DTYPES
+from snapd.format import ITEMSIZES
 from snapd.store import SnapshotId
 
 
@@ -89,9 +89,9 @@ def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any
 
 def tensor_extent(t: Dict[str, Any], size: int) -> Tuple[int, int]:
     """(start, end) of a descriptor tensor within a ``size``-byte slot, checked."""
-    if t["dtype"] not in DTYPES:
+    if t["dtype"] not in ITEMSIZES:
         raise SnapdError(f"descriptor: tensor {t['path']!r} has unknown dtype")
-    nbytes = math.prod(t["shape"]) * DTYPES[t["dtype"]].itemsize
+    nbytes = math.prod(t["shape"]) * ITEMSIZES[t["dtype"]]
     start, end = t["offset"], t["offset"] + t["nbytes"]
     if nbytes != t["nbytes"] or start < 0 or end > size:
         raise SnapdError(f"descriptor: tensor {t['path']!r} lies outside its "

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-import torch
 import xxhash
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot
+
+if TYPE_CHECKING:
+    import torch
 
 Progress = Optional[Callable[[int], None]]
 
@@ -109,6 +111,7 @@ class SnapshotReader:
 
     def _read_tensor(self, fd: int, meta: Dict[str, Any], i: int, path: str,
                      walk: "_FileWalk", progress: Progress) -> torch.Tensor:
+        import torch  # here, not at the top: the daemon checks manifests without it
         out = torch.empty(meta["nbytes"], dtype=torch.uint8)
         view = memoryview(out.numpy()) if meta["nbytes"] else memoryview(b"")
         raw_digest = xxhash.xxh3_64()

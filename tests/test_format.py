@@ -156,3 +156,13 @@ def test_snapshot_names_order_by_lineage_then_step():
     names = ["00000100", "00000020.L1", "00000900", "00000005.L2", ".tmp-00000999-ab", "x"]
     ids = sorted(i for i in map(SnapshotId.parse, names) if i)
     assert [i.name for i in ids] == ["00000100", "00000900", "00000020.L1", "00000005.L2"]
+
+
+def test_the_torch_free_size_table_matches_torch():
+    """ITEMSIZES lets the daemon check plans without torch; it must agree with it."""
+    from snapd import format as fmt
+    assert set(fmt.ITEMSIZES) == set(fmt.DTYPES)
+    for name, dtype in fmt.DTYPES.items():
+        assert fmt.ITEMSIZES[name] == dtype.itemsize, name
+        assert fmt.dtype_name(dtype) == name
+

@@ -376,6 +376,27 @@ def test_hundred_snapshots_keep_trainer_and_daemon_memory_flat(env):
     assert len(glob.glob(f"/dev/shm/snapd-{UID}-{os.getpid()}-*")) == 0
 
 
+def test_the_daemon_moves_bytes_without_loading_torch(env):
+    """Writing, compressing, retention and hot copies need no torch in the daemon:
+    its start is ~0.3 s instead of ~1.6 s, and its memory ~40 MiB instead of ~220."""
+    model, opt = make_model()
+    client = Client(env.root, env.run, keep_last=1, compression=3)
+    client.track(model=model, optimizer=opt)
+    for step in (1, 2, 3):
+        train_step(model, opt)
+        client.snapshot(step).wait()
+    daemon = env.daemon(client)
+    client.close()
+    again = Client(env.root, env.run)
+    again.track(model=model, optimizer=opt)
+    assert again.restore() == 3 and again.restored_from == "hot"
+    again.close()
+    assert [s.step for s in RunStore(env.root, env.run).committed()] == [3]
+    with open(f"/proc/{daemon.pid}/maps") as f:
+        loaded = {line.split()[-1] for line in f if "torch" in line}
+    assert not loaded, f"the daemon mapped {sorted(loaded)[:3]}"
+
+
 def test_hung_daemon_fails_the_snapshot_within_the_timeout(env):
     model, opt = make_model()
     client = Client(env.root, env.run, timeout=2.0)
