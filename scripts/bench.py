@@ -93,14 +93,15 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes / GiB:g}G" if nbytes >= GiB else f"{nbytes / MiB:g}M"
 
 
-def build_state(target: int, threads: int):
+def build_state(target: int, threads: int, device: str = "cpu"):
     """An MLP + AdamW whose params, exp_avg and exp_avg_sq add up to ~target bytes."""
     import torch
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     per_layer = (WIDTH * WIDTH + WIDTH) * 4 * 3
     layers = max(1, round(target / per_layer))
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH)
+                                  for _ in range(layers)]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3   # kept: a training process holds grads

@@ -38,6 +38,9 @@ from torch import nn
 
 from snapd_client import Client
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import build_state, state_tensors  # noqa: E402  (scripts/bench.py's state)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUN = "device-check"
 
@@ -150,31 +153,12 @@ def check_demo(device: str, report: Callable[..., None]) -> None:
 
 # --- figures ---------------------------------------------------------------------
 
-def build_state(target_bytes: int, device: str):
-    width = 2048
-    layers = max(1, round(target_bytes / ((width * width + width) * 4 * 3)))
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p) * 1e-3
-    opt.step()
-    return model, opt
-
-
-def state_tensors(model, opt) -> List[torch.Tensor]:
-    out = [p.detach() for p in model.parameters()]
-    for st in opt.state.values():
-        out += [v for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
-    return out
-
-
 def median_ms(xs: List[float]) -> float:
     return round(statistics.median(xs) * 1e3, 2)
 
 
 def measure(device: str, nbytes: int, reps: int, root: str) -> Dict[str, Any]:
-    model, opt = build_state(nbytes, device)
+    model, opt = build_state(nbytes, torch.get_num_threads(), device)
     tensors = state_tensors(model, opt)
     total = sum(t.numel() * t.element_size() for t in tensors)
     pin = device.startswith("cuda")

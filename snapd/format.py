@@ -75,12 +75,7 @@ def __getattr__(name: str) -> Any:
     if name != "DTYPES":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import torch
-    table = {str(d).removeprefix("torch."): d
-             for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
-                       torch.complex64, torch.complex128, torch.int64, torch.int32,
-                       torch.int16, torch.int8, torch.uint8, torch.bool,
-                       torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16,
-                       torch.uint32, torch.uint64)}
+    table = {name: getattr(torch, name) for name in ITEMSIZES}  # our names, not the disk's
     globals()["DTYPES"] = table
     return table
 
