@@ -54,10 +54,13 @@ class RecoveryPlan:
 
     @property
     def committed_step(self) -> Optional[int]:
-        if self.last_committed is not None and type(self.last_committed.get("step")) is int:
-            return self.last_committed["step"]
+        """The newer of the log's last commit and LATEST: a damaged log may have lost
+        the record of a commit that LATEST still names."""
         sid = SnapshotId.parse(self.latest) if self.latest else None
-        return sid.step if sid else None
+        steps = [sid.step] if sid else []
+        if self.last_committed is not None and type(self.last_committed.get("step")) is int:
+            steps.append(self.last_committed["step"])
+        return max(steps, default=None)
 
     @property
     def at_risk(self) -> Optional[int]:
