@@ -11,6 +11,14 @@ cause, checked in this order, because an earlier piece perturbs the later ones:
    drew a different number of values from it);
 3. ``scalar:<name>``: the RNG streams and cursor match but a logged scalar (the loss)
    differs: numerical nondeterminism with identical inputs.
+
+Steps whose old record is damaged or missing cannot be compared; the verdict counts
+them as ``missing`` rather than failing the replay.
+
+Why the journal never raises a disk error: the log is a record of training, not a
+condition of it. A record that cannot be written (a full disk) is counted in
+``dropped``, kept as ``last_error``, warned about once, and the next record tries
+again; a snapshot's own failure reaches the user through its handle and close().
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ from snapd_client.rng import RngStreams
 
 class ReplayWarning(UserWarning):
     """A recomputed step differs from the interrupted run (replay_check='warn')."""
+
+
+class LogWriteWarning(RuntimeWarning):
+    """State-log records could not be written (a full disk); training went on."""
 
 
 def compare(old: Dict[str, Any], new: Dict[str, Any]) -> Optional[tuple]:
@@ -53,8 +65,10 @@ class Journal:
 
     def __init__(self, store: RunStore, rank: int, rng: RngStreams, opts: Options) -> None:
         self.store, self.rank, self.rng, self.opts = store, rank, rng, opts
-        self.writer = LogWriter(store.path, rank, segment_bytes=opts.log_segment_bytes,
-                                flush_interval=opts.log_flush_interval)
+        self.writer: Optional[LogWriter] = None  # opened at the first record, retried
+        self.dropped = 0  # records not written because the log's disk failed
+        self.last_error: Optional[OSError] = None
+        self._warned = False
         self._expected: Dict[int, Dict[str, Any]] = {}
         self._replay: Optional[Dict[str, Any]] = None
         self.verdict: Optional[Dict[str, Any]] = None
@@ -71,14 +85,36 @@ class Journal:
             record["samples"] = samples
         if unchecked:
             record["unchecked"] = {k: float(v) for k, v in unchecked.items()}
-        self.writer.append(record)
+        self._append(record)
         if self._replay is not None:
             self._check(record)
 
     def event(self, kind: str, **fields: Any) -> Dict[str, Any]:
         record = {"kind": kind, "time": time.time(), **fields}
-        self.writer.append(record)
+        self._append(record)
         return record
+
+    def _append(self, record: Dict[str, Any]) -> bool:
+        """Write one record; a disk error drops it (counted, warned once), never raises."""
+        try:
+            if self.writer is None:
+                self.writer = LogWriter(self.store.path, self.rank,
+                                        segment_bytes=self.opts.log_segment_bytes,
+                                        flush_interval=self.opts.log_flush_interval)
+            self.writer.append(record)
+        except OSError as e:
+            self._dropped(e)
+            return False
+        return True
+
+    def _dropped(self, error: OSError, records: int = 1) -> None:
+        self.dropped, self.last_error = self.dropped + records, error
+        if not self._warned:  # once, not at every step
+            self._warned = True
+            warnings.warn(LogWriteWarning(
+                f"{self.store.path}/log: state-log record not written ({error}); training "
+                "goes on and each later record tries again. Free space on that disk; "
+                "Client.journal.dropped counts the records lost"), stacklevel=4)
 
     # --- replay proof ----------------------------------------------------------------
 
@@ -87,7 +123,8 @@ class Journal:
         if reached is None or reached <= snapshot_step or self.opts.replay_check == "off":
             return 0
         self._expected = expected_steps(self.store, self.rank, snapshot_step, reached)
-        self._replay = {"from": snapshot_step, "to": reached, "checked": 0}
+        self._replay = {"from": snapshot_step, "to": reached, "checked": 0,
+                        "missing": reached - snapshot_step - len(self._expected)}
         return len(self._expected)
 
     def _check(self, record: Dict[str, Any]) -> None:
@@ -112,11 +149,15 @@ class Journal:
         replay, self._replay, self._expected = self._replay, None, {}
         self.verdict = self.event("replay", verdict=verdict, **{
             "from": replay["from"], "to": replay["to"], "checked": replay["checked"],
-            **fields})
+            **({"missing": replay["missing"]} if replay["missing"] else {}), **fields})
 
     def sync_soon(self) -> None:
         """Make the log durable promptly, without the caller waiting for the disk."""
-        self.writer.sync_soon()
+        try:
+            if self.writer is not None:
+                self.writer.sync_soon()
+        except OSError as e:  # a failed fsync: the records stay, their durability is late
+            self._dropped(e, records=0)
 
     def resume(self, **fields: Any) -> Dict[str, Any]:
         """The resume record; kept, so that later committed records can carry it."""
@@ -124,5 +165,10 @@ class Journal:
         return self.last_resume
 
     def close(self) -> None:
+        """Seal the log; a disk error here is kept in ``last_error``, not raised."""
         self.closed = True
-        self.writer.close()
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        except OSError as e:
+            self._dropped(e, records=0)

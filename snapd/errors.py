@@ -46,7 +46,8 @@ class UnsupportedState(SnapdError, TypeError):
 
 
 class CorruptLog(SnapdError, ValueError):
-    """A state-log segment cannot be read at all (bad header)."""
+    """A state-log segment cannot be read at all (bad header). Raised by
+    ``scan_segment`` of that one file; the log's readers warn and skip it instead."""
 
 
 class ReplayDivergence(SnapdError, RuntimeError):

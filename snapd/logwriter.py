@@ -2,25 +2,35 @@
 
 The format and the readers are in :mod:`snapd.statelog` (docs/format.md, "The state log"); this
 module only appends. One writer per (run, rank) at a time; readers may read any time.
+
+Why a failed write is cut back: a write that fails half way (a full disk) leaves part
+of a frame in the file. Appending after it would put a torn frame *inside* the log,
+where every reader stops, so the writer truncates to the last whole frame first, or
+leaves that segment for a new one when even that fails.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import warnings
 from contextlib import closing
 from pathlib import Path
 from typing import Callable, Iterable
 
 import msgpack
 
+from snapd.errors import CorruptLog
 from snapd.fsio import fsync_dir, write_all
 from snapd.statelog import (
     HEADER_SIZE,
     IOStats,
+    LogDamageWarning,
     _encode_record,
     _is_step,
+    _records,
     _records_backward,
+    _segment_frames,
     _Segment,
     _warn_torn,
     encode_frame,
@@ -60,23 +70,64 @@ class LogWriter:
             self._thread.start()
 
     def _open_last(self) -> None:
-        """Cut a torn tail and resume after the valid prefix. With no segment yet the
+        """Cut a torn tail and resume after the valid prefix; a newest segment found
+        damaged is moved aside instead (see _replace_damaged). With no segment yet the
         first append creates one, so that its header can name the first step."""
         if not (paths := list_segments(self.run_dir, self.rank)):
             return
-        with _Segment(paths[-1], IOStats(), self.rank) as seg:
+        try:
+            seg = _Segment(paths[-1], IOStats(), self.rank)
+        except CorruptLog as e:  # bad header: its frames cannot be trusted, none copied
+            self._seq = int(paths[-1].name.split(".")[0])
+            self._move_aside(paths[-1], f"header field '{e.field}' is bad")
+            return
+        with seg:
             report = seg.tail()[2]
             with closing(_records_backward(seg)) as back:
                 self._last_step = next((r["step"] for _, r in back if _is_step(r)),
                                        seg.first_step)
             self._seq, self._seed = seg.seq, seg.seed
+            damaged = sorted(seg.damaged)
+        if damaged:
+            self._replace_damaged(paths[-1], damaged)
+            return
         _warn_torn(report)
         self._fd = os.open(paths[-1], os.O_WRONLY | os.O_APPEND)
-        if report.torn_at is not None:
-            os.ftruncate(self._fd, report.valid_end)  # 1. drop the torn tail, unparsed
-        self._fsync(self._fd)  # 2. the prefix we append after is durable
-        self._offset = report.valid_end
-        self._write_mark(self._offset)  # 3. say so, for bounded readers
+        try:
+            if report.torn_at is not None:
+                os.ftruncate(self._fd, report.valid_end)  # 1. drop the torn tail, unparsed
+            self._fsync(self._fd)  # 2. the prefix we append after is durable
+            self._offset = report.valid_end
+            self._write_mark(self._offset)  # 3. say so, for bounded readers
+        except BaseException:
+            os.close(self._fd)
+            self._fd = None
+            raise
+
+    def _replace_damaged(self, path: Path, damaged: list[int]) -> None:
+        """Damage before the tail of the segment we would append to: move it aside and
+        copy its valid records into a new segment, so that the live segment is clean
+        and no valid record (the replay check needs the old steps) is lost."""
+        with _Segment(path, IOStats(), self.rank) as seg:
+            with warnings.catch_warnings():  # the damage was reported once already
+                warnings.simplefilter("ignore", LogDamageWarning)
+                valid = [r for _, r in _records(seg, _segment_frames(seg, drop=True))]
+        self._move_aside(path, f"damaged at offset {damaged[0]}")
+        self._last_step = None
+        if valid:
+            self.append_many(valid)
+
+    def _move_aside(self, path: Path, why: str) -> None:
+        """Rename a damaged segment out of the segment name pattern (readers skip it, it
+        is kept for inspection); the next append starts segment seq + 1."""
+        n = 1
+        while (aside := path.with_name(f"{path.name}.damaged-{n}")).exists():
+            n += 1
+        os.rename(path, aside)  # 1. out of the readers' way, not deleted
+        fsync_dir(str(self.dir))  # 2. the rename survives a crash
+        warnings.warn(LogDamageWarning(
+            f"{path}: state-log segment {why}; moved aside to {aside.name} and kept; "
+            "its valid records continue in a new segment"), stacklevel=4)
 
     def append(self, record: dict) -> None:
         """Frame ``record`` and hand it to the kernel in one write; it is durable after
@@ -85,9 +136,7 @@ class LogWriter:
         with self._lock:
             self._check_open()
             self._admit(len(payload) + 12, step)
-            frame = encode_frame(payload, self._seed)
-            write_all(self._fd, frame)
-            self._offset += len(frame)
+            self._write(encode_frame(payload, self._seed))
             self._dirty = True
 
     def append_many(self, records: Iterable[dict]) -> int:
@@ -98,18 +147,34 @@ class LogWriter:
             try:
                 for record in records:
                     payload, step = _encode_record(record)
-                    if pending and self._must_rotate(len(payload) + 12, step):
-                        write_all(self._fd, pending)  # the rest of the old segment
+                    if pending and self._must_rotate(len(payload) + 12, step, len(pending)):
+                        self._write(pending)  # the rest of the old segment
                         pending.clear()
-                    self._admit(len(payload) + 12, step)
-                    frame = encode_frame(payload, self._seed)
-                    pending += frame
-                    self._offset, count = self._offset + len(frame), count + 1
+                    self._admit(len(payload) + 12, step, len(pending))
+                    pending += encode_frame(payload, self._seed)
+                    count += 1
             finally:  # a bad record stops the import; what was framed before it stays
                 if pending:
-                    write_all(self._fd, pending)
+                    self._write(pending)
                 self._dirty = self._dirty or count > 0
         return count
+
+    def _write(self, frames: bytes | bytearray) -> None:
+        """Append whole frames; if the write fails part way, cut back to the last whole
+        frame so that no torn frame is ever followed by another one."""
+        try:
+            write_all(self._fd, frames)
+        except OSError:
+            self._cut_back()
+            raise
+        self._offset += len(frames)
+
+    def _cut_back(self) -> None:
+        try:
+            os.ftruncate(self._fd, self._offset)
+        except OSError:  # cannot even cut: the torn bytes stay this segment's tail
+            os.close(self._fd)
+            self._fd = None  # the next append starts a new segment
 
     def _check_open(self) -> None:
         if self._error is not None:  # a background fsync failed: report it once
@@ -118,14 +183,15 @@ class LogWriter:
         if self._closed:
             raise ValueError(f"LogWriter for {self.dir} is closed")
 
-    def _must_rotate(self, size: int, step: int | None) -> bool:
-        full = self._offset + size > self.segment_bytes and self._offset > HEADER_SIZE
+    def _must_rotate(self, size: int, step: int | None, pending: int = 0) -> bool:
+        end = self._offset + pending  # ``pending``: framed bytes not yet written
+        full = end + size > self.segment_bytes and end > HEADER_SIZE
         return full or None not in (step, self._last_step) and step < self._last_step
 
-    def _admit(self, size: int, step: int | None) -> None:
+    def _admit(self, size: int, step: int | None, pending: int = 0) -> None:
         """Rotate when full, or when a step goes backward (a replay after a resume), so
         that steps never decrease inside a segment and ``find_step`` can bisect."""
-        if self._fd is None or self._must_rotate(size, step):
+        if self._fd is None or self._must_rotate(size, step, pending):
             first = step if step is not None else (self._last_step or 0)
             if self._fd is not None:
                 self._seal()
@@ -136,10 +202,17 @@ class LogWriter:
     def _create(self, seq: int, first_step: int) -> None:
         path = self.dir / f"{seq:012d}.log"
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
-        write_all(fd, encode_header(self.rank, seq, first_step))  # 1. header, tmp name
-        self._fsync(fd)  # 2. durable: a segment never exists without its whole header
-        os.rename(tmp, path)  # 3. publish
+        # Owner-only, like the socket (the umask can only narrow it): the log holds
+        # the run's scalars and full RNG states.
+        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            write_all(fd, encode_header(self.rank, seq, first_step))  # 1. header, tmp name
+            self._fsync(fd)  # 2. durable: a segment never exists without its whole header
+            os.rename(tmp, path)  # 3. publish
+        except BaseException:  # a full disk: no segment, the next append tries again
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(str(self.dir))  # 4. the name survives a crash
         self._fd, self._seq, self._seed = fd, seq, segment_seed(self.rank, seq)
         self._offset = self._marked = HEADER_SIZE
@@ -153,9 +226,8 @@ class LogWriter:
         self._fd, self._dirty = None, False
 
     def _write_mark(self, upto: int) -> None:
-        frame = encode_frame(msgpack.packb({"kind": "sync", "upto": upto}), self._seed)
-        write_all(self._fd, frame)
-        self._offset, self._marked = self._offset + len(frame), upto
+        self._write(encode_frame(msgpack.packb({"kind": "sync", "upto": upto}), self._seed))
+        self._marked = upto
 
     def sync(self) -> None:
         """fsync now (at a snapshot, at close); raises a failed background fsync."""
@@ -212,9 +284,14 @@ class LogWriter:
             if self._closed:
                 return
             self._closed = True
-            if self._fd is not None:
-                self._seal()
             err, self._error = self._error, None
+            if self._fd is not None:
+                try:
+                    self._seal()
+                except OSError as e:  # a full disk: what was written stays valid
+                    if self._fd is not None:
+                        os.close(self._fd)
+                    self._fd, err = None, err or e
         if err is not None:
             raise err
 

@@ -5,6 +5,12 @@ how far did training get, what is the last committed snapshot, how many updates 
 at risk, what happened at the last resume. The answers come from the tail of each
 rank's log (bounded reads, see statelog) and from LATEST plus one manifest, so they
 cost milliseconds whatever the length of the run.
+
+Why planning never fails on the log: resuming needs a snapshot, and the snapshot is
+chosen from the snapshot directories and LATEST. The log only adds how far training
+got and the records the replay check compares, so a damaged log yields a plan from its
+valid records, with the damage listed in ``log_damage`` (and warned about by the
+readers), never an error.
 """
 
 from __future__ import annotations
@@ -18,6 +24,15 @@ from snapd.store import RunStore, SnapshotId
 
 def _is(kind: str, event: Optional[str] = None):
     return lambda r: r.get("kind") == kind and (event is None or r.get("event") == event)
+
+
+def _is_step(record: Dict[str, Any]) -> bool:
+    """A step record whose step is an int: others (a hostile edit) are not planned on."""
+    return record.get("kind") == "step" and type(record.get("step")) is int
+
+
+def _number(value: Any) -> Optional[float]:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 @dataclass
@@ -35,13 +50,17 @@ class RecoveryPlan:
     last_replay: Optional[Dict[str, Any]] = None
     last_scalars: Dict[str, Any] = field(default_factory=dict)
     bytes_read: int = 0
+    log_damage: List[str] = field(default_factory=list)  # what the readers skipped
 
     @property
     def committed_step(self) -> Optional[int]:
-        if self.last_committed is not None:
-            return self.last_committed.get("step")
+        """The newer of the log's last commit and LATEST: a damaged log may have lost
+        the record of a commit that LATEST still names."""
         sid = SnapshotId.parse(self.latest) if self.latest else None
-        return sid.step if sid else None
+        steps = [sid.step] if sid else []
+        if self.last_committed is not None and type(self.last_committed.get("step")) is int:
+            steps.append(self.last_committed["step"])
+        return max(steps, default=None)
 
     @property
     def at_risk(self) -> Optional[int]:
@@ -60,7 +79,7 @@ class RecoveryPlan:
 
 
 def _rate(records: List[Dict[str, Any]]) -> Optional[float]:
-    steps = [r for r in records if r.get("kind") == "step" and "time" in r]
+    steps = [r for r in records if _number(r.get("time")) is not None]
     if len(steps) < 2 or steps[-1]["time"] <= steps[0]["time"]:
         return None
     return (steps[-1]["step"] - steps[0]["step"]) / (steps[-1]["time"] - steps[0]["time"])
@@ -80,7 +99,7 @@ def plan_recovery(store: RunStore, rank: int = 0) -> RecoveryPlan:
     steps: List[Dict[str, Any]] = []
     for i, record in enumerate(statelog.newest_first(store.path, rank, stats)):
         kind = record.get("kind")
-        if kind == "step" and len(steps) < 64:
+        if _is_step(record) and len(steps) < 64:
             steps.append(record)
         elif kind == "resume" and plan.last_resume is None:
             plan.last_resume = record
@@ -89,16 +108,20 @@ def plan_recovery(store: RunStore, rank: int = 0) -> RecoveryPlan:
         elif kind == "snapshot" and record.get("event") == "committed" \
                 and plan.last_committed is None:
             plan.last_committed = record
-            plan.last_resume = plan.last_resume or record.get("last_resume")
-            plan.last_replay = plan.last_replay or record.get("last_replay")
+            plan.last_resume = plan.last_resume or _map(record.get("last_resume"))
+            plan.last_replay = plan.last_replay or _map(record.get("last_replay"))
         if plan.last_committed is not None and (len(steps) >= 64 or i > 256):
             break
     if steps:
-        plan.reached, plan.reached_time = steps[0]["step"], steps[0].get("time")
-        plan.last_scalars = dict(steps[0].get("scalars") or {})
+        plan.reached, plan.reached_time = steps[0]["step"], _number(steps[0].get("time"))
+        plan.last_scalars = _map(steps[0].get("scalars")) or {}
     plan.steps_per_s = _rate(steps[::-1])
-    plan.bytes_read = stats.bytes_read
+    plan.bytes_read, plan.log_damage = stats.bytes_read, list(stats.damage)
     return plan
+
+
+def _map(value: Any) -> Optional[Dict[str, Any]]:
+    return dict(value) if isinstance(value, dict) else None
 
 
 def expected_steps(store: RunStore, rank: int, after: int, upto: int) -> Dict[int, Dict]:
@@ -110,7 +133,7 @@ def expected_steps(store: RunStore, rank: int, after: int, upto: int) -> Dict[in
     """
     found: Dict[int, Dict] = {}
     for record in statelog.newest_first(store.path, rank):
-        if record.get("kind") != "step":
+        if not _is_step(record):
             continue
         step = record["step"]
         if step <= after:

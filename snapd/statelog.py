@@ -17,13 +17,18 @@ readers answer from the tail with bounded reads. Full spec: ``docs/format.md``, 
      32 12  reserved, zero;  44 4  u32 xxh32(bytes 0..44)
 
     A frame is valid if and only if its header length equals its footer, is at most
-    MAX_RECORD, the frame lies inside the file, its checksum holds, and every frame before
-    it in the segment is valid. Readers return exactly the valid prefix, nothing after it.
+    MAX_RECORD, the frame lies inside the file (before U, inside [48, U): see below), its
+    checksum holds, and, when it starts at or after U, every frame from U up to it is
+    valid.
 
 After each fsync the writer appends a sync mark ``{"kind": "sync", "upto": U}``: every
-byte before U was durable. A crash damages only bytes written after the last fsync, so a
-bounded reader forward-verifies from the newest mark's U to the end of the file and
-agrees with a full scan on whatever a crash did. Marks are never returned as records.
+byte before U was durable. A crash damages only bytes written after the last fsync, so
+after the newest mark's U readers keep exactly the valid prefix (the torn tail is never
+parsed) and agree with the writer, which cuts there. Before U, damage can only be rot or
+a hostile edit: readers warn (LogDamageWarning: path and offset), skip to the next valid
+frame and go on; a segment with a bad header is skipped whole, with a warning. A writer
+opening a damaged newest segment moves it aside (``<seq>.log.damaged-<n>``) and copies
+its valid records into a new one. Marks are never returned as records.
 """
 
 from __future__ import annotations
@@ -33,16 +38,16 @@ import re
 import struct
 import warnings
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import msgpack
 import xxhash
 
 from snapd.errors import CorruptLog
 
-__all__ = ["HEADER_SIZE", "MAX_RECORD", "VERSION", "IOStats", "LogScan",
+__all__ = ["HEADER_SIZE", "MAX_RECORD", "VERSION", "IOStats", "LogDamageWarning", "LogScan",
            "TornTailWarning", "encode_frame", "newest_first", "encode_header", "find_last", "find_step",
            "last_record", "list_ranks", "list_segments", "rank_dir", "read_records",
            "read_tail", "scan_segment", "segment_seed", "tail_report"]
@@ -61,13 +66,20 @@ class TornTailWarning(UserWarning):
     """Bytes after a segment's valid prefix were ignored (normal after a crash)."""
 
 
+class LogDamageWarning(UserWarning):
+    """Durable bytes of the log are damaged (rot, a hostile edit): readers skipped them,
+    named by segment and offset, and went on with the valid records."""
+
+
 @dataclass
 class IOStats:
-    """What the readers read: tests assert on bytes, which unlike time is exact."""
+    """What the readers read: tests assert on bytes, which unlike time is exact. The
+    damage they met is listed too, one message per place, for status to report."""
 
     bytes_read: int = 0
     reads: int = 0
     segments_opened: int = 0
+    damage: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -81,6 +93,7 @@ class LogScan:
     valid_end: int = HEADER_SIZE
     torn_at: int | None = None
     reason: str | None = None
+    damaged: list[int] = field(default_factory=list)  # offsets of damage before the tail
 
 
 def rank_dir(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -143,23 +156,34 @@ def _decode_header(path: Path, raw: bytes, rank: int | None, seq: int) -> tuple[
             ("seq", h_seq == seq, f"{h_seq}, file name says {seq}")):
         if not ok:
             err = CorruptLog(f"{path}: state-log segment header field '{field}' is bad "
-                             f"({detail}); the segment cannot be read. Move it out of the "
-                             "log directory to read the other segments.")
+                             f"({detail}); the segment cannot be read. Readers skip it; a "
+                             "trainer opening the log moves it aside as "
+                             "<name>.damaged-<n>, kept for inspection.")
             err.path, err.field = str(path), field
             raise err
     return h_rank, first
 
 
-def _decode(seg: _Segment, off: int, payload: bytes) -> dict:
+def _unpack_map(payload: bytes) -> dict | None:
     try:
         record = msgpack.unpackb(payload, raw=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise CorruptLog(f"{seg.path}: frame at offset {off} has a valid checksum but no "
-                         "readable msgpack; it was not written by snapd") from e
-    if not isinstance(record, dict):
-        raise CorruptLog(f"{seg.path}: frame at offset {off} holds a "
-                         f"{type(record).__name__}, not a map; it was not written by snapd")
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _decode(seg: _Segment, off: int, payload: bytes) -> dict | None:
+    """The record of a valid frame, or None (with a damage warning) when its payload is
+    not a msgpack map: snapd never writes one, so the frame is skipped, not guessed at."""
+    if (record := _unpack_map(payload)) is None:
+        seg.note_damage(off, "valid checksum but no msgpack map; not written by snapd")
     return record
+
+
+def _warn_damage(stats: IOStats, message: str) -> None:
+    if message not in stats.damage:
+        stats.damage.append(message)
+    warnings.warn(LogDamageWarning(message), stacklevel=4)
 
 
 class _Segment:
@@ -167,6 +191,7 @@ class _Segment:
 
     def __init__(self, path: Path, stats: IOStats, rank: int | None = None):
         self.path, self.stats, self._pages = path, stats, {}
+        self.damaged: dict[int, str] = {}  # offset -> why, damage met before the tail
         self._tail: tuple[int, Frames, LogScan] | None = None
         if rank is None and (m := _RANK_NAME.match(path.parent.name)):
             rank = int(m.group(1))
@@ -207,6 +232,12 @@ class _Segment:
         if first == last:
             return self._pages[first][rel:rel + n]
         return b"".join(self._pages[b] for b in range(first, last + 1))[rel:rel + n]
+
+    def note_damage(self, off: int, reason: str) -> None:
+        if off not in self.damaged:
+            self.damaged[off] = reason
+            _warn_damage(self.stats, f"{self.path}: damaged state-log frame at offset {off} "
+                         f"({reason}); skipped, the valid records around it are read")
 
     def forget_before(self, off: int) -> None:
         for b in [b for b in self._pages if b < off // _BLOCK]:
@@ -252,6 +283,48 @@ def _frames_from(seg: _Segment, pos: int, report: LogScan, drop: bool = False
     report.torn_at = pos if got[1] else None
 
 
+def _next_frame(seg: _Segment, pos: int, limit: int, before: int | None = None
+                ) -> int | None:
+    """The first offset in [pos, before) where a valid frame starts and ends by ``limit``:
+    the seeded checksum and the footer must both match (odds ~2**-64 for other bytes)."""
+    stop = min(limit - 11, limit if before is None else before)
+    while pos < stop:
+        span = min(_BLOCK, stop - pos)
+        chunk = seg.get(pos, span + 3)
+        for i in range(min(span, len(chunk) - 3)):
+            if _U32.unpack_from(chunk, i)[0] <= MAX_RECORD and \
+                    _frame_at(seg, pos + i, limit)[0] is not None:
+                return pos + i
+        pos += span
+    return None
+
+
+def _frames_resync(seg: _Segment, pos: int, limit: int, drop: bool = False
+                   ) -> Iterator[tuple[int, bytes]]:
+    """Valid frames in [pos, limit), a region known durable: a damaged frame is noted
+    and skipped, and reading resumes at the next valid frame."""
+    while pos < limit:
+        payload, why = _frame_at(seg, pos, limit)
+        if payload is not None:
+            yield pos, payload
+            pos += len(payload) + 12
+        else:
+            seg.note_damage(pos, why or "frame runs past the last durable offset")
+            if (nxt := _next_frame(seg, pos + 1, limit)) is None:
+                return
+            pos = nxt
+        if drop:  # a full scan keeps only the page it is on
+            seg.forget_before(pos)
+
+
+def _segment_frames(seg: _Segment, drop: bool = False) -> Iterator[tuple[int, bytes]]:
+    """Every valid frame of a segment: the durable part with resynchronisation past
+    damage, then the verified tail, which ends at its first invalid byte."""
+    anchor = seg.tail()[0]
+    yield from _frames_resync(seg, HEADER_SIZE, anchor, drop)
+    yield from seg.tail()[1]
+
+
 def _newest_mark(seg: _Segment) -> int:
     """U of the newest genuine sync mark (bytes before U were fsynced), searched page by
     page from the end: one flush interval of records, else the whole segment."""
@@ -263,29 +336,34 @@ def _newest_mark(seg: _Segment) -> int:
         while (i := chunk.rfind(_MARK, 0, end)) >= 0:
             start, end = lo + i - 8, i + len(_MARK) - 1
             payload = _frame_at(seg, start, seg.size)[0] if start >= HEADER_SIZE else None
-            upto = _decode(seg, start, payload).get("upto") if payload else None
+            upto = (_unpack_map(payload) or {}).get("upto") if payload else None
             if type(upto) is int and HEADER_SIZE <= upto <= start:
                 return upto
         hi = lo
     return HEADER_SIZE
 
 
-def _records_backward(seg: _Segment) -> Iterator[tuple[int, dict]]:
-    """(offset, record) newest first: the verified tail, then footers walked backward."""
-    anchor, frames, _ = seg.tail()
-    for off, payload in reversed(frames):
-        if (record := _decode(seg, off, payload)).get("kind") != "sync":
+def _records(seg: _Segment, frames: Iterable[tuple[int, bytes]]
+             ) -> Iterator[tuple[int, dict]]:
+    """(offset, record) of the frames that hold records: not marks, not damage."""
+    for off, payload in frames:
+        if (record := _decode(seg, off, payload)) is not None and record.get("kind") != "sync":
             yield off, record
+
+
+def _records_backward(seg: _Segment) -> Iterator[tuple[int, dict]]:
+    """(offset, record) newest first: the verified tail, then footers walked backward.
+    Damage stops the walk; the part before it is then scanned forward, resynchronising."""
+    anchor, frames, _ = seg.tail()
+    yield from _records(seg, reversed(frames))
     pos = anchor
     while pos > HEADER_SIZE:
         start = pos - 12 - _U32.unpack(seg.get(pos - 4, 4))[0]
-        payload, why = _frame_at(seg, start, pos) if start >= HEADER_SIZE else (None, "footer")
+        payload = _frame_at(seg, start, pos)[0] if start >= HEADER_SIZE else None
         if payload is None or len(payload) != pos - start - 12:  # rot in fsynced bytes
-            raise CorruptLog(f"{seg.path}: the frame ending at offset {pos} is invalid ({why})"
-                             " inside the fsynced part of the segment. scan_segment() gives "
-                             "its valid prefix; then move the segment aside.")
-        if (record := _decode(seg, start, payload)).get("kind") != "sync":
-            yield start, record
+            yield from _records(seg, reversed(list(_frames_resync(seg, HEADER_SIZE, pos))))
+            return
+        yield from _records(seg, [(start, payload)])
         pos = start
 
 
@@ -297,38 +375,49 @@ def _warn_torn(report: LogScan) -> None:
             stacklevel=3)
 
 
+def _readable(paths: Iterable[Path], stats: IOStats, rank: int) -> Iterator[_Segment]:
+    """Each segment opened in turn; one with a bad header is skipped with a warning (its
+    records are unknown, the others are not), one moved aside meanwhile silently."""
+    for path in paths:
+        try:
+            seg = _Segment(path, stats, rank)
+        except CorruptLog as e:
+            _warn_damage(stats, str(e))
+            continue
+        except FileNotFoundError:  # a writer moved it aside after we listed it
+            continue
+        with seg:
+            yield seg
+
+
 def scan_segment(path: str | os.PathLike, *, stats: IOStats | None = None
                  ) -> tuple[list[dict], LogScan]:
-    """Every valid record of one segment, applying the validity rule from the header."""
+    """Every valid record of one segment, applying the validity rule from the header;
+    raises CorruptLog if the header itself is bad."""
     with _Segment(Path(path), stats or IOStats()) as seg:
-        report = LogScan(str(seg.path), seg.seq, seg.first_step, seg.size)
-        records = [_decode(seg, o, p) for o, p in _frames_from(seg, HEADER_SIZE, report, True)]
-    return [r for r in records if r.get("kind") != "sync"], report
+        records = [r for _, r in _records(seg, _segment_frames(seg, drop=True))]
+        report = seg.tail()[2]
+        report.damaged = sorted(seg.damaged)
+    return records, report
 
 
 def read_records(run_dir: str | os.PathLike, rank: int, start_step: int | None = None, *,
                  stats: IOStats | None = None) -> Iterator[dict]:
     """All valid records oldest first, reading every segment in full. ``start_step``
     skips records whose int "step" is smaller (replayed lineages are all kept)."""
-    stats = stats or IOStats()
-    for path in list_segments(run_dir, rank):
-        with _Segment(path, stats, rank) as seg:
-            report = LogScan(str(path), seg.seq, seg.first_step, seg.size)
-            for off, payload in _frames_from(seg, HEADER_SIZE, report, drop=True):
-                record = _decode(seg, off, payload)
-                step = record.get("step")
-                if record.get("kind") != "sync" and (
-                        start_step is None or type(step) is not int or step >= start_step):
-                    yield record
-        _warn_torn(report)
+    for seg in _readable(list_segments(run_dir, rank), stats or IOStats(), rank):
+        for _, record in _records(seg, _segment_frames(seg, drop=True)):
+            step = record.get("step")
+            if start_step is None or type(step) is not int or step >= start_step:
+                yield record
+        _warn_torn(seg.tail()[2])
 
 
 def newest_first(run_dir, rank: int, stats: IOStats | None = None) -> Iterator[dict]:
     """Every valid record, newest first, read backward from the tail (lazily)."""
-    for path in reversed(list_segments(run_dir, rank)):
-        with _Segment(path, stats or IOStats(), rank) as seg:
-            _warn_torn(seg.tail()[2])
-            yield from (record for _, record in _records_backward(seg))
+    for seg in _readable(reversed(list_segments(run_dir, rank)), stats or IOStats(), rank):
+        _warn_torn(seg.tail()[2])
+        yield from (record for _, record in _records_backward(seg))
 
 
 def last_record(run_dir: str | os.PathLike, rank: int,
@@ -355,11 +444,11 @@ def read_tail(run_dir: str | os.PathLike, rank: int, max_records: int = 100, *,
 
 def tail_report(run_dir: str | os.PathLike, rank: int, *,
                 stats: IOStats | None = None) -> LogScan | None:
-    """Where the newest segment's valid prefix ends (a bounded read); None: no log."""
-    if not (paths := list_segments(run_dir, rank)):
-        return None
-    with _Segment(paths[-1], stats or IOStats(), rank) as seg:
-        return seg.tail()[2]
+    """Where the newest readable segment's valid prefix ends (a bounded read); None: no
+    log."""
+    segments = _readable(reversed(list_segments(run_dir, rank)), stats or IOStats(), rank)
+    with closing(segments):
+        return next((seg.tail()[2] for seg in segments), None)
 
 
 def _is_step(record: dict) -> bool:
@@ -367,19 +456,13 @@ def _is_step(record: dict) -> bool:
 
 
 def _step_after(seg: _Segment, pos: int, hi: int, limit: int) -> tuple[int, dict | None]:
-    """The first "step" record starting in [pos, hi). To find a frame start inside the
-    segment, the seeded checksum and the footer must both match (odds ~2**-64)."""
-    while pos < hi:
-        span = min(_BLOCK, hi - pos)
-        chunk = seg.get(pos, span + 3)
-        p = next((pos + i for i in range(min(span, len(chunk) - 3))
-                  if _U32.unpack_from(chunk, i)[0] <= MAX_RECORD
-                  and _frame_at(seg, pos + i, limit)[0] is not None), None)
-        while p is not None and p < hi and (payload := _frame_at(seg, p, limit)[0]):
-            if _is_step(record := _decode(seg, p, payload)):
-                return p, record
-            p += len(payload) + 12
-        pos = p if p is not None else pos + span
+    """The first "step" record starting in [pos, hi), found by resynchronising on the
+    first valid frame (see _next_frame) and walking on past any damage."""
+    while pos < hi and (p := _next_frame(seg, pos, limit, before=hi)) is not None:
+        payload = _frame_at(seg, p, limit)[0]
+        if _is_step(record := _decode(seg, p, payload) or {}):
+            return p, record
+        pos = p + len(payload) + 12
     return hi, None
 
 
@@ -396,12 +479,11 @@ def _find_step_in(seg: _Segment, step: int) -> dict | None:
         off, record = _step_after(seg, (lo + hi) // 2, hi, limit)
         lo, hi = (off, hi) if record and record["step"] <= step else (lo, (lo + hi) // 2)
     found = None
-    while (payload := _frame_at(seg, lo, limit)[0]) is not None:
-        if _is_step(record := _decode(seg, lo, payload)):
+    for _, record in _records(seg, _frames_resync(seg, lo, limit)):
+        if _is_step(record):
             if record["step"] > step:
                 break
             found = record if record["step"] == step else found
-        lo += len(payload) + 12
     return found
 
 
@@ -409,9 +491,9 @@ def find_step(run_dir: str | os.PathLike, rank: int, step: int, *,
               stats: IOStats | None = None) -> dict | None:
     """The newest "step" record for ``step``: headers rule out whole segments, then a
     bisection inside one. A replayed step exists twice; the newest lineage wins."""
-    stats = stats or IOStats()
-    for path in reversed(list_segments(run_dir, rank)):
-        with _Segment(path, stats, rank) as seg:
+    segments = _readable(reversed(list_segments(run_dir, rank)), stats or IOStats(), rank)
+    with closing(segments):
+        for seg in segments:
             if seg.first_step <= step and (record := _find_step_in(seg, step)) is not None:
                 return record
     return None

@@ -183,11 +183,13 @@ def _progress(plan: RecoveryPlan, committed: Optional[Dict[str, Any]], now: floa
 
 def rank_model(store: RunStore, rank: int, now: float) -> Dict[str, Any]:
     """One (run, rank): progress, loss, last commit, stall, skips, retention."""
-    row: Dict[str, Any] = {"run": store.run, "rank": rank, "error": None}
+    row: Dict[str, Any] = {"run": store.run, "rank": rank, "error": None, "log_damage": []}
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # a live view shows damage in its rows instead
             warnings.simplefilter("ignore", statelog.TornTailWarning)
+            warnings.simplefilter("ignore", statelog.LogDamageWarning)
             plan = plan_recovery(store, rank)
+            row["log_damage"] = plan.log_damage
             row.update(_scan_tail(store.path, rank))
     except (OSError, ValueError) as e:   # CorruptLog is a ValueError; rotation races
         row["error"] = f"{type(e).__name__}: {e}"
@@ -330,6 +332,9 @@ def _history(runs: List[Dict[str, Any]]) -> List[Text]:
             r["last_replay"]
         if r.get("error"):
             lines.append(Text(who + "log unreadable: " + r["error"], style="red"))
+        for damage in (r.get("log_damage") or [])[:1]:
+            lines.append(Text(who + "log damaged, valid records shown: " + damage,
+                              style="yellow"))
         if resume:
             verdict = replay and f"; replay {replay['verdict']} at step {replay['step']}"
             lines.append(Text(f"{who}resumed from {resume['snapshot']} ({resume['mode']}, "

@@ -18,6 +18,7 @@ from snapd.logwriter import LogWriter
 from snapd.statelog import (
     HEADER_SIZE,
     IOStats,
+    LogDamageWarning,
     TornTailWarning,
     encode_header,
     find_last,
@@ -155,9 +156,10 @@ def test_lost_page_before_surviving_frames_ends_the_prefix(tmp_path):
     readers_agree(run, records[:40] + [step_record(40, after_crash=True)])
 
 
-def test_bit_rot_in_fsynced_bytes_never_returns_an_altered_record(tmp_path):
-    """Bounded readers trust what a sync mark says was durable; full scans apply the
-    rule from the header. Neither may ever hand back a record whose bytes changed."""
+def test_bit_rot_in_fsynced_bytes_skips_only_the_altered_record(tmp_path):
+    """Before the newest sync mark, damage is rot, not a crash: every reader warns with
+    the segment and offset, skips the altered frame and reads the records after it. A
+    hit on the only mark makes everything after it an unsynced tail again."""
     records, path, starts, data = write_crashed_log(tmp_path / "orig", 30, 5)
     rng = random.Random(7)
     for trial in range(40):
@@ -166,18 +168,17 @@ def test_bit_rot_in_fsynced_bytes_never_returns_an_altered_record(tmp_path):
         buf[bit // 8] ^= 1 << (bit % 8)
         k = max(i for i in range(len(records)) if starts[i] <= bit // 8)
         in_mark = bit // 8 >= starts[k] + 12 + len(msgpack.packb(records[k]))
-        k += in_mark  # the sync mark after record k was hit, not the record
+        expect = records[:30] if in_mark else records[:k] + records[k + 1:]
         run = tmp_path / f"t{trial}"
         (run / "log" / "rank-00000").mkdir(parents=True)
         (run / "log" / "rank-00000" / path.name).write_bytes(bytes(buf))
-        assert list(read_records(run, 0)) == records[:k]
-        try:
-            tail = read_tail(run, 0, 100)
-        except CorruptLog as e:
-            assert path.name in str(e)
-        else:
-            assert all(r in records for r in tail)
-            assert in_mark or records[k] not in tail
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            readers_agree(run, expect)
+        if not in_mark:
+            damage = [str(w.message) for w in seen if w.category is LogDamageWarning]
+            assert damage and all(f"{path.name}: damaged state-log frame at offset "
+                                  f"{starts[k]} " in m for m in damage), damage
 
 
 def test_frame_copied_from_another_segment_is_invalid(tmp_path):
@@ -195,10 +196,14 @@ def test_frame_copied_from_another_segment_is_invalid(tmp_path):
 
 @pytest.mark.parametrize("field", ["magic", "version", "checksum", "header_size", "rank",
                                    "seq", "header"])
-def test_bad_header_raises_corrupt_log_naming_file_and_field(tmp_path, field):
-    with LogWriter(tmp_path, 2, flush_interval=None) as w:
-        w.append(step_record(0))
-    path = list_segments(tmp_path, 2)[0]
+def test_bad_header_skips_the_segment_naming_file_and_field(tmp_path, field):
+    """scan_segment() of that one file refuses it; the log's readers warn and read the
+    other segments; a writer moves it aside, keeps it, and starts a new segment."""
+    with LogWriter(tmp_path, 2, segment_bytes=1024, flush_interval=None) as w:
+        for i in range(12):
+            w.append(step_record(i))
+    older = [r for p in list_segments(tmp_path, 2)[:-1] for r in scan_segment(p)[0]]
+    path = list_segments(tmp_path, 2)[-1]
     raw = bytearray(path.read_bytes())
     if field == "rank":
         raw[:HEADER_SIZE] = encode_header(5, 1, 0)
@@ -215,13 +220,25 @@ def test_bad_header_raises_corrupt_log_naming_file_and_field(tmp_path, field):
         raw[{"magic": 0, "version": 8, "checksum": 30}[field]] ^= 0x01
     if field != "seq":
         path.write_bytes(bytes(raw))
-    for read in (lambda: scan_segment(path), lambda: list(read_records(tmp_path, 2)),
-                 lambda: last_record(tmp_path, 2), lambda: find_step(tmp_path, 2, 0),
-                 lambda: LogWriter(tmp_path, 2, flush_interval=None)):
-        with pytest.raises(CorruptLog) as e:
+    with pytest.raises(CorruptLog) as e:
+        scan_segment(path)
+    assert str(path) in str(e.value) and f"'{field}'" in str(e.value)
+    assert e.value.field == field
+    for read in (lambda: list(read_records(tmp_path, 2)), lambda: last_record(tmp_path, 2),
+                 lambda: find_step(tmp_path, 2, older[-1]["step"])):
+        with pytest.warns(LogDamageWarning) as seen:
             read()
-        assert str(path) in str(e.value) and f"'{field}'" in str(e.value)
-        assert e.value.field == field
+        assert any(str(path) in str(w.message) and f"'{field}'" in str(w.message)
+                   for w in seen)
+    with pytest.warns(LogDamageWarning):
+        assert list(read_records(tmp_path, 2)) == older
+    kept = path.read_bytes()
+    with pytest.warns(LogDamageWarning, match="moved aside"):
+        with LogWriter(tmp_path, 2, flush_interval=None) as w:
+            w.append(step_record(99))
+    aside = path.with_name(path.name + ".damaged-1")
+    assert aside.read_bytes() == kept and not path.exists()
+    assert list(read_records(tmp_path, 2)) == older + [step_record(99)]
 
 
 class CountingFsync:

@@ -1,8 +1,15 @@
-"""``snapd status [ROOT]``: every run's progress and risk, from logs and manifests only."""
+"""``snapd status [ROOT]``: every run's progress and risk, from logs and manifests only.
+
+A damaged log never stops it: each row is planned from the valid records, the damage
+the readers skipped is listed in the row's ``log_damage`` (and, in the table view,
+printed once to stderr), and a run that cannot be read at all gets an ``error``.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
+import warnings
 from typing import Any, Dict, List
 
 import click
@@ -11,7 +18,7 @@ from rich.table import Table
 
 from snapd import statelog
 from snapd.commands.common import age, emit_json, resolve_root
-from snapd.recovery import plan_recovery
+from snapd.recovery import RecoveryPlan, plan_recovery
 from snapd.store import RunStore, list_runs
 
 
@@ -21,12 +28,31 @@ def collect(root: str) -> List[Dict[str, Any]]:
     for run in list_runs(root):
         store = RunStore(root, run)
         for rank in statelog.list_ranks(store.path) or [0]:
-            plan = plan_recovery(store, rank)
-            row = plan.to_json()
-            committed_at = (plan.last_committed or {}).get("time")
-            row["committed_age_s"] = None if committed_at is None else time.time() - committed_at
-            rows.append(row)
+            rows.append(_row(store, rank))
     return rows
+
+
+def _row(store: RunStore, rank: int) -> Dict[str, Any]:
+    error = None
+    with warnings.catch_warnings():  # reported in the row instead
+        warnings.simplefilter("ignore", statelog.LogDamageWarning)
+        try:
+            plan = plan_recovery(store, rank)
+        except (OSError, ValueError) as e:  # unreadable (permissions): say so, go on
+            plan, error = RecoveryPlan(store.run, rank), f"{type(e).__name__}: {e}"
+    row = plan.to_json()
+    committed_at = (plan.last_committed or {}).get("time")
+    row["committed_age_s"] = time.time() - committed_at \
+        if isinstance(committed_at, (int, float)) else None
+    row["error"] = error
+    return row
+
+
+def _say_damage(rows: List[Dict[str, Any]]) -> None:
+    for row in rows:
+        for problem in row["log_damage"] + ([row["error"]] if row["error"] else []):
+            print(f"snapd: warning: run {row['run']} rank {row['rank']}: {problem}",
+                  file=sys.stderr)
 
 
 def _verdict(row: Dict[str, Any]) -> str:
@@ -68,7 +94,9 @@ def status(root: str | None, as_json: bool) -> None:
     rows = collect(resolve_root(root))
     if as_json:
         emit_json({"runs": rows})
-    elif not rows:
+        return
+    _say_damage(rows)
+    if not rows:
         click.echo("no runs under this root")
     else:
         Console().print(render(rows))

@@ -164,6 +164,7 @@ def follow_lines(root: str, interval: float) -> None:
     """Piped mode: the lines of new records, and a line when the daemon comes or goes."""
     follower, limiter = LogFollower(root), StepLimiter()
     warnings.simplefilter("ignore", statelog.TornTailWarning)   # a trainer mid-write
+    warnings.simplefilter("once", statelog.LogDamageWarning)    # each place said once
     said: List[Optional[str]] = [None]
 
     def tick(status: Optional[Dict[str, Any]], _mode: str) -> bool:
