@@ -23,6 +23,7 @@ import re
 import sys
 import time
 import warnings
+import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -30,12 +31,13 @@ import torch
 from snapd import retention
 from snapd.options import Options
 from snapd.recovery import RecoveryPlan, plan_recovery
+from snapd.runlock import RunLock
 from snapd.store import RunStore
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.writer import write_snapshot
 from snapd_client.cursor import BatchStream
 from snapd_client.handle import SnapshotHandle
-from snapd_client.handoff import Handoff, Sources
+from snapd_client.handoff import Handoff, Sources, settle_writes
 from snapd_client.journal import Journal
 from snapd_client.restore import Loaded, load_for_resume, load_weights, type_name
 from snapd_client.rng import RngStreams
@@ -68,13 +70,22 @@ class Client:
     snapshots to the daemon serving ``root``, started at the first snapshot() when
     none runs; False writes them in this process before snapshot() returns. Other
     keyword arguments override fields of :class:`snapd.options.Options`.
+
+    One writer per run and rank: a client holds ``<run>/.writer-<rank>.lock`` from
+    construction to close() (snapd/runlock.py); a second one raises RunInUse.
+    ``read_only=True`` (evaluation beside a live run, inspection): restore() works,
+    from the files or the daemon's hot copy, but no lock is taken, no log record
+    written, no daemon started, and snapshot()/log() are refused.
     """
 
     def __init__(self, root: str, run: str, data_version: Optional[str] = None, *,
                  rank: Optional[int] = None, options: Optional[Options] = None,
-                 daemon: Optional[bool] = None, **option_overrides: Any) -> None:
+                 daemon: Optional[bool] = None, read_only: bool = False,
+                 **option_overrides: Any) -> None:
         self.store = RunStore(root, run)
-        self.store.ensure()
+        self.read_only = bool(read_only)
+        if not self.read_only:
+            self.store.ensure()
         self.run = run
         self.data_version = data_version
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
@@ -93,11 +104,18 @@ class Client:
         self._journal: Optional[Journal] = None
         self.recovery: Optional[RecoveryPlan] = None
         self._closed = False
+        self._lock: Optional[RunLock] = None
+        if not self.read_only:
+            self._lock = RunLock(self.store.path, run, self.rank)
+            self._lock.acquire()   # RunInUse when another client writes this run/rank
+            # A client dropped without close() must not keep the run locked.
+            weakref.finalize(self, self._lock.release)
 
     @property
     def journal(self) -> Journal:
         """This rank's state log, opened at first use (its open repairs a torn tail)."""
         if self._journal is None:
+            self._check_writable("the state log")
             self._journal = Journal(self.store, self.rank, self.rng, self.options)
         return self._journal
 
@@ -184,6 +202,7 @@ class Client:
         copy). ``daemon=False`` writes here, synchronously.
         """
         self._check_open()
+        self._check_writable("snapshot()")
         started = time.perf_counter()
         handle = self._hand_over(step, metric)
         # The stall: how long this call kept the loop from its next update.
@@ -291,6 +310,7 @@ class Client:
         time, throughput).
         """
         self._check_open()
+        self._check_writable("log()")
         cursor = [self._stream.epoch, self._stream.index] if self._stream else None
         self.journal.step(step, cursor, scalars,
                           None if samples is None else [int(i) for i in samples],
@@ -310,9 +330,9 @@ class Client:
             raise ValueError(f"restore(mode={mode!r}): choose 'resume' or 'warm_start'")
         if mode == "warm_start":
             return self._warm_start()
+        self._settle_daemon_writes()
         hot = None
         if self._handoff is not None and self.options.hot_restore:
-            self._handoff.wait_copies()
             hot = self._handoff.hot_source()  # never starts a daemon just to restore
         try:
             self.recovery = plan_recovery(self.store, self.rank)  # the log: no tensor file
@@ -334,9 +354,29 @@ class Client:
         self.lineage = dict(loaded.manifest["lineage"])
         return self._begin_resume(loaded, sorted(_omit))
 
+    def _settle_daemon_writes(self) -> None:
+        """Let a daemon serving the root finish this run and rank's writes first.
+
+        A trainer killed right after snapshot(k) returned leaves step k being written;
+        choosing a snapshot before it commits would resume at an older step (and
+        lose k). Bounded by Options.timeout; never starts a daemon.
+        """
+        if self._handoff is not None:
+            self._handoff.wait_copies()
+            waited, seconds = self._handoff.settle_writes()
+        else:
+            waited, seconds = settle_writes(self.store, self.rank, self.options.timeout)
+        if waited:
+            _say(f"run {self.run}: waited {seconds:.1f} s for the daemon to finish "
+                 f"step(s) {', '.join(map(str, waited))} before choosing a snapshot")
+
     def _begin_resume(self, loaded: Loaded, omitted: List[str]) -> int:
         """Log the resume, arm the replay check, and say what will happen."""
         step, reached = loaded.manifest["step"], self.recovery.reached
+        if self.read_only:
+            _say(f"run {self.run}: restored step {step} ({self.restored_from}), read-only: "
+                 "nothing is written to the run")
+            return step
         self.journal.resume(step=step, snapshot=loaded.sid.name, mode="resume",
                             lineage=self.lineage, reached=reached,
                             recompute=max(0, (reached or step) - step),
@@ -374,8 +414,9 @@ class Client:
             warnings.warn(f"warm_start: no snapshot in {self.store.path}; starting fresh")
         self.lineage = {"id": new_id, "mode": "warm_start", "parent": parent}
         self.restored = loaded
-        self.journal.resume(step=0, snapshot=parent and parent["snapshot"],
-                            mode="warm_start", lineage=self.lineage)
+        if not self.read_only:
+            self.journal.resume(step=0, snapshot=parent and parent["snapshot"],
+                                mode="warm_start", lineage=self.lineage)
         _say(f"run {self.run}: warm start (lineage {new_id}) from "
              f"{parent['snapshot'] if parent else 'nothing'}: weights only, step 0")
         return 0
@@ -403,12 +444,22 @@ class Client:
                 self._handoff.close()
             if self._journal is not None:
                 self._journal.close()
+            if self._lock is not None:
+                self._lock.release()   # last: the log is closed, the handles resolved
         if first is not None:
             raise first
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"Client for run {self.run!r} is closed")
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise RuntimeError(
+                f"Client for run {self.run!r} rank {self.rank} is read-only "
+                f"(read_only=True): {what} would write to {self.store.path}. Restore "
+                "and evaluate with it; to train on, open Client(...) without read_only "
+                "once no other process writes this run and rank")
 
     def __enter__(self) -> "Client":
         return self

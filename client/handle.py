@@ -16,7 +16,9 @@ class SnapshotHandle:
     A background failure is raised by the first ``wait()`` (or by ``Client.close()``),
     then considered reported: a training loop that checks once is not re-raised at.
     A write that failed is raised as SnapshotFailed from its cause; a daemon that
-    died or stopped answering as DaemonUnavailable. A skipped snapshot (the previous
+    died or stopped answering as DaemonUnavailable; when the daemon still runs and
+    the snapshot is not on disk yet, ``outcome_unknown`` is True and the message
+    says how to find out (the run's LATEST). A skipped snapshot (the previous
     write was still busy and ``on_busy="skip"``) is done at once and waits to None.
     ``stall_seconds`` is how long snapshot() waited for a free staging slot.
     """
@@ -25,6 +27,7 @@ class SnapshotHandle:
         self.step = step
         self.result = None
         self.skipped = False
+        self.outcome_unknown = False
         self.stall_seconds = 0.0
         self._waiter = waiter  # a bounded wait that watches the daemon's liveness
         self._error: Optional[BaseException] = None
@@ -60,6 +63,12 @@ class SnapshotHandle:
         if not self._event.is_set():  # the first outcome wins; later ones are echoes
             self._error = error
             self._finish()
+
+    def set_unknown(self, error: DaemonUnavailable) -> None:
+        """The daemon was lost but may still commit: not known to have failed."""
+        if not self._event.is_set():
+            self.outcome_unknown = True
+            self.set_error(error)
 
     @property
     def error(self) -> Optional[BaseException]:
@@ -98,6 +107,9 @@ class SnapshotHandle:
                                f"{timeout} s")
         if self._error is not None and not self._reported:
             self._reported = True
+            if self.outcome_unknown:
+                raise DaemonUnavailable(f"snapshot of step {self.step}: outcome unknown: "
+                                        f"{self._error}") from self._error
             if isinstance(self._error, DaemonUnavailable):
                 raise DaemonUnavailable(f"snapshot of step {self.step} was lost: "
                                         f"{self._error}") from self._error
@@ -106,6 +118,6 @@ class SnapshotHandle:
         return self.result
 
     def __repr__(self) -> str:
-        state = ("failed" if self.failed else "skipped" if self.skipped
+        state = ("outcome unknown" if self.outcome_unknown else "failed" if self.failed else "skipped" if self.skipped
                  else "durable" if self.done() else "in flight")
         return f"<SnapshotHandle step={self.step} {state}>"

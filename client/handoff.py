@@ -8,6 +8,17 @@ DaemonUnavailable, when the daemon is lost. The next snapshot() then warns, star
 new daemon and a new arena (the old daemon, if only hung, unlinks the old one when it
 notices the dropped connection), and carries on.
 
+A lost daemon does not mean a lost snapshot: it may have died between the commit
+(the directory rename) and its ``committed`` event, or be only hung, and finish
+later. So each snapshot in flight is first looked for on disk (committed: the handle
+succeeds); if absent and the daemon is dead, it did not commit (a new daemon collects
+its tmp dir); if absent and the daemon still lives, its outcome is unknown and the
+error says so, and that the run's LATEST will tell.
+
+Restore (:func:`settle_writes`): a daemon serving the root may still be writing a
+snapshot of this run and rank that a killed trainer handed off; restore waits for
+those writes (bounded) before it chooses a snapshot.
+
 Overlap mode: tensors that only ``optimizer.step()`` changes (parameters of tracked
 optimizers, optimizer state) are copied by one background thread while the trainer
 runs the next forward and backward; the client's step pre-hook calls
@@ -23,7 +34,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,6 +43,7 @@ from snapd.format import dtype_name
 from snapd.errors import DaemonUnavailable, SnapdError
 from snapd.options import Options
 from snapd.plan import SnapshotPlan, TensorSource, to_descriptor
+from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import CommitResult
 from snapd_client.connection import POLL, DaemonConnection, error_from
@@ -60,6 +72,63 @@ def copy_order(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
     return now, device_later, later
 
 
+def committed_on_disk(store: RunStore, sid: SnapshotId) -> Optional[CommitResult]:
+    """The commit of ``sid`` if its directory holds a manifest of that step (the
+    rename is the commit; the manifest checksum and file sizes are checked)."""
+    path = store.snapshot_path(sid)
+    try:
+        manifest = SnapshotReader(path).manifest
+    except (SnapdError, OSError):
+        return None
+    if manifest.get("step") != sid.step:
+        return None
+    size = sum(f.get("size", 0) for f in manifest.get("files", {}).values())
+    return CommitResult(sid, path, size, 0.0)
+
+
+def _writing(status: Dict[str, Any], run: str, rank: int) -> set:
+    return {w.get("step") for w in status.get("in_flight", [])
+            if w.get("run") == run and w.get("rank") == rank}
+
+
+def wait_for_writes(conn: DaemonConnection, run: str, rank: int,
+                    timeout: float) -> Tuple[List[int], float]:
+    """Wait until none of the writes of ``run``/``rank`` in flight now is; returns
+    their steps and the seconds waited. Writes submitted meanwhile (a live run beside
+    a read-only reader) are not waited for. Past ``timeout``: a warning, and the
+    caller restores from what is committed."""
+    start = time.monotonic()
+    first = _writing(conn.request(proto.Status()).status, run, rank)
+    pending = set(first)
+    while pending:
+        if time.monotonic() - start > timeout:
+            warnings.warn(
+                f"the daemon serving {conn.root} is still writing step(s) "
+                f"{sorted(pending)} of run {run!r} rank {rank} after {timeout} s; "
+                "restoring from what is committed now (a later snapshot of the same "
+                "step and lineage is accepted as the committed one)", RuntimeWarning,
+                stacklevel=4)
+            break
+        time.sleep(POLL)
+        pending &= _writing(conn.request(proto.Status()).status, run, rank)
+    return sorted(first), time.monotonic() - start
+
+
+def settle_writes(store: RunStore, rank: int, timeout: float) -> Tuple[List[int], float]:
+    """wait_for_writes through a connection of its own, if a daemon serves the root
+    (none is started); ([], 0.0) when none does or it stops answering."""
+    try:
+        conn = DaemonConnection(store.root, store.run, rank, timeout, spawn=False)
+    except SnapdError:
+        return [], 0.0
+    try:
+        return wait_for_writes(conn, store.run, rank, timeout)
+    except SnapdError:
+        return [], 0.0   # the daemon went away: what it committed is on disk
+    finally:
+        conn.close()
+
+
 class Handoff:
     """One client's link to the daemon: connection, arena, slots, in-flight handles."""
 
@@ -70,6 +139,7 @@ class Handoff:
         self.skipped: List[int] = []          # steps skipped by on_busy="skip"
         self._inflight: dict = {}             # slot -> SnapshotHandle
         self._lost: List[int] = []            # steps lost with a daemon, not yet warned
+        self._unknown: List[int] = []         # steps a hung daemon may still commit
         self._cond = threading.Condition()    # reentrant: _lose may run inside a wait
         self._copied: Optional[threading.Event] = None
         self._worker: Optional[ThreadPoolExecutor] = None
@@ -85,6 +155,7 @@ class Handoff:
         """
         self.wait_copies()
         handle = SnapshotHandle(plan.step)
+        handle.sid = plan.sid   # where to look for it should the daemon be lost
         offsets, need = layout([t for pairs in sources for _, t in pairs])
         try:
             if not self._wait_for_room(handle, need):
@@ -260,8 +331,12 @@ class Handoff:
     def _forget_daemon(self) -> None:
         with self._cond:
             lost, self._lost = self._lost, []
+            unknown, self._unknown = self._unknown, []
         what = (f"the snapshot(s) of step(s) {', '.join(map(str, lost))} did not commit"
-                if lost else "no snapshot was in flight")
+                if lost else "no snapshot was lost")
+        if unknown:
+            what += (f"; the outcome of step(s) {', '.join(map(str, unknown))} is unknown "
+                     f"(the old daemon still runs): {self.store.path}/LATEST will tell")
         warnings.warn(f"the snapd daemon serving {self.store.root} was lost "
                       f"({self.conn.lost}); {what}. Starting a new daemon.",
                       RuntimeWarning, stacklevel=5)
@@ -287,12 +362,53 @@ class Handoff:
     def _on_lost(self, error: DaemonUnavailable) -> None:
         with self._cond:
             handles, self._inflight = list(self._inflight.values()), {}
-            self._lost += [h.step for h in handles]
             self._cond.notify_all()
+        alive = self._daemon_survives()
         for h in handles:
-            h.set_error(error)
+            self._settle_lost(h, error, alive)
+
+    def _daemon_survives(self, grace: float = 0.5) -> bool:
+        """Whether the lost daemon still runs. A killed one may close its socket an
+        instant before it turns into a zombie: look again for ``grace`` seconds."""
+        conn = self.conn
+        if conn is None:
+            return False
+        deadline = time.monotonic() + grace
+        while conn.daemon_alive():
+            if time.monotonic() > deadline:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _settle_lost(self, handle: SnapshotHandle, error: DaemonUnavailable,
+                     alive: bool) -> None:
+        """A snapshot in flight when the daemon was lost: committed, lost, or unknown."""
+        sid = getattr(handle, "sid", None)
+        result = committed_on_disk(self.store, sid) if sid is not None else None
+        if result is not None:   # committed before the event could be sent
+            handle.set_result(result)
+            return
+        with self._cond:
+            (self._unknown if alive else self._lost).append(handle.step)
+        if not alive:   # a dead daemon's tmp dir is never published
+            handle.set_error(error)
+            return
+        where = self.store.snapshot_path(sid) if sid is not None else self.store.path
+        handle.set_unknown(DaemonUnavailable(
+            f"{error}. The daemon (pid {self.conn.daemon_pid}) still runs and may yet "
+            f"commit step {handle.step}: its outcome is unknown. "
+            f"{self.store.path}/LATEST will tell (`snapd ls --root {self.store.root}`): "
+            f"the step is durable once {where} exists"))
 
     # --- restore and shutdown ----------------------------------------------------------
+
+    def settle_writes(self) -> Tuple[List[int], float]:
+        """Wait for the daemon's writes of this run and rank (see wait_for_writes)."""
+        try:
+            conn = self._connect(spawn=False)
+            return wait_for_writes(conn, self.store.run, self.rank, self.options.timeout)
+        except SnapdError:
+            return [], 0.0   # no daemon, or none that answers: restore reads the files
 
     def hot_source(self) -> Optional[HotSource]:
         """The daemon's held copy of this run, if a daemon already serves the root."""

@@ -10,7 +10,8 @@
     ├── ReplayDivergence     (RuntimeError)  a recomputed step differs from the old log
     ├── SnapshotFailed       (RuntimeError)  a background snapshot did not commit
     ├── InsufficientSpace    (OSError)       the root's disk cannot hold the snapshot
-    └── DaemonUnavailable    (ConnectionError) no daemon answers for the root
+    ├── DaemonUnavailable    (ConnectionError) no daemon answers for the root
+    └── RunInUse             (RuntimeError)  another process writes this run and rank
 
 Every message names the file (or object) and the field at fault and says what to do
 next. Each error also subclasses the built-in it most resembles, so callers that
@@ -69,3 +70,13 @@ class InsufficientSpace(SnapdError, OSError):
 
 class DaemonUnavailable(SnapdError, ConnectionError):
     """No daemon answers for this root, or it stopped answering."""
+
+
+class RunInUse(SnapdError, RuntimeError):
+    """Another live client holds the writer lock of this run and rank."""
+
+    def __init__(self, message: str, *, path: str | None = None,
+                 holder: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.holder = holder

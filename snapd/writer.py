@@ -20,8 +20,10 @@ import xxhash
 from snapd import format as fmt
 from snapd import fsio
 from snapd.blockfile import BlockFile
+from snapd.errors import SnapdError
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan
+from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
 
 
@@ -116,6 +118,37 @@ def _manifest(plan: SnapshotPlan, written: Dict[str, Dict[str, Any]]) -> Dict[st
             "objects": objects, "files": files}
 
 
+def _same_snapshot_committed(store: RunStore, plan: SnapshotPlan, final: str,
+                             t0: float) -> Optional[CommitResult]:
+    """A snapshot of this step and lineage is already committed at ``final``.
+
+    That happens when a trainer resumes below a step whose write finished after it
+    died (or after the restore chose), recomputes it and snapshots it again. The
+    existing snapshot is kept and reported as this commit, not replaced: it is
+    durable, the log's committed record may name it, a replay-exact resume computes
+    the same bytes, and a directory cannot be replaced atomically (there would be a
+    window with no snapshot of this step). LATEST moves to it as after a write.
+
+    Returns None when the directory is damaged (its manifest or a file's size does
+    not check): the caller sets it aside and writes anew. Another lineage under the
+    same name (a different warm-start parent), or another rank's, is refused.
+    """
+    try:
+        manifest = SnapshotReader(final).manifest
+    except (SnapdError, OSError):
+        return None
+    theirs = (manifest.get("step"), manifest.get("lineage"), manifest.get("rank"))
+    if theirs != (plan.step, plan.lineage, plan.rank):
+        raise FileExistsError(
+            f"{final} already exists with fields step, lineage, rank = {theirs!r}, not "
+            f"this snapshot's {(plan.step, plan.lineage, plan.rank)!r}: a snapshot of "
+            f"another history holds the name. Move it out of "
+            f"{store.snapshots_path} to keep it, or snapshot under another run name")
+    store.write_pointer("LATEST", plan.sid)
+    size = sum(int(f.get("size", 0)) for f in manifest.get("files", {}).values())
+    return CommitResult(plan.sid, final, size, time.perf_counter() - t0)
+
+
 def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
                    progress: Progress = None) -> CommitResult:
     """Write and commit one snapshot. On any failure nothing is published.
@@ -130,9 +163,10 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
     final = store.snapshot_path(plan.sid)
     if os.path.exists(final):
         if plan.sid.name not in plan.supersedes:
-            raise FileExistsError(f"{final} already exists: snapshot step {plan.step} was "
-                                  "committed before; snapshot a later step")
-        store.set_aside(plan.sid)  # refused as damaged at restore: kept, renamed
+            existing = _same_snapshot_committed(store, plan, final, t0)
+            if existing is not None:
+                return existing
+        store.set_aside(plan.sid)  # refused as damaged (at restore or here): kept, renamed
     tmp = store.new_tmp_dir(plan.sid)
     # 1. Tensor files into the private tmp dir, each fsynced before the manifest.
     with_tensors = [o for o in plan.objects if o.tensors]

@@ -14,6 +14,7 @@ from conftest import flip_byte, outside_listing, read_manifest, write_manifest_r
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, IncompatibleState
 from snapd.reader import SnapshotReader
+from snapd.store import RunStore
 from snapd_client import Client
 from snapd_client.restore import FallbackWarning
 
@@ -233,6 +234,7 @@ def test_warm_start_loads_weights_across_data_version_and_starts_a_lineage(root)
     assert client.lineage == {"id": 1, "mode": "warm_start",
                               "parent": {"run": "r", "snapshot": "00000002", "step": 2}}
     client.snapshot(1).wait()
+    client.close()   # one writer per run and rank: the next client writes after it
     assert sorted(os.listdir(snaps)) == ["00000001", "00000002", "00000001.L1"] or \
         sorted(os.listdir(snaps)) == sorted(["00000001", "00000002", "00000001.L1"])
     again, _ = fresh(root, data_version="v2")
@@ -240,13 +242,29 @@ def test_warm_start_loads_weights_across_data_version_and_starts_a_lineage(root)
     assert again.lineage["mode"] == "warm_start" and again.restored.sid.name == "00000001.L1"
 
 
-def test_snapshot_of_an_existing_step_fails_through_the_handle(root):
-    make_run(root, steps=(1,))
+def test_snapshot_of_a_committed_step_and_lineage_keeps_the_committed_one(root):
+    snaps = make_run(root, steps=(1, 2))
+    before = os.stat(os.path.join(snaps, "00000002", fmt.MANIFEST_NAME))
     client, _ = fresh(root)
-    client.restore()
+    assert client.restore() == 2
+    result = client.snapshot(2).wait()   # the resumed run saves step 2 again
+    client.close()
+    assert result.path == os.path.join(snaps, "00000002")
+    after = os.stat(os.path.join(snaps, "00000002", fmt.MANIFEST_NAME))
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert RunStore(root, "r").read_pointer("LATEST").name == "00000002"
+    assert sorted(os.listdir(snaps)) == ["00000001", "00000002"]
+
+
+def test_snapshot_of_a_step_another_rank_committed_fails_through_the_handle(root):
+    make_run(root, steps=(1,))
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 4)
+    client = Client(root, "r", data_version="v1", rank=1)
+    client.track(model=model)
     handle = client.snapshot(1)
     assert handle.done() and handle.failed
-    with pytest.raises(Exception, match="already exists"):
+    with pytest.raises(Exception, match="already exists with fields step, lineage, rank"):
         client.close()
 
 

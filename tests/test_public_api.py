@@ -19,7 +19,8 @@ def test_snapd_exports_exactly_all():
 
 def test_every_error_is_a_snapd_error_and_a_builtin():
     for name in ("CorruptSnapshot", "IncompatibleState", "SnapshotFailed",
-                 "DaemonUnavailable", "UnsupportedState", "ReplayDivergence"):
+                 "DaemonUnavailable", "UnsupportedState", "ReplayDivergence",
+                 "RunInUse"):
         cls = getattr(snapd_client, name)
         assert issubclass(cls, snapd_client.SnapdError)
         assert len(cls.__mro__) > 3  # also a built-in (ValueError, OSError, ...)

@@ -30,7 +30,7 @@ from snapd.reader import SnapshotReader
 from snapd.store import RunStore
 from snapd_client import Client
 
-from conftest import flip_byte
+from conftest import flip_byte, read_manifest, write_manifest_raw
 
 pytestmark = pytest.mark.integration
 UID = os.getuid()
@@ -541,8 +541,11 @@ def test_a_failed_write_is_raised_once_from_its_cause(env):
     model, opt = make_model()
     client = Client(env.root, env.run)
     client.track(model=model, optimizer=opt)
-    client.snapshot(1).wait()
+    first = client.snapshot(1).wait()
     env.daemon(client)
+    manifest = read_manifest(first.path)  # step 1 now belongs to another history
+    write_manifest_raw(first.path, {**manifest, "lineage": {"id": 0, "mode": "other",
+                                                           "parent": None}})
     again = client.snapshot(1)            # the daemon refuses to overwrite step 1
     with pytest.raises(SnapshotFailed, match="already exists") as failure:
         again.wait()
