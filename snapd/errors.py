@@ -11,6 +11,7 @@
     ├── SnapshotFailed       (RuntimeError)  a background snapshot did not commit
     ├── InsufficientSpace    (OSError)       the root's disk cannot hold the snapshot
     └── DaemonUnavailable    (ConnectionError) no daemon answers for the root
+        └── DaemonStartFailed                  the daemon started for the root exited
 
 Every message names the file (or object) and the field at fault and says what to do
 next. Each error also subclasses the built-in it most resembles, so callers that
@@ -68,3 +69,7 @@ class InsufficientSpace(SnapdError, OSError):
 
 class DaemonUnavailable(SnapdError, ConnectionError):
     """No daemon answers for this root, or it stopped answering."""
+
+
+class DaemonStartFailed(DaemonUnavailable):
+    """The daemon a client started could not serve the root (its log says why)."""
