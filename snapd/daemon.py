@@ -144,7 +144,10 @@ class WriteQueue:
 
 def log(message: str) -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"{stamp} snapd[{os.getpid()}] {message}", file=sys.stderr, flush=True)
+    # One write per line: connection threads log at once, and print() would write
+    # the text and its newline separately, interleaving lines.
+    sys.stderr.write(f"{stamp} snapd[{os.getpid()}] {message}\n")
+    sys.stderr.flush()
 
 
 class Daemon:

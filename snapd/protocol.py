@@ -203,7 +203,8 @@ def to_wire(message: Any, **envelope: int) -> Dict[str, Any]:
 
 def from_wire(data: Dict[str, Any]) -> Any:
     """A decoded map to its message dataclass; ProtocolError on anything unknown."""
-    if not isinstance(data, dict) or data.get("op") not in MESSAGES:
+    if not isinstance(data, dict) or not isinstance(data.get("op"), str) \
+            or data["op"] not in MESSAGES:
         raise ProtocolError(f"unknown message {str(data)[:80]!r}")
     cls = MESSAGES[data["op"]]
     names = {f.name for f in fields(cls)}
