@@ -277,11 +277,11 @@ class DaemonConnection:
             raise error_from(pending.reply.kind, pending.reply.message)
         return pending.reply
 
-    def close(self, bye: bool = True) -> None:
+    def close(self) -> None:
         """Say ``bye`` (the daemon may release this run's hot copy: the client is done,
-        nobody will restart from it), then hang up. ``bye=False`` hangs up as a
-        crashed trainer would: the daemon keeps the copy for ``hot_linger_seconds``."""
-        if bye and self.lost is None and self.run:
+        nobody will restart from it), then hang up. A trainer that dies says nothing:
+        the daemon keeps the copy for ``hot_linger_seconds``."""
+        if self.lost is None and self.run:
             try:
                 self.request(proto.Bye())
             except SnapdError:

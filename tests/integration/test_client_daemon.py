@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -152,7 +153,7 @@ def restored_state(env: Env, build=make_model, close=Client.close, **kw):
 def close_as_if_killed(client: Client) -> None:
     """Hang up without ``bye``, as a killed trainer's connection drops: the daemon
     keeps the run's hot copy for a restart (a clean close releases it)."""
-    client._handoff.conn.close(bye=False)
+    client._handoff.conn._sock.shutdown(socket.SHUT_RDWR)
     client.close()
 
 

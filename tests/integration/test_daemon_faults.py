@@ -94,7 +94,8 @@ def test_a_frame_longer_than_the_protocol_allows_is_refused_at_its_prefix(harnes
     for _ in range(8):
         with Peer(root, hello=True) as peer:
             peer.sock.settimeout(5)
-            peer.sock.sendall(struct.pack("<I", p.MAX_FRAME + 1) + b"\x80" * 1024)
+            # One byte over the documented bound (docs/protocol.md, "Framing").
+            peer.sock.sendall(struct.pack("<I", (64 << 20) + 1) + b"\x80" * 1024)
             assert hung_up(peer.sock), "the daemon kept reading the frame"
     assert "exceeds" in daemon.text()
     grew = psutil.Process(daemon.proc.pid).memory_info().rss - rss
