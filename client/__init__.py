@@ -7,6 +7,7 @@ See docs/ for the design, the on-disk format and the operations guide.
 
 from snapd.errors import (
     CorruptSnapshot,
+    DaemonStartFailed,
     DaemonUnavailable,
     IncompatibleState,
     ReplayDivergence,
@@ -25,6 +26,7 @@ __all__ = [
     "BatchStream",
     "Client",
     "CorruptSnapshot",
+    "DaemonStartFailed",
     "DaemonUnavailable",
     "FallbackWarning",
     "IncompatibleState",

@@ -20,13 +20,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import psutil
 
 from snapd import errors
 from snapd import protocol as proto
-from snapd.errors import DaemonUnavailable, SnapdError
+from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
 
 SOCKET_NAME = proto.SOCKET_NAME
 LOG_NAME = ".snapd.log"
@@ -63,27 +63,54 @@ def try_connect(root: str) -> Optional[socket.socket]:
         raise DaemonUnavailable(f"{root}/{SOCKET_NAME}: cannot connect ({e})") from e
 
 
+def daemon_command(root: str) -> List[str]:
+    """``snapd serve --detach`` for ``root``, immune to the trainer's directory.
+
+    ``python -m`` puts the working directory first on sys.path, where a folder named
+    ``snapd`` (a checkpoint root, a source tree) would shadow the installed package:
+    ``-P`` (3.11+) leaves it out, and the daemon runs in ``/`` on older Pythons.
+    """
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe_path, "-m", "snapd", "serve", "--root", root, "--detach"]
+
+
 def spawn_daemon(root: str, timeout: float = SPAWN_TIMEOUT) -> socket.socket:
-    """Start ``snapd serve --root`` detached (it outlives us) and connect to it."""
+    """Start the root's daemon detached (it outlives us) and connect to it.
+
+    ``serve --detach`` forks the daemon and exits once it serves, so there is no
+    child of ours left running, and a daemon that cannot start is known at once.
+    """
     log_path = os.path.join(root, LOG_NAME)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "snapd", "serve", "--root", root],
-            start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            close_fds=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sock = try_connect(root)
-        if sock is not None:
-            return sock
-        code = proc.poll()
-        # Exit code 2: another daemon won the race for the root; keep connecting.
-        if code is not None and code != EXIT_ALREADY_RUNNING:
-            raise DaemonUnavailable(f"the daemon for {root} exited with code {code} "
-                                    f"while starting; see {log_path}")
-        time.sleep(0.05)
-    raise DaemonUnavailable(f"no daemon answered on {root}/{SOCKET_NAME} within "
-                            f"{timeout:.0f} s of starting one; see {log_path}")
+    try:
+        with open(log_path, "ab") as log:
+            code = subprocess.run(daemon_command(root), cwd="/", stdin=subprocess.DEVNULL,
+                                  stdout=log, stderr=log, close_fds=True,
+                                  start_new_session=True, timeout=timeout).returncode
+    except subprocess.TimeoutExpired as e:
+        raise DaemonStartFailed(f"the daemon for {root} did not start serving within "
+                                f"{timeout:.0f} s; see {log_path}") from e
+    except OSError as e:
+        raise DaemonStartFailed(f"cannot start a daemon for {root} ({e}); check that "
+                                f"{log_path} is writable and {sys.executable} runs") from e
+    # Exit code 2: another daemon won the race for the root; connect to that one.
+    if code not in (0, EXIT_ALREADY_RUNNING):
+        raise DaemonStartFailed(f"the daemon for {root} exited with code {code} while "
+                                f"starting; see {log_path}:\n{log_tail(log_path)}")
+    sock = try_connect(root)
+    if sock is None:
+        raise DaemonStartFailed(f"a daemon started for {root} but nothing answers on "
+                                f"{root}/{SOCKET_NAME}; see {log_path}")
+    return sock
+
+
+def log_tail(path: str, nbytes: int = 2000) -> str:
+    """The end of the daemon's log, which says why it could not start."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - nbytes))
+            return f.read().decode("utf-8", "replace").strip()
+    except OSError as e:
+        return f"({path} unreadable: {e})"
 
 
 class _Pending:
@@ -251,6 +278,14 @@ class DaemonConnection:
         return pending.reply
 
     def close(self) -> None:
+        """Say ``bye`` (the daemon may release this run's hot copy: the client is done,
+        nobody will restart from it), then hang up. A trainer that dies says nothing:
+        the daemon keeps the copy for ``hot_linger_seconds``."""
+        if self.lost is None and self.run:
+            try:
+                self.request(proto.Bye())
+            except SnapdError:
+                pass   # lost meanwhile: the daemon keeps the copy for a while, harmless
         with self._lock:
             if self.lost is None:
                 self.lost = DaemonUnavailable(f"connection to {self.root} closed")

@@ -40,7 +40,7 @@ import torch
 
 from snapd import protocol as proto
 from snapd.format import dtype_name
-from snapd.errors import DaemonUnavailable, SnapdError
+from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
 from snapd.options import Options
 from snapd.plan import SnapshotPlan, TensorSource, to_descriptor
 from snapd.reader import SnapshotReader
@@ -162,6 +162,8 @@ class Handoff:
                 return handle
             conn = self._connect()
             slot = self._reserve(conn, need, handle)
+        except DaemonStartFailed:
+            raise  # no daemon can serve the root: say so now, with its log's path
         except SnapdError as e:
             handle.set_error(e)
             return handle

@@ -7,6 +7,7 @@ format, the state log, the store and the writer, which both sides share.
 from snapd.errors import (
     CorruptLog,
     CorruptSnapshot,
+    DaemonStartFailed,
     DaemonUnavailable,
     IncompatibleState,
     InsufficientSpace,
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CorruptLog",
     "CorruptSnapshot",
+    "DaemonStartFailed",
     "DaemonUnavailable",
     "IncompatibleState",
     "InsufficientSpace",

@@ -3,8 +3,12 @@
 A client stages tensor bytes in ``/dev/shm/snapd-<uid>-<pid>-<nonce>`` and attaches
 it; the daemon maps the same file and writes snapshots straight out of it, so tensor
 bytes never travel through the socket. Everything about that file is checked before
-it is mapped: a plain name (no path), not a symlink, owned by the daemon's uid, and
-exactly the declared size.
+it is mapped: a plain name (no path) under the prefix of the connecting process (its
+pid from SO_PEERCRED, so no peer attaches another's arena or the daemon's hot
+copies), not a symlink, owned by the daemon's uid, and exactly the declared size.
+Once mapped, the daemon unlinks the name: from then on the memory lives exactly as
+long as the two mappings, and no death of either side leaves it in /dev/shm. An
+arena whose creator died before attaching it is unlinked by the next daemon.
 
 Slot ownership (docs/protocol.md): a slot is the daemon's from ``submit`` until the
 ``committed``/``failed`` event. An arena whose client is gone, or which a newer
@@ -23,8 +27,9 @@ import re
 import secrets
 import stat
 import threading
-from dataclasses import dataclass
-from typing import Any, Dict, Optional, Set, Tuple
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 import psutil
@@ -37,6 +42,7 @@ PREPARE_WAIT = 30.0  # at most this long for a spare being made, then make anoth
 _SHM_NAME = re.compile(r"^snapd-[A-Za-z0-9_.-]+$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _HOT_NONCE = re.compile(r"-(\d+)x[0-9a-f]+$")   # the pid of the daemon that made it
+_ARENA_PID = re.compile(r"^snapd-(\d+)-(\d+)-[0-9a-f]+$")   # a client's: uid, pid
 
 
 def validate_shm_name(name: Any) -> str:
@@ -46,6 +52,36 @@ def validate_shm_name(name: Any) -> str:
         raise SnapdError(f"shared-memory name {name!r} refused: it must match "
                          "snapd-[A-Za-z0-9_.-]+ (a plain name under /dev/shm)")
     return name
+
+
+def arena_prefix(pid: int) -> str:
+    """The name prefix of the arenas process ``pid`` (of our uid) may attach."""
+    return f"snapd-{os.getuid()}-{pid}-"
+
+
+def check_arena_owner(name: str, pid: int) -> str:
+    """An arena name the connecting process ``pid`` created: its own prefix only."""
+    validate_shm_name(name)
+    if not name.startswith(arena_prefix(pid)):
+        raise SnapdError(f"arena {name!r} refused: a client attaches only arenas it "
+                         f"created, named {arena_prefix(pid)}<nonce> (its pid {pid})")
+    return name
+
+
+def reclaim_dead_arenas(shm_dir: str = SHM_DIR) -> int:
+    """Unlink client arenas of this uid whose creator is dead; returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return 0
+    for name in names:
+        match = _ARENA_PID.match(name)
+        if match and int(match.group(1)) == os.getuid() and \
+                not psutil.pid_exists(int(match.group(2))):
+            _unlink_quietly(os.path.join(shm_dir, name))
+            removed += 1
+    return removed
 
 
 def _unlink_quietly(path: str) -> None:
@@ -93,6 +129,10 @@ class Arena:
                              f"({e.strerror})") from e
         finally:
             os.close(fd)   # the mapping keeps the memory; the fd is not needed
+
+    def unlink_name(self) -> None:
+        """Remove the name once mapped: the memory now goes with the last mapping."""
+        _unlink_quietly(self.path)
 
     def slot_view(self, slot: int) -> memoryview:
         start = slot * self.slot_bytes
@@ -152,13 +192,21 @@ class HotEntry:
     snapshot: str
     plan: Dict[str, Any]
     nbytes: int
+    last_seen: float = field(default_factory=time.monotonic)   # publish, or client left
 
 
 class HotCache:
-    """The latest committed snapshot of each (run, rank), in a daemon-owned segment."""
+    """The latest committed snapshot of each (run, rank), in a daemon-owned segment.
 
-    def __init__(self, *, shm_dir: str = SHM_DIR) -> None:
+    What is held is bounded twice: by ``max_bytes`` for all segments together (the
+    copies least recently used by a client go first), and in time, by the daemon,
+    which drops a copy once its client closed cleanly, or ``hot_linger_seconds``
+    after it left without saying so (:meth:`expire`).
+    """
+
+    def __init__(self, *, shm_dir: str = SHM_DIR, max_bytes: int = 0) -> None:
         self.shm_dir = shm_dir
+        self.max_bytes = max_bytes or psutil.virtual_memory().total // 4
         self._entries: Dict[Tuple[str, int], HotEntry] = {}
         # The segment a newer commit replaced, kept to be written over by the next
         # copy: its pages are already faulted in, and fresh pages cost this machine
@@ -270,6 +318,7 @@ class HotCache:
                 self._preparing[key] = threading.Event()
         if extra is not None:
             self._forget(extra)
+        self._bound(key)
         if prepare:
             threading.Thread(target=self._prepare_spare, args=(key, size), daemon=True,
                              name=f"snapd-hot-spare-{run}-{rank}").start()
@@ -281,6 +330,8 @@ class HotCache:
         (memory short) only means the next commit makes its own segment."""
         name = self.segment_name(*key)
         try:
+            if self.held_bytes() + max(size, 1) > self.max_bytes:
+                return   # no room for a spare: the next commit makes its own segment
             self._create(name, size)
             with self._lock:
                 if key in self._entries and key not in self._spares:
@@ -303,12 +354,51 @@ class HotCache:
         with self._lock:
             return self._entries.get((run, rank))
 
-    def drop(self, run: str, rank: int) -> None:
+    def drop(self, run: str, rank: int) -> bool:
+        """Unlink the held copy of (run, rank) and its spare; False if none was held."""
         with self._lock:
             old = self._entries.pop((run, rank), None)
             spare = self._spares.pop((run, rank), None)
         for name in ([old.shm] if old is not None else []) + ([spare] if spare else []):
             self._forget(name)
+        return old is not None
+
+    def fits(self, nbytes: int) -> bool:
+        """A copy of ``nbytes`` may be held at all (the bound is for all together)."""
+        return max(nbytes, 1) <= self.max_bytes
+
+    def held_bytes(self) -> int:
+        return sum(len(m) for m in list(self._mapped.values()))
+
+    def touch(self, run: str, rank: int) -> None:
+        """A client of (run, rank) was just seen (it left): its linger starts now."""
+        with self._lock:
+            entry = self._entries.get((run, rank))
+            if entry is not None:
+                entry.last_seen = time.monotonic()
+
+    def expire(self, in_use: Iterable[Tuple[str, int]], linger: float) -> List[Tuple[str, int]]:
+        """Drop the copies no client in ``in_use`` holds, unseen for over ``linger`` s."""
+        keep, now = set(in_use), time.monotonic()
+        with self._lock:
+            old = [key for key, e in self._entries.items()
+                   if key not in keep and now - e.last_seen > linger]
+        return [key for key in old if self.drop(*key)]
+
+    def _bound(self, newest: Tuple[str, int]) -> None:
+        """Evict the least recently seen copies (then ``newest``'s spare) until all
+        segments together fit ``max_bytes``."""
+        while self.held_bytes() > self.max_bytes:
+            with self._lock:
+                others = sorted((e.last_seen, key) for key, e in self._entries.items()
+                                if key != newest)
+                spare = self._spares.pop(newest, None) if not others else None
+            if others:
+                self.drop(*others[0][1])
+            elif spare is not None:
+                self._forget(spare)
+            else:
+                return
 
     def close(self) -> None:
         """Unlink every hot segment (clean shutdown: the memory is returned)."""

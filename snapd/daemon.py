@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set
 import psutil
 
 from snapd import diskguard, protocol as p, retention
-from snapd.arena_map import HotCache, used_bytes
+from snapd.arena_map import HotCache, reclaim_dead_arenas, used_bytes
 from snapd.errors import SnapdError
 from snapd.options import Options
 from snapd.server import Server, Submission
@@ -143,7 +144,10 @@ class WriteQueue:
 
 def log(message: str) -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"{stamp} snapd[{os.getpid()}] {message}", file=sys.stderr, flush=True)
+    # One write per line: connection threads log at once, and print() would write
+    # the text and its newline separately, interleaving lines.
+    sys.stderr.write(f"{stamp} snapd[{os.getpid()}] {message}\n")
+    sys.stderr.flush()
 
 
 class Daemon:
@@ -158,7 +162,7 @@ class Daemon:
         self.lock = RootLock(self.root)
         self.server = Server(self.root, self)
         self.writes = WriteQueue(self.options.writer_threads, self._write)
-        self.hot_cache = HotCache()
+        self.hot_cache = HotCache(max_bytes=self.options.hot_max_bytes)
         self.runs: Dict[str, Dict[str, Any]] = {}
         self._process = psutil.Process()
         self._wake_r, self._wake_w = os.pipe()
@@ -203,6 +207,8 @@ class Daemon:
             pass   # already woken
 
     def _reachable(self) -> bool:
+        """Asked every root_check_seconds: also the time to let go of old hot copies."""
+        self._expire_hot()
         if self.server.owns_socket():
             return True
         log(f"{self.server.path} was removed or replaced (root deleted?); no new "
@@ -219,6 +225,9 @@ class Daemon:
         orphans = self.hot_cache.reclaim_orphans()
         if orphans:
             log(f"unlinked {orphans} hot cop(ies) left by dead daemons")
+        arenas = reclaim_dead_arenas()
+        if arenas:
+            log(f"unlinked {arenas} staging arena(s) left by dead clients")
         for run in list_runs(self.root):
             removed = RunStore(self.root, run).collect_tmp()
             if removed:
@@ -234,6 +243,23 @@ class Daemon:
         if entry is None:
             return p.HotReply()
         return p.HotReply(entry.shm, entry.snapshot, entry.plan)
+
+    def client_done(self, run: str, rank: int) -> None:
+        """The client closed cleanly: nobody restarts from its hot copy."""
+        if self.hot_cache.drop(run, rank):
+            log(f"released the hot copy of run {run!r} rank {rank}: its client is done")
+
+    def client_left(self, run: str, rank: int, clean: bool) -> None:
+        """A client crashed (or hung up without bye): a restart on this node within
+        hot_linger_seconds restores from memory; then the copy is released."""
+        if not clean:
+            self.hot_cache.touch(run, rank)
+
+    def _expire_hot(self) -> None:
+        in_use = {(c.run, c.rank) for c in self.server.live_connections() if c.run}
+        for run, rank in self.hot_cache.expire(in_use, self.options.hot_linger_seconds):
+            log(f"released the hot copy of run {run!r} rank {rank}: no client for "
+                f"{self.options.hot_linger_seconds:g} s (hot_linger_seconds)")
 
     # --- one snapshot ---------------------------------------------------------------
 
@@ -309,7 +335,8 @@ class Daemon:
 
     def _hot_wanted(self, sub: Submission) -> bool:
         """Keep the snapshot in memory for a fast restore, when memory allows."""
-        return bool(sub.options.hot_restore) and \
+        return bool(sub.options.hot_restore) and not sub.conn.finished and \
+            self.hot_cache.fits(used_bytes(sub.desc)) and \
             psutil.virtual_memory().available > 2 * sub.arena.slot_bytes
 
     def _hot_copy(self, sub: Submission) -> Optional[str]:
@@ -330,6 +357,8 @@ class Daemon:
             return
         self.hot_cache.publish(sub.run, sub.rank, segment, sub.desc, result.sid.name,
                                used_bytes(sub.desc))
+        if sub.conn.finished:   # bye came while this was written: nobody will read it
+            self.hot_cache.drop(sub.run, sub.rank)
 
     # --- status -------------------------------------------------------------------
 
@@ -370,6 +399,47 @@ class _Background:
 
 def _pid_alive(pid: Any) -> bool:
     return isinstance(pid, int) and pid > 0 and psutil.pid_exists(pid)
+
+
+def detached(root: str, timeout: float = 120.0) -> int:
+    """``snapd serve --detach``: fork the daemon, wait until it serves (or exits), and
+    return its verdict as this process's exit code: 0 serving, 2 another daemon
+    serves the root, else the daemon's own failure code (its log says why).
+
+    The daemon is our child only until we exit; then it belongs to init, so the
+    client that started us waits for one short-lived process and leaves none behind.
+    """
+    pid = os.fork()
+    if pid == 0:   # the daemon; never returns into the caller's code
+        code = 1
+        try:
+            code = main(root)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if _serving(root):
+            return 0
+        time.sleep(0.02)
+    print(f"snapd: the daemon (pid {pid}) did not serve {root} within {timeout:.0f} s",
+          file=sys.stderr, flush=True)
+    return 1
+
+
+def _serving(root: str) -> bool:
+    """Someone accepts on the root's socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            with p.socket_address(root) as address:
+                sock.connect(address)
+            return True
+        except OSError:
+            return False
 
 
 def main(root: str, options: Optional[Options] = None) -> int:

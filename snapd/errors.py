@@ -11,6 +11,7 @@
     ├── SnapshotFailed       (RuntimeError)  a background snapshot did not commit
     ├── InsufficientSpace    (OSError)       the root's disk cannot hold the snapshot
     ├── DaemonUnavailable    (ConnectionError) no daemon answers for the root
+    │   └── DaemonStartFailed                  the daemon started for the root exited
     └── RunInUse             (RuntimeError)  another process writes this run and rank
 
 Every message names the file (or object) and the field at fault and says what to do
@@ -80,3 +81,7 @@ class RunInUse(SnapdError, RuntimeError):
         super().__init__(message)
         self.path = path
         self.holder = holder
+
+
+class DaemonStartFailed(DaemonUnavailable):
+    """The daemon a client started could not serve the root (its log says why)."""

@@ -44,6 +44,12 @@ class Options:
     timeout: float = 120.0        # longest wait for any daemon reply
     root_check_seconds: float = 5.0  # how often the daemon checks its socket is there
     min_free_bytes: int = 64 << 20
+    # The daemon towards its peers (docs/protocol.md, "Limits").
+    max_connections: int = 64     # more are refused with an error frame, then closed
+    peer_timeout: float = 30.0    # a peer that does not read (or finish a frame, or say
+    #                               hello) for this long is dropped; its snapshots finish
+    hot_linger_seconds: float = 300.0  # a crashed client's hot copy is kept this long
+    hot_max_bytes: int = 0        # all hot copies together; 0: a quarter of the RAM
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, ("wait", "overlap"))
@@ -64,6 +70,12 @@ class Options:
         if self.copy_threads < 1:
             raise ValueError(f"copy_threads={self.copy_threads}: at least 1 (the calling "
                              "thread); more share the staging copy, up to the usable CPUs")
+        for name in ("max_connections", "peer_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}: a positive number")
+        for name in ("hot_linger_seconds", "hot_max_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: zero or more")
         if self.slots not in (1, 2):
             raise ValueError(f"slots={self.slots}: the staging arena has 1 or 2 slots")
 

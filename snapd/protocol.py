@@ -20,7 +20,12 @@ from typing import Any, Dict, Iterator, Optional, Type
 import msgpack
 
 PROTOCOL_VERSION = 1
-MAX_FRAME = 256 << 20
+# The largest frame either side accepts, refused at its length prefix. The biggest
+# frames are a submit's plan descriptor and a hot_reply's copy of it: about 96 bytes
+# per tensor (measured: 40,000 tensors, a model of 10,000 parameters with AdamW,
+# 3.8 MB), so 64 MiB holds some 700,000 tensors. docs/protocol.md, "Framing".
+MAX_FRAME = 64 << 20
+RECV_PIECE = 1 << 20   # a frame's buffer grows with the bytes that really arrive
 _LEN = struct.Struct("<I")
 SOCKET_NAME = ".snapd.sock"
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -103,6 +108,12 @@ class Ping:
     op = "ping"
 
 
+@dataclass
+class Bye:
+    """The client is done (every snapshot resolved): its hot copy may be released."""
+    op = "bye"
+
+
 # --- replies and events (daemon -> client) ----------------------------------------
 
 @dataclass
@@ -179,7 +190,7 @@ class Pong:
 
 
 MESSAGES: Dict[str, Type] = {cls.op: cls for cls in (
-    Hello, Attach, Submit, Status, HotGet, Ping, Welcome, Ok, Error, Accepted,
+    Hello, Attach, Submit, Status, HotGet, Ping, Bye, Welcome, Ok, Error, Accepted,
     Committed, Failed, StatusReply, HotReply, Pong)}
 
 
@@ -192,7 +203,8 @@ def to_wire(message: Any, **envelope: int) -> Dict[str, Any]:
 
 def from_wire(data: Dict[str, Any]) -> Any:
     """A decoded map to its message dataclass; ProtocolError on anything unknown."""
-    if not isinstance(data, dict) or data.get("op") not in MESSAGES:
+    if not isinstance(data, dict) or not isinstance(data.get("op"), str) \
+            or data["op"] not in MESSAGES:
         raise ProtocolError(f"unknown message {str(data)[:80]!r}")
     cls = MESSAGES[data["op"]]
     names = {f.name for f in fields(cls)}
@@ -208,25 +220,26 @@ def encode(message: Any, **envelope: int) -> bytes:
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
+    """Exactly ``n`` bytes. The buffer grows piece by piece, so a peer that announces
+    a large frame and sends little of it costs what it sent, not what it announced."""
+    buf = bytearray()
+    while len(buf) < n:
+        piece = sock.recv(min(n - len(buf), RECV_PIECE))
+        if not piece:
             raise EOFError("peer closed the connection")
-        got += k
+        buf += piece
     return bytes(buf)
 
 
 def recv(sock: socket.socket) -> Dict[str, Any]:
     """One frame as a map (with its envelope). EOFError when the peer is gone."""
     (length,) = _LEN.unpack(_recv_exact(sock, 4))
-    if length > MAX_FRAME:
+    if length > MAX_FRAME:   # refused before a byte of it is read or buffered
         raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME}")
     try:
         data = msgpack.unpackb(_recv_exact(sock, length), raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError) as e:   # TypeError: a map key that cannot be hashed
         raise ProtocolError(f"frame is not msgpack: {e}") from e
     if not isinstance(data, dict):
         raise ProtocolError("frame is not a map")

@@ -26,11 +26,12 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 from snapd import protocol as p
-from snapd.arena_map import Arena
+from snapd.arena_map import Arena, check_arena_owner
 from snapd.errors import SnapdError
 from snapd.options import Options
 from snapd.plan import SnapshotPlan, from_descriptor
@@ -38,6 +39,7 @@ from snapd.store import check_run_name
 
 _CRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 _OBJECT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
+OUTBOX_BYTES = 4 << 20   # replies and events a peer may leave unread before it is dropped
 SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
                   "best_mode", "hot_restore")
 
@@ -144,44 +146,101 @@ class Handler(Protocol):
     def enqueue(self, sub: Submission) -> None: ...
     def status(self) -> Dict[str, Any]: ...
     def hot(self, run: str, rank: int) -> p.HotReply: ...
+    def client_done(self, run: str, rank: int) -> None: ...
+    def client_left(self, run: str, rank: int, clean: bool) -> None: ...
     def log(self, message: str) -> None: ...
 
 
 class Connection:
-    """One client connection: its identity, its arenas, and its send lock."""
+    """One client connection: its identity, its arenas, and its outbox.
+
+    Nothing the daemon sends ever blocks the thread that sends it: replies and
+    events are queued here and written by the connection's own sender thread, with a
+    send timeout. A peer that leaves more than ``OUTBOX_BYTES`` unread, or reads
+    nothing for ``peer_timeout`` seconds, is dropped; a writer thread never waits on
+    it, and the snapshots it submitted still finish.
+    """
 
     def __init__(self, sock: socket.socket, handler: Handler, peer_pid: int) -> None:
         self.sock = sock
         self.handler = handler
+        self.peer_pid = peer_pid   # SO_PEERCRED's, not what hello claims
         self.pid, self.run, self.rank = peer_pid, "", 0
         self.arenas: Dict[Tuple[str, int], Arena] = {}
-        self.send_lock = threading.Lock()
+        self.order_lock = threading.Lock()   # a submit's accepted before its events
         self.closed = False
+        self.finished = False   # the client said bye: everything resolved, clean exit
+        self.dropped: Optional[str] = None   # why the daemon hung up on the peer
+        self._outbox: Deque[bytes] = deque()
+        self._outbox_bytes = 0
+        self._out_cond = threading.Condition()
+        self._timeout = handler.options.peer_timeout
         self._requests: Dict[type, Callable[[Any, int], Optional[Any]]] = {
             p.Hello: self._on_hello, p.Attach: self._on_attach, p.Submit: self._on_submit,
             p.Status: lambda m, r: p.StatusReply(self.handler.status()),
-            p.HotGet: self._on_hot,
+            p.HotGet: self._on_hot, p.Bye: self._on_bye,
             p.Ping: lambda m, r: p.Pong(os.getpid())}
+        _set_timeout(sock, socket.SO_SNDTIMEO, self._timeout)
+        _set_timeout(sock, socket.SO_RCVTIMEO, self._timeout)
+        self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                        name=f"snapd-send-{peer_pid}")
+        self._sender.start()
 
     # --- sending ------------------------------------------------------------------
 
-    def _send_locked(self, message: Any, **envelope: int) -> bool:
-        if self.closed:
-            return False
-        try:
-            p.send(self.sock, message, **envelope)
-            return True
-        except OSError:
-            return False   # the peer is gone; its snapshots still finish
+    def _queue(self, message: Any, **envelope: int) -> bool:
+        """Queue a frame for the sender; False (and the peer dropped) if it is not
+        reading, or gone."""
+        frame = p.encode(message, **envelope)
+        with self._out_cond:
+            if self.closed or self.dropped:
+                return False
+            if self._outbox_bytes + len(frame) > OUTBOX_BYTES:
+                overflow = True
+            else:
+                overflow = False
+                self._outbox.append(frame)
+                self._outbox_bytes += len(frame)
+                self._out_cond.notify()
+        if overflow:
+            self.drop(f"left over {OUTBOX_BYTES} bytes of replies unread")
+        return not overflow
+
+    def _send_loop(self) -> None:
+        """Send queued frames in order; after close(), what is left (a last error
+        reply), then stop."""
+        while True:
+            with self._out_cond:
+                self._out_cond.wait_for(lambda: self._outbox or self.closed or self.dropped)
+                if self.dropped or not self._outbox:
+                    return
+                frame = self._outbox.popleft()
+                self._outbox_bytes -= len(frame)
+            try:
+                self.sock.sendall(frame)
+            except BlockingIOError:   # SO_SNDTIMEO: the peer read nothing meanwhile
+                self.drop(f"read none of its replies for {self._timeout} s")
+                return
+            except OSError:
+                self.drop("cannot be written to")
+                return
+
+    def drop(self, why: str) -> None:
+        """Hang up on a peer that does not play its part; serve() then closes."""
+        with self._out_cond:
+            if self.dropped or self.closed:
+                return
+            self.dropped = why
+            self._out_cond.notify_all()
+        self.shutdown()
 
     def send_event(self, message: Any) -> bool:
-        """Send a committed/failed event; False when the client is gone."""
-        with self.send_lock:
-            return self._send_locked(message)
+        """Queue a committed/failed event; False when the client is gone."""
+        with self.order_lock:
+            return self._queue(message)
 
     def reply(self, message: Any, rid: int) -> None:
-        with self.send_lock:
-            self._send_locked(message, re=rid)
+        self._queue(message, re=rid)
 
     # --- the loop -----------------------------------------------------------------
 
@@ -189,22 +248,40 @@ class Connection:
         """Read and answer requests until the peer leaves or breaks the protocol."""
         why = "disconnected"
         try:
-            self._dispatch(p.recv(self.sock), first=True)
+            self._dispatch(self._next_frame(first=True), first=True)
             while True:
-                self._dispatch(p.recv(self.sock))
+                self._dispatch(self._next_frame())
         except EOFError:
             pass
         except p.ProtocolError as e:
             why = f"closed for a protocol error: {e}"
+        except BlockingIOError:
+            why = f"closed: a frame (or hello) took over {self._timeout} s to arrive"
         except OSError as e:
             why = f"connection error: {e}"
         except Exception as e:   # a bug here must cost one connection, not the daemon
             why = f"closed after an internal error: {e!r}"
         finally:
             self.close()
+            why = f"dropped: it {self.dropped}" if self.dropped else why
             if self.run or why != "disconnected":   # tools (status, watch) come and go
                 self.handler.log(f"client pid {self.pid} run {self.run!r} rank "
                                  f"{self.rank} {why}")
+            if self.run:
+                self.handler.client_left(self.run, self.rank, clean=self.finished)
+
+    def _next_frame(self, first: bool = False) -> Dict[str, Any]:
+        """The next frame. Between frames a client may be quiet for hours; a started
+        frame, and the first one (hello), must arrive within ``peer_timeout``."""
+        while True:
+            try:
+                if not self.sock.recv(1, socket.MSG_PEEK):
+                    raise EOFError("peer closed the connection")
+                break
+            except BlockingIOError:
+                if first:
+                    raise
+        return p.recv(self.sock)
 
     def _dispatch(self, data: Dict[str, Any], first: bool = False) -> None:
         message = p.from_wire(data)
@@ -231,6 +308,10 @@ class Connection:
                                f"{m.protocol!r}, this daemon {p.PROTOCOL_VERSION}; "
                                "run the same snapd version on both sides"), rid)
             raise p.ProtocolError(f"protocol mismatch ({m.protocol!r})")
+        if not isinstance(m.pid, int) or isinstance(m.pid, bool):
+            raise p.ProtocolError(f"hello pid {m.pid!r} is not an int")
+        if m.run != "":   # "" is a tool (status, watch); a run is checked like any
+            _check_run(m.run, m.rank)
         self.pid, self.run, self.rank = m.pid, m.run, m.rank
         if m.run:
             self.handler.log(f"client pid {m.pid} run {m.run!r} rank {m.rank} connected")
@@ -238,16 +319,17 @@ class Connection:
 
     def _on_attach(self, m: p.Attach, rid: int) -> Any:
         _check_run(m.run, m.rank)
-        arena = Arena(m.shm, m.size, m.slots)
+        arena = Arena(check_arena_owner(m.shm, self.peer_pid), m.size, m.slots)
+        arena.unlink_name()   # mapped on both sides: no death can leak it now
         old = self.arenas.get((m.run, m.rank))
         self.arenas[(m.run, m.rank)] = arena
-        if old is not None:   # replaced: the client unlinks it; unmap once idle
+        if old is not None:   # replaced: unmap once its submitted slots are done
             old.retire(unlink=False)
         return p.Ok()
 
     def _on_submit(self, m: p.Submit, rid: int) -> Any:
         _check_run(m.run, m.rank)
-        if not isinstance(m.step, int) or m.step < 0:
+        if not isinstance(m.step, int) or isinstance(m.step, bool) or m.step < 0:
             raise SnapdError(f"submit step {m.step!r}: a non-negative int")
         arena = self.arenas.get((m.run, m.rank))
         if arena is None:
@@ -265,11 +347,11 @@ class Connection:
             raise
         sub = Submission(self, arena, m.slot, view, plan, m.plan, options)
         try:
-            # Queue and reply under the send lock: the committed event (sent under
-            # the same lock) cannot overtake this accepted reply.
-            with self.send_lock:
+            # Queue and reply under the order lock: the committed event (queued
+            # under the same lock) cannot overtake this accepted reply.
+            with self.order_lock:
                 self.handler.enqueue(sub)
-                self._send_locked(p.Accepted(m.step), re=rid)
+                self._queue(p.Accepted(m.step), re=rid)
         except BaseException:
             sub.release()
             raise
@@ -279,12 +361,20 @@ class Connection:
         _check_run(m.run, m.rank)
         return self.handler.hot(m.run, m.rank)
 
+    def _on_bye(self, m: p.Bye, rid: int) -> Any:
+        self.finished = True
+        if self.run:
+            self.handler.client_done(self.run, self.rank)
+        return p.Ok()
+
     def close(self) -> None:
-        """Stop talking; arenas unmap and unlink once their submitted slots are done."""
-        with self.send_lock:
+        """Stop talking; arenas unmap once their submitted slots are done."""
+        with self._out_cond:
             if self.closed:
                 return
             self.closed = True
+            self._out_cond.notify_all()
+        self._sender.join()   # a last reply goes out; bounded by the send timeout
         try:
             self.sock.close()
         except OSError:
@@ -298,6 +388,13 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+def _set_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """SO_SNDTIMEO/SO_RCVTIMEO: a blocking call gives up (EAGAIN) after ``seconds``."""
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, option,
+                    struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
 def _check_run(run: Any, rank: Any) -> None:
@@ -386,12 +483,29 @@ class Server:
             self.handler.log(f"refused a connection from pid {pid} uid {uid}")
             sock.close()
             return
+        if len(self.live_connections()) >= self.handler.options.max_connections:
+            self._refuse(sock, pid)
+            return
         conn = Connection(sock, self.handler, pid)
         thread = threading.Thread(target=conn.serve, name=f"snapd-conn-{pid}", daemon=True)
         with self._lock:
             self.connections = [c for c in self.connections if not c.closed] + [conn]
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
+
+    def _refuse(self, sock: socket.socket, pid: int) -> None:
+        """One error frame, never waited on, then close: the cap holds memory and
+        threads bounded whatever the peers do."""
+        cap = self.handler.options.max_connections
+        frame = p.encode(p.Error("DaemonUnavailable", (
+            f"the daemon serving {self.root} already has {cap} connections "
+            f"(max_connections, SNAPD_MAX_CONNECTIONS); close idle clients or raise it")))
+        try:
+            sock.send(frame, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        sock.close()
+        self.handler.log(f"refused a connection from pid {pid}: {cap} connections open")
 
     def stop_accepting(self) -> None:
         if self._listener is not None:

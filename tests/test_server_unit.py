@@ -200,6 +200,12 @@ class FakeHandler:
     def hot(self, run, rank):
         return p.HotReply()
 
+    def client_done(self, run, rank):
+        self.lines.append(f"done {run} {rank}")
+
+    def client_left(self, run, rank, clean):
+        self.lines.append(f"left {run} {rank} clean={clean}")
+
     def log(self, message):
         self.lines.append(message)
 
@@ -259,6 +265,8 @@ def test_submit_outside_slot_is_an_error_reply(shm):
 # --- one write, as the daemon does it -----------------------------------------------------
 
 class EventSink:
+    finished = False   # the client has not said bye
+
     def __init__(self, arena):
         self.arena, self.events, self.busy_at_send = arena, [], []
 

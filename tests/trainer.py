@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import sys
 
 import numpy as np
@@ -108,6 +109,9 @@ def main(cfg) -> None:
         client.log(step, loss=loss.item())
         if step in cfg.get("snapshot_at", ()):
             client.snapshot(step).wait()
+    if stop < cfg["steps"] and client._handoff is not None and client._handoff.conn:
+        # It dies: the connection drops without bye, so the daemon keeps the hot copy.
+        client._handoff.conn._sock.shutdown(socket.SHUT_RDWR)
     client.close()
     final = {"weights": digest_tensors(*model.state_dict().values()),
              "optimizer": digest_tensors(*optimizer_tensors(opt)),

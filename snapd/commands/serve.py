@@ -11,9 +11,12 @@ import click
 @click.option("--root", required=True, type=click.Path(file_okay=False),
               help="The checkpoint root to serve (created if missing).")
 @click.option("--foreground", is_flag=True,
-              help="Run in this process, logging to stderr. This is what serve always "
-                   "does (it never forks); clients detach it themselves.")
-def serve(root: str, foreground: bool) -> None:
+              help="Run in this process, logging to stderr (the default; see --detach).")
+@click.option("--detach", is_flag=True,
+              help="Fork the daemon and exit once it serves: 0 when it does, 2 when "
+                   "another daemon already serves the root, else its failure code "
+                   "(its stderr says why). Clients start the daemon this way.")
+def serve(root: str, foreground: bool, detach: bool) -> None:
     """Serve ROOT: write the snapshots clients hand over, apply retention.
 
     Exit code 0 after a clean stop (SIGTERM/SIGINT drain accepted snapshots first),
@@ -21,5 +24,5 @@ def serve(root: str, foreground: bool) -> None:
 
     Example: snapd serve --root checkpoints
     """
-    from snapd.daemon import main  # imported here so that `snapd --help` stays fast
-    sys.exit(main(root))
+    from snapd.daemon import detached, main  # here, so that `snapd --help` stays fast
+    sys.exit(detached(root) if detach else main(root))

@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -139,14 +140,21 @@ def assert_same(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def restored_state(env: Env, build=make_model, **kw):
+def restored_state(env: Env, build=make_model, close=Client.close, **kw):
     """Restore into freshly built objects (other seed); their state, and the client."""
     model, opt = build(seed=123)
     client = Client(env.root, env.run, **kw)
     client.track(model=model, optimizer=opt)
     step = client.restore()
-    client.close()
+    close(client)
     return step, state_of(model, opt), client
+
+
+def close_as_if_killed(client: Client) -> None:
+    """Hang up without ``bye``, as a killed trainer's connection drops: the daemon
+    keeps the run's hot copy for a restart (a clean close releases it)."""
+    client._handoff.conn._sock.shutdown(socket.SHUT_RDWR)
+    client.close()
 
 
 def wait_until(cond, timeout: float, what: str) -> None:
@@ -386,7 +394,7 @@ def test_the_daemon_moves_bytes_without_loading_torch(env):
         train_step(model, opt)
         client.snapshot(step).wait()
     daemon = env.daemon(client)
-    client.close()
+    close_as_if_killed(client)
     again = Client(env.root, env.run)
     again.track(model=model, optimizer=opt)
     assert again.restore() == 3 and again.restored_from == "hot"
@@ -444,8 +452,8 @@ def test_hot_restore_when_the_daemon_holds_the_latest_snapshot(env):
     client.snapshot(1).wait()
     expected = state_of(model, opt)
     daemon = env.daemon(client)
-    client.close()
-    step, state, fresh = restored_state(env)
+    close_as_if_killed(client)
+    step, state, fresh = restored_state(env, close=close_as_if_killed)
     assert (step, fresh.restored_from) == (1, "hot")
     assert_same(state, expected)
 
@@ -472,7 +480,7 @@ def committed_step_one(env) -> dict:
     client.track(model=model, optimizer=opt)
     train_step(model, opt)
     client.snapshot(1).wait()
-    client.close()
+    close_as_if_killed(client)
     return state_of(model, opt)
 
 
@@ -488,7 +496,7 @@ def test_hot_restore_writes_into_the_live_tensors_and_keeps_no_alias(env):
     fresh = Client(env.root, env.run)
     fresh.track(model=live_model, optimizer=live_opt)
     assert fresh.restore() == 1 and fresh.restored_from == "hot"
-    fresh.close()
+    close_as_if_killed(fresh)
     assert_same(state_of(live_model, live_opt), expected)
     assert _tensor_ptrs(live_model, live_opt) == before
 

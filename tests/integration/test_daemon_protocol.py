@@ -109,11 +109,12 @@ class Arena:
     """A staging segment the test owns, like a client's."""
 
     def __init__(self, size: int, slots: int = 1) -> None:
-        self.name = f"snapd-test-{os.getpid()}-{secrets.token_hex(4)}"
+        # The prefix of a client's arenas: the daemon maps only the peer's own.
+        self.name = f"snapd-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = f"/dev/shm/{self.name}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, size)
-        os.close(fd)
+        # Kept open, like a client's mapping: the daemon unlinks the name at attach.
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(self.fd, size)
         self.size, self.slots = size, slots
         self.slot_bytes = size // slots
 
@@ -121,7 +122,7 @@ class Arena:
               metric: Optional[float] = None) -> Dict[str, Any]:
         """Copy the states' tensors into a slot; return the plan descriptor."""
         objects, offsets, pos = [], [], 0
-        with open(self.path, "r+b") as f:
+        with open(self.fd, "r+b", closefd=False) as f:
             for name, state in states.items():
                 flat = flatten(state, name)
                 tensors, offs = [], []
@@ -145,6 +146,7 @@ class Arena:
         assert reply["op"] == "ok", reply
 
     def remove(self) -> None:
+        os.close(self.fd)
         try:
             os.unlink(self.path)
         except FileNotFoundError:
