@@ -26,7 +26,7 @@ from typing import List, Optional
 from snapd import fsio
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}$")
-_SNAPSHOT_NAME = re.compile(r"^(\d{8,})(?:\.L(\d+))?$")
+SNAPSHOT_NAME = re.compile(r"^(\d{8,})(?:\.L(\d+))?$")
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = ".damaged-"
 POINTERS = ("LATEST", "BEST")
@@ -45,7 +45,7 @@ class SnapshotId:
 
     @classmethod
     def parse(cls, name: str) -> Optional["SnapshotId"]:
-        match = _SNAPSHOT_NAME.match(name)
+        match = SNAPSHOT_NAME.match(name)
         if not match:
             return None
         return cls(int(match.group(2) or 0), int(match.group(1)))
