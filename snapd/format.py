@@ -132,7 +132,7 @@ def decode_manifest(data: bytes, *, path: str) -> Dict[str, Any]:
     return manifest
 
 
-def _need(cond: bool, path: str, field: str, what: str) -> None:
+def need(cond: bool, path: str, field: str, what: str) -> None:
     if not cond:
         raise CorruptSnapshot(f"{path}: field {field} {what}; the snapshot is damaged "
                               "or hostile, use an older one", path=path, field=field)
@@ -148,7 +148,7 @@ MAX_ZSTD_EXPANSION = 1 << 15   # a zstd frame cannot expand more: <= 128 KiB per
                                # block, >= 4 bytes per block
 
 
-def _is_uint(v: Any) -> bool:
+def is_uint(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 64)
 
 
@@ -156,7 +156,7 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _is_name(v: Any) -> bool:
+def is_name(v: Any) -> bool:
     return isinstance(v, str) and 0 < len(v) <= MAX_NAME
 
 
@@ -164,55 +164,55 @@ def check_manifest(m: Any, *, path: str, version: int = FORMAT_VERSION) -> None:
     """The manifest's schema, every field: types, ranges, lengths, and sizes against
     the sizes the manifest declares for its files. The reader checks those against
     the disk; nothing reads a field this has not checked."""
-    _need(isinstance(m, dict), path, "manifest", "is not a map")
-    _need(m.get("format") == version, path, "format",
+    need(isinstance(m, dict), path, "manifest", "is not a map")
+    need(m.get("format") == version, path, "format",
           f"is not {version}, the version in the manifest's header")
-    _check_header_fields(m, path)
-    _check_lineage(m.get("lineage"), path)
+    check_header_fields(m, path)
+    check_lineage(m.get("lineage"), path)
     check_rng_map(m.get("rng"), path=path, field="rng")
-    _need(m.get("cursor") is None or isinstance(m.get("cursor"), dict), path, "cursor",
+    need(m.get("cursor") is None or isinstance(m.get("cursor"), dict), path, "cursor",
           "is neither nil nor a map")
-    _need(nests_within(m.get("cursor"), MAX_PLAIN_DEPTH), path, "cursor",
+    need(nests_within(m.get("cursor"), MAX_PLAIN_DEPTH), path, "cursor",
           f"nests deeper than {MAX_PLAIN_DEPTH} levels")
-    _need(isinstance(m.get("objects"), dict), path, "objects", "is missing")
+    need(isinstance(m.get("objects"), dict), path, "objects", "is missing")
     files = m.get("files")
-    _need(isinstance(files, dict), path, "files", "is missing")
+    need(isinstance(files, dict), path, "files", "is missing")
     for name, entry in files.items():
-        _need(isinstance(name, str) and bool(_SAFE_FILE.match(name)) and ".." not in name,
+        need(isinstance(name, str) and bool(_SAFE_FILE.match(name)) and ".." not in name,
               path, f"files[{name!r}]", "is not a plain file name inside the snapshot")
-        _need(isinstance(entry, dict) and _is_uint(entry.get("size"))
-              and _is_uint(entry.get("xxh3")), path, f"files[{name!r}]",
+        need(isinstance(entry, dict) and is_uint(entry.get("size"))
+              and is_uint(entry.get("xxh3")), path, f"files[{name!r}]",
               "lacks size/xxh3")
     for obj_name, obj in m["objects"].items():
-        _need(_is_name(obj_name), path, f"objects[{obj_name!r}]", "is not a name")
+        need(is_name(obj_name), path, f"objects[{obj_name!r}]", "is not a name")
         _check_object(obj_name, obj, files, path)
 
 
-def _check_header_fields(m: Dict[str, Any], path: str) -> None:
-    _need(_is_uint(m.get("step")) and m["step"] < (1 << 63), path, "step",
+def check_header_fields(m: Dict[str, Any], path: str) -> None:
+    need(is_uint(m.get("step")) and m["step"] < (1 << 63), path, "step",
           "is not a non-negative integer")
-    _need(m.get("run") is None or _is_name(m.get("run")), path, "run", "is not a name")
+    need(m.get("run") is None or is_name(m.get("run")), path, "run", "is not a name")
     for key in ("rank", "world_size"):
-        _need(key not in m or _is_uint(m[key]), path, key, "is not a count")
-    _need(m.get("world_size", 1) >= 1 and m.get("rank", 0) < m.get("world_size", 1),
+        need(key not in m or is_uint(m[key]), path, key, "is not a count")
+    need(m.get("world_size", 1) >= 1 and m.get("rank", 0) < m.get("world_size", 1),
           path, "rank", "is not below world_size")
     for key in ("created", "metric"):
-        _need(m.get(key) is None or _is_number(m[key]), path, key, "is not a number")
-    _need(m.get("data_version") is None or isinstance(m["data_version"], str), path,
+        need(m.get(key) is None or _is_number(m[key]), path, key, "is not a number")
+    need(m.get("data_version") is None or isinstance(m["data_version"], str), path,
           "data_version", "is neither nil nor a string")
 
 
-def _check_lineage(lineage: Any, path: str) -> None:
-    _need(isinstance(lineage, dict), path, "lineage", "is not a map")
-    _need(_is_uint(lineage.get("id", 0)) and lineage.get("id", 0) < (1 << 63), path,
+def check_lineage(lineage: Any, path: str) -> None:
+    need(isinstance(lineage, dict), path, "lineage", "is not a map")
+    need(is_uint(lineage.get("id", 0)) and lineage.get("id", 0) < (1 << 63), path,
           "lineage.id", "is not a non-negative integer")
-    _need(lineage.get("mode") is None or isinstance(lineage["mode"], str), path,
+    need(lineage.get("mode") is None or isinstance(lineage["mode"], str), path,
           "lineage.mode", "is not a string")
     parent = lineage.get("parent")
-    _need(parent is None or (isinstance(parent, dict)
+    need(parent is None or (isinstance(parent, dict)
                              and all(isinstance(parent.get(k), (str, type(None)))
                                      for k in ("run", "snapshot"))
-                             and (parent.get("step") is None or _is_uint(parent["step"]))),
+                             and (parent.get("step") is None or is_uint(parent["step"]))),
           path, "lineage.parent", "is neither nil nor {run, snapshot, step}")
 
 
@@ -232,30 +232,30 @@ def nests_within(value: Any, limit: int) -> bool:
 
 def check_rng_map(rng: Any, *, path: str, field: str) -> None:
     """A map of stream name to encoded state (their lengths are the client's check)."""
-    _need(isinstance(rng, dict), path, field, "is not a map")
+    need(isinstance(rng, dict), path, field, "is not a map")
     for name, blob in rng.items():
-        _need(_is_name(name), path, f"{field}[{name!r}]", "is not a stream name")
-        _need(isinstance(blob, bytes), path, f"{field}.{name}", "is not bytes")
+        need(is_name(name), path, f"{field}[{name!r}]", "is not a stream name")
+        need(isinstance(blob, bytes), path, f"{field}.{name}", "is not bytes")
 
 
 def _check_object(name: str, obj: Any, files: dict, path: str) -> None:
     field = f"objects.{name}"
-    _need(isinstance(obj, dict), path, field, "is not a map")
-    _need(obj.get("type") is None or _is_name(obj["type"]), path, f"{field}.type",
+    need(isinstance(obj, dict), path, field, "is not a map")
+    need(obj.get("type") is None or is_name(obj["type"]), path, f"{field}.type",
           "is not a type name")
-    _need(isinstance(obj.get("skeleton"), bytes), path, f"{field}.skeleton", "is missing")
+    need(isinstance(obj.get("skeleton"), bytes), path, f"{field}.skeleton", "is missing")
     check_skeleton(obj["skeleton"], path=path, field=f"{field}.skeleton")
     if obj.get("metadata") is not None:
-        _need(isinstance(obj["metadata"], bytes), path, f"{field}.metadata",
+        need(isinstance(obj["metadata"], bytes), path, f"{field}.metadata",
               "is neither nil nor bytes")
         check_skeleton(obj["metadata"], path=path, field=f"{field}.metadata")
     tensors = obj.get("tensors")
-    _need(isinstance(tensors, list), path, f"{field}.tensors", "is missing")
+    need(isinstance(tensors, list), path, f"{field}.tensors", "is missing")
     if tensors:
-        _need(isinstance(obj.get("file"), str) and obj["file"] in files, path,
+        need(isinstance(obj.get("file"), str) and obj["file"] in files, path,
               f"{field}.file", "names no file listed in files")
     else:
-        _need(obj.get("file") is None or isinstance(obj["file"], str), path,
+        need(obj.get("file") is None or isinstance(obj["file"], str), path,
               f"{field}.file", "is neither nil nor a file name")
     size = files[obj["file"]]["size"] if tensors else 0
     for i, t in enumerate(tensors):
@@ -263,44 +263,44 @@ def _check_object(name: str, obj: Any, files: dict, path: str) -> None:
 
 
 def _check_tensor(t: Any, file_size: int, path: str, field: str) -> None:
-    _need(isinstance(t, dict), path, field, "is not a map")
-    _need(_is_name(t.get("path")) or t.get("path") == "", path, f"{field}.path",
+    need(isinstance(t, dict), path, field, "is not a map")
+    need(is_name(t.get("path")) or t.get("path") == "", path, f"{field}.path",
           "is not a string")
-    _need(isinstance(t.get("dtype"), str) and t["dtype"] in ITEMSIZES, path,
+    need(isinstance(t.get("dtype"), str) and t["dtype"] in ITEMSIZES, path,
           f"{field}.dtype", "is not a known dtype")
-    _need(t.get("device") is None or _is_name(t["device"]), path, f"{field}.device",
+    need(t.get("device") is None or is_name(t["device"]), path, f"{field}.device",
           "is not a device name")
     shape = t.get("shape")
-    _need(isinstance(shape, list) and len(shape) <= MAX_DIMS
-          and all(_is_uint(s) for s in shape), path, f"{field}.shape",
+    need(isinstance(shape, list) and len(shape) <= MAX_DIMS
+          and all(is_uint(s) for s in shape), path, f"{field}.shape",
           "is not a list of sizes")
     nbytes = math.prod(shape) * ITEMSIZES[t["dtype"]]
-    _need(_is_uint(t.get("nbytes")) and t["nbytes"] == nbytes, path, f"{field}.nbytes",
+    need(is_uint(t.get("nbytes")) and t["nbytes"] == nbytes, path, f"{field}.nbytes",
           "disagrees with shape")
-    _need(_is_uint(t.get("xxh3")), path, f"{field}.xxh3", "is missing")
+    need(is_uint(t.get("xxh3")), path, f"{field}.xxh3", "is missing")
     chunks = t.get("chunks", [])
-    _need(isinstance(chunks, list), path, f"{field}.chunks", "is not a list")
+    need(isinstance(chunks, list), path, f"{field}.chunks", "is not a list")
     raw_total = 0
     for chunk in chunks:
         raw_total += _check_chunk(chunk, file_size, path, f"{field}.chunks")
-    _need(raw_total == nbytes, path, f"{field}.chunks",
+    need(raw_total == nbytes, path, f"{field}.chunks",
           f"add up to {raw_total} bytes, not the {nbytes} the shape needs")
 
 
 def _check_chunk(chunk: Any, file_size: int, path: str, field: str) -> int:
     """One ``[offset, stored, raw, codec, xxh3]`` entry; returns its raw length."""
-    _need(isinstance(chunk, list) and len(chunk) == 5, path, field,
+    need(isinstance(chunk, list) and len(chunk) == 5, path, field,
           "has a malformed entry")
     offset, stored, raw, codec, digest = chunk
-    _need(all(_is_uint(v) for v in (offset, stored, raw, digest))
+    need(all(is_uint(v) for v in (offset, stored, raw, digest))
           and codec in (CODEC_RAW, CODEC_ZSTD), path, field, "has a malformed entry")
-    _need(offset >= HEADER_BYTES and offset + stored <= file_size, path, field,
+    need(offset >= HEADER_BYTES and offset + stored <= file_size, path, field,
           f"points past the end of its {file_size}-byte file")
-    _need(codec == CODEC_ZSTD or stored == raw, path, field,
+    need(codec == CODEC_ZSTD or stored == raw, path, field,
           "declares a raw chunk whose sizes differ")
     # What a chunk may declare is bounded by the bytes it occupies: no allocation is
     # ever sized by a number the file cannot back.
-    _need(raw <= stored * MAX_ZSTD_EXPANSION, path, field,
+    need(raw <= stored * MAX_ZSTD_EXPANSION, path, field,
           f"declares {raw} raw bytes from {stored} stored, more than zstd can expand")
     return raw
 
@@ -323,13 +323,13 @@ def check_skeleton(data: bytes, *, path: str, field: str) -> None:
         first = data[0] if data else None
         is_container = first is not None and (
             0x80 <= first <= 0x9f or first in _COUNTED or _ext_code_at(data, 0) in (2, 7))
-        _need(is_container, path, field, "is not a map or an array")
+        need(is_container, path, field, "is not a map or an array")
         end = _scan(data, 0, 0, path, field)
     except (IndexError, struct.error) as e:
         raise CorruptSnapshot(f"{path}: field {field} is truncated msgpack; the snapshot "
                               "is damaged or hostile, use an older one", path=path,
                               field=field) from e
-    _need(end == len(data), path, field, "has bytes after its value")
+    need(end == len(data), path, field, "has bytes after its value")
 
 
 # msgpack type bytes: (bytes of length or count that follow, kind)
@@ -367,7 +367,7 @@ def _scan(data: bytes, pos: int, depth: int, path: str, field: str) -> int:
             pending.pop()
             continue
         pending[-1] -= 1
-        _need(depth + len(pending) <= MAX_SKELETON_DEPTH, path, field,
+        need(depth + len(pending) <= MAX_SKELETON_DEPTH, path, field,
               f"nests deeper than {MAX_SKELETON_DEPTH} levels")
         first = data[pos]
         pos += 1
@@ -386,7 +386,7 @@ def _scan(data: bytes, pos: int, depth: int, path: str, field: str) -> int:
         elif first in _EXT_SIZED or first in _FIXEXT:
             pos = _scan_ext(data, pos - 1, depth + len(pending), path, field)
         else:
-            _need(False, path, field, f"holds the invalid msgpack byte 0x{first:02x}")
+            need(False, path, field, f"holds the invalid msgpack byte 0x{first:02x}")
         if pos > len(data):
             raise IndexError("truncated")
     return pos
@@ -404,7 +404,7 @@ def _scan_ext(data: bytes, pos: int, depth: int, path: str, field: str) -> int:
         raise IndexError("truncated")
     if data[start - 1] in _EXT_CONTAINERS:
         inner = data[start:end]
-        _need(_scan(inner, 0, depth, path, field) == len(inner), path, field,
+        need(_scan(inner, 0, depth, path, field) == len(inner), path, field,
               "has an extension with bytes after its value")
     return end
 
