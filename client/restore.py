@@ -281,17 +281,18 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
 
 def _untouched(before: Optional[Before], tracked: Dict[str, Any], rng: RngStreams,
                tensor_source: Optional[TensorProvider]) -> str:
-    """Put back what a failed hot read wrote into; the sentence that says so."""
-    touched = sorted(set(getattr(tensor_source, "touched", None) or ()))
-    if not touched or before is None:
+    """Put back what hot reads wrote into (in place, whether they then verified or
+    not: the snapshot they belonged to was refused); the sentence that says so."""
+    served = sorted(set(getattr(tensor_source, "touched", None) or ())
+                    | set(getattr(tensor_source, "hits", None) or ()))
+    if not served or before is None:
         return "Every tracked object is untouched"
-    failed = before.put_back(tracked, rng, touched)
+    failed = before.put_back(tracked, rng, served)
     if failed:
-        return (f"The daemon's copy was read into {failed} before it failed its checksum "
-                "and they could not be put back: do not train on with them in this "
-                "process")
-    return (f"Every tracked object is untouched (the daemon's copy read into {touched} "
-            "before it failed its checksum was put back)")
+        return (f"The daemon's copy was read into {failed} and they could not be put "
+                "back: do not train on with them in this process")
+    return (f"Every tracked object is untouched (the daemon's copy read into {served} "
+            "was put back)")
 
 
 def apply(loaded: Loaded, tracked: Dict[str, Any], rng: RngStreams, stream: Any,
