@@ -391,13 +391,8 @@ class Client:
         return step
 
     def _apply(self, loaded: Loaded, omit: set) -> None:
-        for name, obj in self._tracked.items():
-            if name not in omit:
-                obj.load_state_dict(loaded.states[name])
-        self.rng.restore(loaded.manifest["rng"],
-                         omit=[o.split(":", 1)[1] for o in omit if o.startswith("rng:")])
-        if self._stream is not None and "cursor" not in omit:
-            self._stream.load(loaded.manifest["cursor"])
+        from snapd_client.restore import apply  # all or nothing: puts back on failure
+        apply(loaded, self._tracked, self.rng, self._stream, omit)
 
     def _warm_start(self) -> int:
         modules = {n: o for n, o in self._tracked.items() if isinstance(o, torch.nn.Module)}

@@ -290,20 +290,37 @@ class BatchStream:
         return it
 
     def _parse(self, state: Mapping[str, Any]):
+        check_cursor(state, self._rng, source="cursor")
+        return (state["epoch"], state["index"], dict(state["epoch_rng"]),
+                dict(state.get("iter_rng") or {}), state.get("loader_state"))
+
+
+def check_cursor(state: Any, rng: RngStreams, *, source: str) -> None:
+    """Refuse, naming the field, a saved cursor :meth:`BatchStream.load` could not
+    take: run before any object, stream or the cursor itself is touched."""
+    def bad(field: str, what: str) -> CorruptSnapshot:
+        return CorruptSnapshot(f"{source}: field {field} {what}; the snapshot is damaged "
+                               "or hostile, use an older one", path=source, field=field)
+
+    if not isinstance(state, Mapping):
+        raise bad("cursor", "is not a map (it needs epoch, index and epoch_rng)")
+    for name in ("epoch", "index"):
+        value = state.get(name)
+        if type(value) is not int or value < 0:
+            raise bad(f"cursor.{name}", f"is {value!r}, not a count")
+    for name in ("epoch_rng", "iter_rng"):
+        streams = state.get(name) if name == "epoch_rng" else state.get(name) or {}
+        if not isinstance(streams, Mapping):
+            raise bad(f"cursor.{name}", "is not a map of RNG streams")
+        if streams:
+            rng.check(streams, source=f"{source} (cursor.{name})")
+    if state["index"] and not state["epoch_rng"]:
+        raise bad("cursor.epoch_rng", "is empty although batches were consumed")
+    loader_state = state.get("loader_state")
+    if loader_state is not None:
         try:
-            epoch, index, epoch_rng = state["epoch"], state["index"], dict(state["epoch_rng"])
-            iter_rng = dict(state.get("iter_rng") or {})
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptSnapshot(f"cursor state is malformed ({e!r}); it needs epoch, index "
-                                  "and epoch_rng", field="cursor") from e
-        for name, value in (("epoch", epoch), ("index", index)):
-            if type(value) is not int or value < 0:
-                raise CorruptSnapshot(f"cursor.{name} is {value!r}, not a count",
-                                      field=f"cursor.{name}")
-        if index and not epoch_rng:
-            raise CorruptSnapshot("cursor.epoch_rng is empty although batches were consumed",
-                                  field="cursor.epoch_rng")
-        for name, streams in (("epoch_rng", epoch_rng), ("iter_rng", iter_rng)):
-            if streams:
-                self._rng.check(streams, source=f"cursor.{name}")
-        return epoch, index, epoch_rng, iter_rng, state.get("loader_state")
+            from_plain(loader_state)
+        except CorruptSnapshot:
+            raise
+        except Exception as e:  # a tensor entry torch cannot rebuild
+            raise bad("cursor.loader_state", f"does not decode ({e})") from e

@@ -6,20 +6,33 @@ reported and the next older one is tried; it is never deleted. A snapshot that
 verifies but does not fit the program (tracked names, types, shapes, dtypes,
 ``data_version``) stops the restore with IncompatibleState: an older snapshot of the
 same run would not fit either, and silently starting over would lose the run.
+
+Restore is all or nothing. Per candidate, in this order: (1) the manifest's schema,
+its files' types and sizes, its name against its step and lineage (the reader);
+(2) every RNG stream against a scratch generator of its kind, the cursor's shape;
+(3) the fit with the tracked objects; all before a tracked object, RNG stream or
+the cursor is touched. Then (4) the tensors are read and verified, and only then
+(5) applied. Before the first step that can write into a live object (a hot read
+lands in place, an apply), a copy of every tracked object's state, the RNG streams
+and the cursor is taken; a restore that fails after that puts the copy back and
+says so, so that every object ends restored from one snapshot or untouched.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 
-from snapd.errors import CorruptSnapshot, IncompatibleState
-from snapd.reader import SnapshotReader
+from snapd.errors import CorruptSnapshot, IncompatibleState, SnapdError
+from snapd.reader import SnapshotReader, check_name_matches
 from snapd.store import RunStore, SnapshotId
+from snapd_client.cursor import check_cursor
 from snapd_client.rng import RngStreams
 from snapd_client.state import flatten, tensor_meta, unflatten
 
@@ -45,6 +58,52 @@ class Loaded:
     manifest: Dict[str, Any]
     states: Dict[str, Any]
     refused: Dict[str, str] = field(default_factory=dict)  # newer, damaged: name -> why
+    before: Optional["Before"] = None  # the tracked state as it was, to put back
+
+
+def _copy_tree(value: Any) -> Any:
+    """A deep copy of a state tree, tensors cloned to CPU (a copy on the device could
+    not fit beside a model that fills it)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        out = type(value)() if type(value) in (dict, OrderedDict) else {}
+        out.update((k, _copy_tree(v)) for k, v in value.items())
+        if hasattr(value, "_metadata"):
+            out._metadata = copy.deepcopy(value._metadata)
+        return out
+    if isinstance(value, (list, tuple)):
+        items = [_copy_tree(v) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    return copy.deepcopy(value)
+
+
+class Before:
+    """Every tracked object's state and the RNG streams as they were, copied before
+    restore can write into any of them; :meth:`put_back` returns them there."""
+
+    def __init__(self, tracked: Dict[str, Any], rng: RngStreams) -> None:
+        self.states = {name: _copy_tree(obj.state_dict()) for name, obj in tracked.items()}
+        self.rng_state = rng.capture()
+        self.cursor: Optional[Dict[str, Any]] = None
+
+    def put_back(self, tracked: Dict[str, Any], rng: RngStreams, names: Iterable[str],
+                 stream: Any = None) -> List[str]:
+        """Load the copies back into ``names`` (and the RNG streams, and the cursor when
+        ``stream`` is given); returns the names that could not be put back."""
+        failed = []
+        for name in names:
+            try:
+                tracked[name].load_state_dict(self.states[name])
+            except Exception:  # reported by name to the caller, who raises
+                failed.append(name)
+        rng.restore(self.rng_state)
+        if stream is not None and self.cursor is not None:
+            try:
+                stream.load(self.cursor)
+            except Exception:
+                failed.append("cursor")
+        return failed
 
 
 def type_name(obj: Any) -> str:
@@ -145,12 +204,42 @@ def _check_optimizer_groups(name: str, entry: Dict[str, Any], obj: Any,
     if not isinstance(obj, torch.optim.Optimizer):
         return
     state = unflatten(entry["skeleton"], None, source=source)
+    groups = state.get("param_groups", [])
+    if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise CorruptSnapshot(f"{source}: field objects.{name}.skeleton param_groups is "
+                              "not a list of groups with params; the snapshot is damaged "
+                              "or hostile, use an older one", path=source,
+                              field=f"objects.{name}.param_groups")
     now = [len(g["params"]) for g in obj.param_groups]
-    then = [len(g["params"]) for g in state.get("param_groups", [])]
+    then = [len(g["params"]) for g in groups]
     if now != then:
         raise IncompatibleState(f"{source}: objects.{name}.param_groups hold {then} "
                                 f"parameters, the optimizer now holds {now}",
                                 field=f"objects.{name}.param_groups")
+
+
+def _check_candidate(reader: SnapshotReader, tracked: Dict[str, Any], rng: RngStreams,
+                     *, data_version: Optional[str], need_cursor: bool) -> None:
+    """Every check that needs no tensor: nothing live is touched yet."""
+    source = os.path.join(reader.path, "manifest.snapd")
+    check_name_matches(reader.path, reader.manifest)
+    rng.check(reader.manifest["rng"], source=source)
+    if need_cursor:
+        if not isinstance(reader.manifest.get("cursor"), dict):
+            raise CorruptSnapshot(f"{source}: field cursor is missing; the data "
+                                  "position cannot be restored", path=source,
+                                  field="cursor")
+        check_cursor(reader.manifest["cursor"], rng, source=source)
+    check_fit(reader.manifest, tracked, source=source, data_version=data_version)
+    for name in tracked:  # every skeleton decodes to a state dict before a tensor is read
+        if not isinstance(unflatten(reader.objects[name]["skeleton"], None, source=source),
+                          dict):
+            raise CorruptSnapshot(f"{source}: field objects.{name}.skeleton is not a map "
+                                  "(a state dict); the snapshot is damaged or hostile, use "
+                                  "an older one", path=source,
+                                  field=f"objects.{name}.skeleton")
+        _check_optimizer_groups(name, reader.objects[name], tracked[name], source)
 
 
 def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *,
@@ -158,21 +247,19 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                     tensor_source: Optional[TensorProvider] = None,
                     omit: Iterable[str] = ()) -> Optional[Loaded]:
     """The newest snapshot that verifies and fits, fully read; None if the run is new.
-    Objects named in ``omit`` are checked but not read (their states are absent)."""
+    Objects named in ``omit`` are checked but not read (their states are absent).
+    The returned ``before`` is the tracked state as it was: :func:`apply` puts it back
+    if applying fails."""
     refused: Dict[str, str] = {}
+    before: Optional[Before] = None
     for sid in candidates(store):
         path = store.snapshot_path(sid)
         try:
             reader = SnapshotReader(path)
-            source = os.path.join(path, "manifest.snapd")
-            rng.check(reader.manifest["rng"], source=source)
-            if need_cursor and not isinstance(reader.manifest.get("cursor"), dict):
-                raise CorruptSnapshot(f"{source}: field cursor is missing; the data "
-                                      "position cannot be restored", path=source,
-                                      field="cursor")
-            check_fit(reader.manifest, tracked, source=source, data_version=data_version)
-            for name, obj in tracked.items():
-                _check_optimizer_groups(name, reader.objects[name], obj, source)
+            _check_candidate(reader, tracked, rng, data_version=data_version,
+                             need_cursor=need_cursor)
+            if before is None:  # a hot read may land in live tensors from here on
+                before = Before(tracked, rng)
             states = _read_states(reader, {n: o for n, o in tracked.items()
                                            if n not in omit}, tensor_source)
         except CorruptSnapshot as e:
@@ -181,18 +268,59 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                           "(the refused snapshot is left on disk)", FallbackWarning,
                           stacklevel=3)
             continue
-        return Loaded(sid, path, reader.manifest, states, refused)
+        return Loaded(sid, path, reader.manifest, states, refused, before)
     if refused:
-        touched = getattr(tensor_source, "touched", None)
         raise CorruptSnapshot(f"{store.path}: no snapshot verifies; refused: "
                               + "; ".join(f"{n}: {why}" for n, why in refused.items())
                               + ". To start over, use a new run "
-                              "name (the damaged snapshots are kept for inspection)"
-                              + (f". The daemon's copy was read into {sorted(touched)} "
-                                 "before it failed its checksum: do not train on with "
-                                 "them in this process" if touched else ""),
+                              "name (the damaged snapshots are kept for inspection). "
+                              + _untouched(before, tracked, rng, tensor_source),
                               path=store.snapshots_path, field="snapshots")
     return None
+
+
+def _untouched(before: Optional[Before], tracked: Dict[str, Any], rng: RngStreams,
+               tensor_source: Optional[TensorProvider]) -> str:
+    """Put back what hot reads wrote into (in place, whether they then verified or
+    not: the snapshot they belonged to was refused); the sentence that says so."""
+    served = sorted(set(getattr(tensor_source, "touched", None) or ())
+                    | set(getattr(tensor_source, "hits", None) or ()))
+    if not served or before is None:
+        return "Every tracked object is untouched"
+    failed = before.put_back(tracked, rng, served)
+    if failed:
+        return (f"The daemon's copy was read into {failed} and they could not be put "
+                "back: do not train on with them in this process")
+    return (f"Every tracked object is untouched (the daemon's copy read into {served} "
+            "was put back)")
+
+
+def apply(loaded: Loaded, tracked: Dict[str, Any], rng: RngStreams, stream: Any,
+          omit: Iterable[str] = ()) -> None:
+    """Load every object, the RNG streams and the cursor from ``loaded``: all of them,
+    or (when one raises half way) none, the state taken before put back."""
+    omit = set(omit)
+    before = loaded.before or Before(tracked, rng)
+    if stream is not None:
+        before.cursor = stream.state()
+    try:
+        for name, obj in tracked.items():
+            if name not in omit:
+                obj.load_state_dict(loaded.states[name])
+        rng.restore(loaded.manifest["rng"],
+                    omit=[o.split(":", 1)[1] for o in omit if o.startswith("rng:")])
+        if stream is not None and "cursor" not in omit:
+            stream.load(loaded.manifest["cursor"])
+    except Exception as e:
+        failed = before.put_back(tracked, rng, list(tracked), stream)
+        where = f"{loaded.path}: applying the snapshot failed half way ({e!r})"
+        if failed:
+            raise SnapdError(f"{where}, and {failed} could not be put back as they were: "
+                             "do not train on in this process; restart it") from e
+        raise IncompatibleState(f"{where}; every tracked object, RNG stream and the cursor "
+                                "was put back as it was before restore(), untouched. Fix "
+                                "the object that raised, or use mode='warm_start'",
+                                field="objects") from e
 
 
 def load_weights(store: RunStore, modules: Dict[str, torch.nn.Module]) -> Optional[Loaded]:
@@ -201,6 +329,7 @@ def load_weights(store: RunStore, modules: Dict[str, torch.nn.Module]) -> Option
         path = store.snapshot_path(sid)
         try:
             reader = SnapshotReader(path)
+            check_name_matches(path, reader.manifest)
             names = [n for n in modules if n in reader.objects]
             for n in names:
                 _check_object_fit(n, reader.objects[n], modules[n],

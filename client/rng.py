@@ -142,10 +142,15 @@ class RngStreams:
         return state
 
     def check(self, state: Mapping[str, bytes], *, source: str) -> None:
-        """Refuse a saved state that lacks a stream this process has.
+        """Refuse a saved state that lacks a stream this process has, or holds one
+        that its generator would not take back (wrong length, impossible position).
 
-        Raises CorruptSnapshot naming the missing field, before anything is restored.
+        Each stream is put into a scratch generator of its kind, never a live one:
+        raises CorruptSnapshot naming the field, before anything is restored.
         """
+        if not isinstance(state, Mapping):
+            raise CorruptSnapshot(f"{source}: field rng is not a map of streams",
+                                  path=source, field="rng")
         for name in self.names():
             if name not in state:
                 raise CorruptSnapshot(
@@ -153,9 +158,34 @@ class RngStreams:
                     f"restore the {name!r} random stream. Use an older snapshot, or "
                     "restore(mode='warm_start') to load weights only",
                     path=source, field=f"rng.{name}")
-            if not isinstance(state[name], (bytes, bytearray)):
+            blob = state[name]
+            if not isinstance(blob, (bytes, bytearray)):
                 raise CorruptSnapshot(f"{source}: field rng.{name} is not bytes",
                                       path=source, field=f"rng.{name}")
+            try:
+                self._try_state(name, bytes(blob))
+            except Exception as e:  # struct, numpy and torch each raise their own
+                raise CorruptSnapshot(
+                    f"{source}: field rng.{name} ({len(blob)} bytes) is not a state the "
+                    f"{name!r} generator accepts ({e}); the snapshot is damaged or "
+                    "hostile, use an older one", path=source, field=f"rng.{name}") from e
+
+    def _try_state(self, name: str, blob: bytes) -> None:
+        """Load ``blob`` into a new generator of the stream's kind; raises if refused."""
+        if name == "python":
+            random.Random().setstate(_decode_python(blob))
+        elif name == "numpy":
+            np.random.RandomState().set_state(_decode_numpy(blob))
+        elif name.startswith("cuda:"):
+            expected = torch.cuda.get_rng_state(int(name.split(":", 1)[1])).numel()
+            if len(blob) != expected:
+                raise ValueError(f"{expected} bytes expected")
+        else:
+            live = torch.get_rng_state() if name == "torch" else \
+                self._generators[name].get_state()
+            if len(blob) != live.numel():
+                raise ValueError(f"{live.numel()} bytes expected")
+            torch.Generator().set_state(_bytes_tensor(blob))
 
     def restore(self, state: Mapping[str, bytes], *, omit: Iterable[str] = ()) -> None:
         """Put every stream back. ``omit`` leaves named streams as they are (test hook)."""

@@ -11,6 +11,7 @@ snapd never loads.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from snapd.errors import CorruptSnapshot, UnsupportedState
-from snapd.format import DTYPES, dtype_name
+from snapd.format import DTYPES, check_skeleton, dtype_name
 
 EXT_TENSOR = 1     # u32 index into the object's tensor list
 EXT_TUPLE = 2      # msgpack array of the items
@@ -108,6 +109,9 @@ def _pack(obj: Any) -> bytes:
 
 def flatten(state: Any, name: str) -> Flat:
     """Split one state dict; raises UnsupportedState naming the first bad leaf."""
+    if not isinstance(state, dict):
+        raise UnsupportedState(f"{name}: state_dict() returned a {type(state).__name__}; "
+                               "snapd stores a mapping (return a dict)")
     flattener = _Flattener(name)
     skeleton = _pack(flattener.walk(state, ""))
     return Flat(skeleton, flattener.tensors, flattener.paths)
@@ -116,7 +120,12 @@ def flatten(state: Any, name: str) -> Flat:
 def unflatten(skeleton: bytes, tensors: Optional[List[torch.Tensor]], *,
               source: str) -> Any:
     """Rebuild the state tree from its skeleton and loaded tensors. ``tensors=None``
-    gives the tree with None for every tensor: what checks can see before reading."""
+    gives the tree with None for every tensor: what checks can see before reading.
+
+    The bytes are scanned first (snapd.format.check_skeleton: a map, nesting and
+    lengths bounded) so that the decoder below, which recurses once per nested
+    extension, never meets a skeleton deep enough to exhaust the C stack."""
+    check_skeleton(skeleton, path=source, field="skeleton")
 
     def index(data: bytes) -> Optional[int]:
         (i,) = _INDEX.unpack(data)
@@ -143,7 +152,7 @@ def unflatten(skeleton: bytes, tensors: Optional[List[torch.Tensor]], *,
             return torch.device(data.decode())
         if code == EXT_NPSCALAR:
             kind, raw = _unpack(data, hook)
-            return np.frombuffer(raw, dtype=np.dtype(kind))[0]
+            return _np_scalar(kind, raw, source)
         raise CorruptSnapshot(f"{source}: unknown extension code {code} in skeleton",
                               path=source, field="skeleton")
 
@@ -154,6 +163,19 @@ def unflatten(skeleton: bytes, tensors: Optional[List[torch.Tensor]], *,
     except Exception as e:
         raise CorruptSnapshot(f"{source}: skeleton does not decode: {e}", path=source,
                               field="skeleton") from e
+
+
+# The numpy scalar kinds a state holds: bool, ints, floats, complex, datetimes, by
+# their dtype.str. Anything else (objects, records, voids) is refused unread.
+_NP_KIND = re.compile(r"^[<>|=](b1|[iu][1248]|f(2|4|8|16)|c(8|16|32)|[mM]8(\[\w+\])?)$")
+
+
+def _np_scalar(kind: Any, raw: Any, source: str) -> Any:
+    dtype = np.dtype(kind) if isinstance(kind, str) and _NP_KIND.match(kind) else None
+    if dtype is None or not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
+        raise CorruptSnapshot(f"{source}: numpy scalar of kind {kind!r} in the skeleton "
+                              "is not one snapd writes", path=source, field="skeleton")
+    return np.frombuffer(raw, dtype=dtype)[0]
 
 
 def _unpack(data: bytes, hook) -> Any:

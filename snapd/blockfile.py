@@ -46,7 +46,7 @@ class BlockFile:
 
     def __init__(self, path: str, *, direct: bool = True) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # fsio.FILE_MODE
         self.direct_fd: Optional[int] = None
         if direct and hasattr(os, "O_DIRECT"):
             try:

@@ -132,75 +132,281 @@ def decode_manifest(data: bytes, *, path: str) -> Dict[str, Any]:
     return manifest
 
 
-def _need(cond: bool, path: str, field: str, what: str) -> None:
+def need(cond: bool, path: str, field: str, what: str) -> None:
     if not cond:
         raise CorruptSnapshot(f"{path}: field {field} {what}; the snapshot is damaged "
                               "or hostile, use an older one", path=path, field=field)
 
 
+# Bounds of the schema: far above anything snapd writes, low enough that no check
+# below can recurse deeply, loop for long or allocate much before it refuses.
+MAX_DIMS = 64                  # torch's own limit on a tensor's dimensions
+MAX_NAME = 1024                # characters of an object name, tensor path, type name
+MAX_SKELETON_DEPTH = 32        # containers nested in a skeleton (tuples, maps, lists)
+MAX_PLAIN_DEPTH = 64          # maps and lists nested in the cursor (a loader's state)
+MAX_ZSTD_EXPANSION = 1 << 15   # a zstd frame cannot expand more: <= 128 KiB per
+                               # block, >= 4 bytes per block
+
+
+def is_uint(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 64)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_name(v: Any) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= MAX_NAME
+
+
 def check_manifest(m: Any, *, path: str, version: int = FORMAT_VERSION) -> None:
-    """Structural validation of a decoded manifest; file sizes are checked by the reader."""
-    _need(isinstance(m, dict), path, "manifest", "is not a map")
-    _need(m.get("format") == version, path, "format",
+    """The manifest's schema, every field: types, ranges, lengths, and sizes against
+    the sizes the manifest declares for its files. The reader checks those against
+    the disk; nothing reads a field this has not checked."""
+    need(isinstance(m, dict), path, "manifest", "is not a map")
+    need(m.get("format") == version, path, "format",
           f"is not {version}, the version in the manifest's header")
-    _need(isinstance(m.get("step"), int) and m["step"] >= 0, path, "step",
-          "is not a non-negative integer")
-    _need(isinstance(m.get("rng"), dict), path, "rng", "is missing")
-    _need(isinstance(m.get("objects"), dict), path, "objects", "is missing")
+    check_header_fields(m, path)
+    check_lineage(m.get("lineage"), path)
+    check_rng_map(m.get("rng"), path=path, field="rng")
+    need(m.get("cursor") is None or isinstance(m.get("cursor"), dict), path, "cursor",
+          "is neither nil nor a map")
+    need(nests_within(m.get("cursor"), MAX_PLAIN_DEPTH), path, "cursor",
+          f"nests deeper than {MAX_PLAIN_DEPTH} levels")
+    need(isinstance(m.get("objects"), dict), path, "objects", "is missing")
     files = m.get("files")
-    _need(isinstance(files, dict), path, "files", "is missing")
+    need(isinstance(files, dict), path, "files", "is missing")
     for name, entry in files.items():
-        _need(isinstance(name, str) and bool(_SAFE_FILE.match(name)) and ".." not in name,
+        need(isinstance(name, str) and bool(_SAFE_FILE.match(name)) and ".." not in name,
               path, f"files[{name!r}]", "is not a plain file name inside the snapshot")
-        _need(isinstance(entry, dict) and _is_uint(entry.get("size"))
-              and _is_uint(entry.get("xxh3")), path, f"files[{name!r}]",
+        need(isinstance(entry, dict) and is_uint(entry.get("size"))
+              and is_uint(entry.get("xxh3")), path, f"files[{name!r}]",
               "lacks size/xxh3")
     for obj_name, obj in m["objects"].items():
+        need(is_name(obj_name), path, f"objects[{obj_name!r}]", "is not a name")
         _check_object(obj_name, obj, files, path)
 
 
-def _is_uint(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+def check_header_fields(m: Dict[str, Any], path: str) -> None:
+    need(is_uint(m.get("step")) and m["step"] < (1 << 63), path, "step",
+          "is not a non-negative integer")
+    need(m.get("run") is None or is_name(m.get("run")), path, "run", "is not a name")
+    for key in ("rank", "world_size"):
+        need(key not in m or is_uint(m[key]), path, key, "is not a count")
+    need(m.get("world_size", 1) >= 1 and m.get("rank", 0) < m.get("world_size", 1),
+          path, "rank", "is not below world_size")
+    for key in ("created", "metric"):
+        need(m.get(key) is None or _is_number(m[key]), path, key, "is not a number")
+    need(m.get("data_version") is None or isinstance(m["data_version"], str), path,
+          "data_version", "is neither nil nor a string")
+
+
+def check_lineage(lineage: Any, path: str) -> None:
+    need(isinstance(lineage, dict), path, "lineage", "is not a map")
+    need(is_uint(lineage.get("id", 0)) and lineage.get("id", 0) < (1 << 63), path,
+          "lineage.id", "is not a non-negative integer")
+    need(lineage.get("mode") is None or isinstance(lineage["mode"], str), path,
+          "lineage.mode", "is not a string")
+    parent = lineage.get("parent")
+    need(parent is None or (isinstance(parent, dict)
+                             and all(isinstance(parent.get(k), (str, type(None)))
+                                     for k in ("run", "snapshot"))
+                             and (parent.get("step") is None or is_uint(parent["step"]))),
+          path, "lineage.parent", "is neither nil nor {run, snapshot, step}")
+
+
+def nests_within(value: Any, limit: int) -> bool:
+    """Whether maps and lists nest at most ``limit`` deep (walked without recursion,
+    so that the code that later walks the value recursively cannot overflow)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return False
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return True
+
+
+def check_rng_map(rng: Any, *, path: str, field: str) -> None:
+    """A map of stream name to encoded state (their lengths are the client's check)."""
+    need(isinstance(rng, dict), path, field, "is not a map")
+    for name, blob in rng.items():
+        need(is_name(name), path, f"{field}[{name!r}]", "is not a stream name")
+        need(isinstance(blob, bytes), path, f"{field}.{name}", "is not bytes")
 
 
 def _check_object(name: str, obj: Any, files: dict, path: str) -> None:
     field = f"objects.{name}"
-    _need(isinstance(obj, dict) and isinstance(obj.get("skeleton"), bytes), path,
-          f"{field}.skeleton", "is missing")
+    need(isinstance(obj, dict), path, field, "is not a map")
+    need(obj.get("type") is None or is_name(obj["type"]), path, f"{field}.type",
+          "is not a type name")
+    need(isinstance(obj.get("skeleton"), bytes), path, f"{field}.skeleton", "is missing")
+    check_skeleton(obj["skeleton"], path=path, field=f"{field}.skeleton")
+    if obj.get("metadata") is not None:
+        need(isinstance(obj["metadata"], bytes), path, f"{field}.metadata",
+              "is neither nil nor bytes")
+        check_skeleton(obj["metadata"], path=path, field=f"{field}.metadata")
     tensors = obj.get("tensors")
-    _need(isinstance(tensors, list), path, f"{field}.tensors", "is missing")
+    need(isinstance(tensors, list), path, f"{field}.tensors", "is missing")
     if tensors:
-        _need(obj.get("file") in files, path, f"{field}.file",
-              "names no file listed in files")
+        need(isinstance(obj.get("file"), str) and obj["file"] in files, path,
+              f"{field}.file", "names no file listed in files")
+    else:
+        need(obj.get("file") is None or isinstance(obj["file"], str), path,
+              f"{field}.file", "is neither nil nor a file name")
     size = files[obj["file"]]["size"] if tensors else 0
     for i, t in enumerate(tensors):
         _check_tensor(t, size, path, f"{field}.tensors[{i}]")
 
 
 def _check_tensor(t: Any, file_size: int, path: str, field: str) -> None:
-    _need(isinstance(t, dict) and t.get("dtype") in ITEMSIZES, path, f"{field}.dtype",
-          "is not a known dtype")
+    need(isinstance(t, dict), path, field, "is not a map")
+    need(is_name(t.get("path")) or t.get("path") == "", path, f"{field}.path",
+          "is not a string")
+    need(isinstance(t.get("dtype"), str) and t["dtype"] in ITEMSIZES, path,
+          f"{field}.dtype", "is not a known dtype")
+    need(t.get("device") is None or is_name(t["device"]), path, f"{field}.device",
+          "is not a device name")
     shape = t.get("shape")
-    _need(isinstance(shape, list) and all(_is_uint(s) for s in shape), path,
-          f"{field}.shape", "is not a list of sizes")
+    need(isinstance(shape, list) and len(shape) <= MAX_DIMS
+          and all(is_uint(s) for s in shape), path, f"{field}.shape",
+          "is not a list of sizes")
     nbytes = math.prod(shape) * ITEMSIZES[t["dtype"]]
-    _need(t.get("nbytes") == nbytes, path, f"{field}.nbytes", "disagrees with shape")
-    _need(_is_uint(t.get("xxh3")), path, f"{field}.xxh3", "is missing")
+    need(is_uint(t.get("nbytes")) and t["nbytes"] == nbytes, path, f"{field}.nbytes",
+          "disagrees with shape")
+    need(is_uint(t.get("xxh3")), path, f"{field}.xxh3", "is missing")
+    chunks = t.get("chunks", [])
+    need(isinstance(chunks, list), path, f"{field}.chunks", "is not a list")
     raw_total = 0
-    for chunk in t.get("chunks", []):
-        _need(isinstance(chunk, list) and len(chunk) == 5, path, f"{field}.chunks",
-              "has a malformed entry")
-        offset, stored, raw, codec, digest = chunk
-        _need(all(_is_uint(v) for v in (offset, stored, raw, digest))
-              and codec in (CODEC_RAW, CODEC_ZSTD), path, f"{field}.chunks",
-              "has a malformed entry")
-        _need(offset >= HEADER_BYTES and offset + stored <= file_size, path,
-              f"{field}.chunks", f"points past the end of its {file_size}-byte file")
-        _need(codec == CODEC_ZSTD or stored == raw, path, f"{field}.chunks",
-              "declares a raw chunk whose sizes differ")
-        raw_total += raw
-    _need(raw_total == nbytes, path, f"{field}.chunks",
+    for chunk in chunks:
+        raw_total += _check_chunk(chunk, file_size, path, f"{field}.chunks")
+    need(raw_total == nbytes, path, f"{field}.chunks",
           f"add up to {raw_total} bytes, not the {nbytes} the shape needs")
+
+
+def _check_chunk(chunk: Any, file_size: int, path: str, field: str) -> int:
+    """One ``[offset, stored, raw, codec, xxh3]`` entry; returns its raw length."""
+    need(isinstance(chunk, list) and len(chunk) == 5, path, field,
+          "has a malformed entry")
+    offset, stored, raw, codec, digest = chunk
+    need(all(is_uint(v) for v in (offset, stored, raw, digest))
+          and codec in (CODEC_RAW, CODEC_ZSTD), path, field, "has a malformed entry")
+    need(offset >= HEADER_BYTES and offset + stored <= file_size, path, field,
+          f"points past the end of its {file_size}-byte file")
+    need(codec == CODEC_ZSTD or stored == raw, path, field,
+          "declares a raw chunk whose sizes differ")
+    # What a chunk may declare is bounded by the bytes it occupies: no allocation is
+    # ever sized by a number the file cannot back.
+    need(raw <= stored * MAX_ZSTD_EXPANSION, path, field,
+          f"declares {raw} raw bytes from {stored} stored, more than zstd can expand")
+    return raw
+
+
+# --- skeletons --------------------------------------------------------------------
+
+_EXT_CONTAINERS = (2, 5, 7)  # tuple, numpy scalar, ordered map: msgpack inside (client/state.py)
+
+
+def check_skeleton(data: bytes, *, path: str, field: str) -> None:
+    """A skeleton is one msgpack container (a state dict is a map, an ordered-map
+    extension; restore requires that of a tracked object) whose containers,
+    extension containers included, nest at most MAX_SKELETON_DEPTH deep.
+
+    Scanned without recursion through msgpack (its decoder recurses through the
+    extension hook once per nested extension, on the C stack): this runs before
+    any decoder sees the bytes, so no hostile skeleton can exhaust a stack.
+    """
+    try:
+        first = data[0] if data else None
+        is_container = first is not None and (
+            0x80 <= first <= 0x9f or first in _COUNTED or _ext_code_at(data, 0) in (2, 7))
+        need(is_container, path, field, "is not a map or an array")
+        end = _scan(data, 0, 0, path, field)
+    except (IndexError, struct.error) as e:
+        raise CorruptSnapshot(f"{path}: field {field} is truncated msgpack; the snapshot "
+                              "is damaged or hostile, use an older one", path=path,
+                              field=field) from e
+    need(end == len(data), path, field, "has bytes after its value")
+
+
+# msgpack type bytes: (bytes of length or count that follow, kind)
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4,
+          0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8}
+_SIZED = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4}   # bin, str: length
+_COUNTED = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}  # array, map
+_EXT_SIZED = {0xc7: 1, 0xc8: 2, 0xc9: 4}
+_FIXEXT = {0xd4: 1, 0xd5: 2, 0xd6: 4, 0xd7: 8, 0xd8: 16}
+
+
+def _uint_at(data: bytes, pos: int, width: int) -> int:
+    if pos + width > len(data):
+        raise IndexError("truncated")
+    return int.from_bytes(data[pos:pos + width], "big")
+
+
+def _ext_code_at(data: bytes, pos: int) -> int | None:
+    """The extension code of the value at ``pos``, or None if it is no extension."""
+    first = data[pos]
+    if first in _FIXEXT:
+        return data[pos + 1]
+    if first in _EXT_SIZED:
+        return data[pos + 1 + _EXT_SIZED[first]]
+    return None
+
+
+def _scan(data: bytes, pos: int, depth: int, path: str, field: str) -> int:
+    """Walk one msgpack value from ``pos``; returns where it ends. Containers are
+    walked with an explicit count of items left per level; only an extension that
+    holds msgpack (a tuple) recurses, and only below the depth bound."""
+    pending: List[int] = [1]  # values left to read at each open level
+    while pending:
+        if pending[-1] == 0:
+            pending.pop()
+            continue
+        pending[-1] -= 1
+        need(depth + len(pending) <= MAX_SKELETON_DEPTH, path, field,
+              f"nests deeper than {MAX_SKELETON_DEPTH} levels")
+        first = data[pos]
+        pos += 1
+        if first <= 0x7f or first >= 0xe0 or first in _FIXED:
+            pos += _FIXED.get(first, 0)
+        elif 0xa0 <= first <= 0xbf:
+            pos += first & 0x1f
+        elif first in _SIZED:
+            pos += _SIZED[first] + _uint_at(data, pos, _SIZED[first])
+        elif 0x80 <= first <= 0x9f:
+            pending.append((first & 0x0f) * (2 if first <= 0x8f else 1))
+        elif first in _COUNTED:
+            width, per_item = _COUNTED[first]
+            pending.append(_uint_at(data, pos, width) * per_item)
+            pos += width
+        elif first in _EXT_SIZED or first in _FIXEXT:
+            pos = _scan_ext(data, pos - 1, depth + len(pending), path, field)
+        else:
+            need(False, path, field, f"holds the invalid msgpack byte 0x{first:02x}")
+        if pos > len(data):
+            raise IndexError("truncated")
+    return pos
+
+
+def _scan_ext(data: bytes, pos: int, depth: int, path: str, field: str) -> int:
+    first = data[pos]
+    if first in _FIXEXT:
+        length, start = _FIXEXT[first], pos + 2
+    else:
+        width = _EXT_SIZED[first]
+        length, start = _uint_at(data, pos + 1, width), pos + 2 + width
+    end = start + length
+    if end > len(data):
+        raise IndexError("truncated")
+    if data[start - 1] in _EXT_CONTAINERS:
+        inner = data[start:end]
+        need(_scan(inner, 0, depth, path, field) == len(inner), path, field,
+              "has an extension with bytes after its value")
+    return end
 
 
 # --- tensor files and chunks ------------------------------------------------------

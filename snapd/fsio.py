@@ -13,6 +13,7 @@ import secrets
 from typing import Union
 
 Buffer = Union[bytes, bytearray, memoryview]
+FILE_MODE = 0o600  # every file snapd writes under a root (docs/format.md)
 
 
 def fsync_dir(path: str) -> None:
@@ -34,8 +35,9 @@ def write_all(fd: int, data: Buffer) -> int:
 
 
 def write_file_durable(path: str, data: Buffer) -> None:
-    """Create ``path`` with ``data`` and fsync it (no rename: the caller publishes it)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    """Create ``path`` with ``data`` and fsync it (no rename: the caller publishes it).
+    Owner-only (FILE_MODE, narrowed further by the umask), like the socket and arenas."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
         write_all(fd, data)
         os.fsync(fd)

@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from snapd.errors import SnapdError
+from snapd import format as fmt
+from snapd.errors import CorruptSnapshot, SnapdError
 from snapd.format import ITEMSIZES
 from snapd.store import SnapshotId
 
@@ -87,6 +88,62 @@ def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any
             "supersedes": list(plan.supersedes)}
 
 
+def check_descriptor(desc: Any) -> None:
+    """Refuse a submitted descriptor whose snapshot the reader would refuse: the
+    manifest's schema (snapd.format), applied before anything is written."""
+    try:
+        _check_descriptor_fields(desc)
+    except CorruptSnapshot as e:
+        raise CorruptSnapshot(f"submitted plan descriptor is malformed, nothing was "
+                              f"written: field {e.field} is refused ({e}). The client "
+                              "and daemon may be of different snapd versions",
+                              field=e.field) from e
+
+
+def _check_descriptor_fields(desc: Any) -> None:
+    where = "descriptor"
+    fmt.need(isinstance(desc, dict) and isinstance(desc.get("objects"), list), where,
+             "objects", "is not a list")
+    fmt.check_header_fields(desc, where)
+    fmt.check_lineage(desc.get("lineage"), where)
+    fmt.check_rng_map(desc.get("rng"), path=where, field="rng")
+    fmt.need(desc.get("cursor") is None or (isinstance(desc["cursor"], dict) and
+             fmt.nests_within(desc["cursor"], fmt.MAX_PLAIN_DEPTH)), where, "cursor",
+             "is neither nil nor a map of bounded depth")
+    names = set()
+    for i, obj in enumerate(desc["objects"]):
+        fmt.need(isinstance(obj, dict) and fmt.is_name(obj.get("name"))
+                 and obj["name"] not in names, where, f"objects[{i}].name",
+                 "is not a unique name")
+        names.add(obj["name"])
+        field = f"objects.{obj['name']}"
+        fmt.need(fmt.is_name(obj.get("type")), where, f"{field}.type", "is not a type name")
+        for key in ("skeleton", "metadata"):
+            if key == "metadata" and obj.get(key) is None:
+                continue
+            fmt.need(isinstance(obj.get(key), bytes), where, f"{field}.{key}", "is not bytes")
+            fmt.check_skeleton(obj[key], path=where, field=f"{field}.{key}")
+        fmt.need(isinstance(obj.get("tensors"), list), where, f"{field}.tensors",
+                 "is not a list")
+        for j, t in enumerate(obj["tensors"]):
+            _check_descriptor_tensor(t, where, f"{field}.tensors[{j}]")
+
+
+def _check_descriptor_tensor(t: Any, where: str, field: str) -> None:
+    fmt.need(isinstance(t, dict) and isinstance(t.get("path"), str), where,
+             f"{field}.path", "is not a string")
+    fmt.need(isinstance(t.get("dtype"), str) and t["dtype"] in ITEMSIZES, where,
+             f"{field}.dtype", "is not a known dtype")
+    shape = t.get("shape")
+    fmt.need(isinstance(shape, list) and len(shape) <= fmt.MAX_DIMS
+             and all(fmt.is_uint(n) for n in shape), where, f"{field}.shape",
+             "is not a list of sizes")
+    fmt.need(fmt.is_uint(t.get("offset")) and fmt.is_uint(t.get("nbytes")), where,
+             f"{field}.offset", "is not a byte count")
+    fmt.need(t.get("device", "cpu") is None or fmt.is_name(t.get("device", "cpu")),
+             where, f"{field}.device", "is not a device name")
+
+
 def tensor_extent(t: Dict[str, Any], size: int) -> Tuple[int, int]:
     """(start, end) of a descriptor tensor within a ``size``-byte slot, checked."""
     if t["dtype"] not in ITEMSIZES:
@@ -100,7 +157,9 @@ def tensor_extent(t: Dict[str, Any], size: int) -> Tuple[int, int]:
 
 
 def from_descriptor(desc: Dict[str, Any], slot: memoryview) -> SnapshotPlan:
-    """Rebuild a plan over a mapped slot; every offset is bounds-checked first."""
+    """Rebuild a plan over a mapped slot; every field is checked first (the schema a
+    reader applies) and every offset bounds-checked."""
+    check_descriptor(desc)
     objects = []
     for obj in desc["objects"]:
         tensors = []

@@ -21,6 +21,7 @@ import xxhash
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot
+from snapd.store import SNAPSHOT_NAME as _SNAPSHOT_NAME
 
 if TYPE_CHECKING:
     import torch
@@ -28,15 +29,78 @@ if TYPE_CHECKING:
 Progress = Optional[Callable[[int], None]]
 
 
-def _open_nofollow(path: str) -> int:
+def open_regular(path: str) -> int:
+    """A read-only descriptor of a regular file, never following a symlink and never
+    blocking: a FIFO or device planted under a snapshot's name would otherwise hang
+    the open (a FIFO waits for a writer) or the read."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as e:
         raise CorruptSnapshot(f"{path}: listed in the manifest but missing",
                               path=path, field="files") from e
     except OSError as e:
-        raise CorruptSnapshot(f"{path}: cannot be opened as a plain file ({e})",
+        raise CorruptSnapshot(f"{path}: cannot be opened as a plain file ({e}); the "
+                              "snapshot is damaged or hostile, use an older one",
                               path=path, field="files") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptSnapshot(f"{path}: not a regular file (a FIFO, device or "
+                              "directory); the snapshot is damaged or hostile, use an "
+                              "older one", path=path, field="files")
+    return fd
+
+
+def read_manifest_bytes(snapshot_dir: str) -> bytes:
+    """The bytes of a snapshot's manifest, size-bounded, from a regular file."""
+    manifest_path = os.path.join(snapshot_dir, fmt.MANIFEST_NAME)
+    fd = open_regular(manifest_path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > fmt.MAX_MANIFEST_BYTES:
+            raise CorruptSnapshot(f"{manifest_path}: {size} bytes, larger than any "
+                                  "manifest snapd writes", path=manifest_path,
+                                  field="size")
+        return os.read(fd, size + 1)
+    finally:
+        os.close(fd)
+
+
+def check_real_directories(snapshot_dir: str) -> None:
+    """The snapshot directory, and in a run layout (``<run>/snapshots/<name>``) its
+    ``snapshots/`` and run directories, are directories, not symlinks: a link would
+    lead reads (and the writer) outside the root."""
+    chain = [snapshot_dir]
+    parent = os.path.dirname(snapshot_dir)
+    if os.path.basename(parent) == "snapshots":
+        chain += [parent, os.path.dirname(parent)]
+    for path in chain:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError as e:
+            raise CorruptSnapshot(f"{path}: no such directory", path=path,
+                                  field="directory") from e
+        if not stat.S_ISDIR(mode):
+            raise CorruptSnapshot(f"{path}: a symlink or other non-directory where a "
+                                  "snapshot directory is expected; snapd never follows "
+                                  "links out of the root. Replace it with the directory "
+                                  "itself", path=path, field="directory")
+
+
+def check_name_matches(snapshot_dir: str, manifest: Dict[str, Any]) -> None:
+    """A directory named as a snapshot must hold the manifest of that step and
+    lineage: the name orders snapshots, the manifest is what is restored."""
+    name = os.path.basename(snapshot_dir)
+    match = _SNAPSHOT_NAME.match(name)
+    if match is None:
+        return  # a copy under another name (an operator's): nothing to compare
+    step, lineage = int(match.group(1)), int(match.group(2) or 0)
+    path = os.path.join(snapshot_dir, fmt.MANIFEST_NAME)
+    found = (manifest["step"], manifest["lineage"].get("id", 0))
+    if found != (step, lineage):
+        raise CorruptSnapshot(f"{path}: fields step/lineage.id are {found[0]}/{found[1]} "
+                              f"but the directory is named {name} (step {step}, lineage "
+                              f"{lineage}); the snapshot was moved or is hostile, use "
+                              "another one", path=path, field="step")
 
 
 class SnapshotReader:
@@ -44,19 +108,12 @@ class SnapshotReader:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        check_real_directories(path)
         manifest_path = os.path.join(path, fmt.MANIFEST_NAME)
-        fd = _open_nofollow(manifest_path)
-        try:
-            size = os.fstat(fd).st_size
-            if size > fmt.MAX_MANIFEST_BYTES:
-                raise CorruptSnapshot(f"{manifest_path}: {size} bytes, larger than any "
-                                      "manifest snapd writes", path=manifest_path,
-                                      field="size")
-            data = os.read(fd, size + 1)
-        finally:
-            os.close(fd)
+        data = read_manifest_bytes(path)
         self.manifest: Dict[str, Any] = fmt.decode_manifest(data, path=manifest_path)
         self._check_file_sizes()
+        self._check_layouts()
 
     @property
     def step(self) -> int:
@@ -83,6 +140,15 @@ class SnapshotReader:
                     f"files[{name!r}].size says {entry['size']} (truncated or "
                     "replaced); use an older snapshot", path=full, field="size")
 
+    def _check_layouts(self) -> None:
+        """Each object's chunks tile its file: checked on open, from the manifest."""
+        align = fmt.chunk_alignment(self.manifest["format"])
+        for obj in self.objects.values():
+            if obj["tensors"]:
+                entry = self.manifest["files"][obj["file"]]
+                _check_tiling(obj["tensors"], entry["size"],
+                              os.path.join(self.path, obj["file"]), align)
+
     def load_object(self, name: str, progress: Progress = None) -> List[torch.Tensor]:
         """Every tensor of one object, on CPU, verified. Raises CorruptSnapshot."""
         obj = self.objects[name]
@@ -93,7 +159,7 @@ class SnapshotReader:
         entry = self.manifest["files"][file_name]
         version = self.manifest["format"]
         _check_tiling(obj["tensors"], entry["size"], full, fmt.chunk_alignment(version))
-        fd = _open_nofollow(full)
+        fd = open_regular(full)
         try:
             header = os.pread(fd, fmt.HEADER_BYTES, 0)
             fmt.check_tensor_file_header(header, path=full, version=version)

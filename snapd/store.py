@@ -20,16 +20,19 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from dataclasses import dataclass
 from typing import List, Optional
 
 from snapd import fsio
+from snapd.errors import SnapdError
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}$")
-_SNAPSHOT_NAME = re.compile(r"^(\d{8,})(?:\.L(\d+))?$")
+SNAPSHOT_NAME = re.compile(r"^(\d{8,})(?:\.L(\d+))?$")
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = ".damaged-"
 POINTERS = ("LATEST", "BEST")
+DIR_MODE = 0o700  # run, snapshots/, log/ and each snapshot directory (docs/format.md)
 
 
 @dataclass(frozen=True, order=True)
@@ -45,7 +48,7 @@ class SnapshotId:
 
     @classmethod
     def parse(cls, name: str) -> Optional["SnapshotId"]:
-        match = _SNAPSHOT_NAME.match(name)
+        match = SNAPSHOT_NAME.match(name)
         if not match:
             return None
         return cls(int(match.group(2) or 0), int(match.group(1)))
@@ -69,8 +72,14 @@ class RunStore:
         self.log_path = os.path.join(self.path, "log")
 
     def ensure(self) -> None:
-        os.makedirs(self.snapshots_path, exist_ok=True)
-        os.makedirs(self.log_path, exist_ok=True)
+        """Create the run's directories, owner-only (0700, narrowed further by the
+        umask); refuse a symlink in their place, which would lead writes outside."""
+        for path in (self.path, self.snapshots_path, self.log_path):
+            os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+            if os.path.islink(path) or not os.path.isdir(path):
+                raise SnapdError(f"{path}: a symlink or non-directory where snapd keeps "
+                                 f"run {self.run!r}; snapd never writes through links out "
+                                 "of the root. Replace it with a directory")
 
     def snapshot_path(self, sid: SnapshotId) -> str:
         return os.path.join(self.snapshots_path, sid.name)
@@ -79,7 +88,7 @@ class RunStore:
         self.ensure()
         path = os.path.join(self.snapshots_path,
                             f"{TMP_PREFIX}{sid.name}-{secrets.token_hex(4)}")
-        os.mkdir(path)
+        os.mkdir(path, DIR_MODE)
         return path
 
     def committed(self) -> List[SnapshotId]:
@@ -94,10 +103,18 @@ class RunStore:
     def read_pointer(self, which: str) -> Optional[SnapshotId]:
         """The snapshot a pointer names, or None if absent or not a snapshot name."""
         try:
-            with open(os.path.join(self.path, which), "r", encoding="ascii") as f:
-                text = f.read(64).strip()
-        except (FileNotFoundError, UnicodeDecodeError):
+            fd = os.open(os.path.join(self.path, which),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # absent, or a symlink: a hint is only a hint
             return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block a read
+                return None
+            text = os.read(fd, 64).decode("ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        finally:
+            os.close(fd)
         return SnapshotId.parse(text)
 
     def write_pointer(self, which: str, sid: SnapshotId) -> None:

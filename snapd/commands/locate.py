@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 from snapd import format as fmt
 from snapd.commands.common import fail, resolve_root, run_dir
 from snapd.errors import CorruptSnapshot
-from snapd.reader import SnapshotReader
+from snapd.reader import SnapshotReader, check_real_directories, read_manifest_bytes
 from snapd.store import TMP_PREFIX, RunStore, SnapshotId
 
 SNAPSHOT_HELP = ("SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), "
@@ -150,16 +150,8 @@ def read_manifest(path: str) -> Dict[str, Any]:
     """The manifest alone (no tensor file is opened or stat'ed), or exit 1."""
     manifest_path = os.path.join(path, fmt.MANIFEST_NAME)
     try:
-        fd = os.open(manifest_path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            size = os.fstat(fd).st_size
-            if size > fmt.MAX_MANIFEST_BYTES:
-                raise CorruptSnapshot(f"{manifest_path}: {size} bytes, larger than any "
-                                      "manifest snapd writes", path=manifest_path)
-            data = os.read(fd, size + 1)
-        finally:
-            os.close(fd)
-        return fmt.decode_manifest(data, path=manifest_path)
+        check_real_directories(path)
+        return fmt.decode_manifest(read_manifest_bytes(path), path=manifest_path)
     except OSError as e:
         fail(f"{manifest_path}: cannot be read ({e.strerror})", 2)
     except CorruptSnapshot as e:

@@ -22,7 +22,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
 from snapd.commands.common import ROOT_HELP, emit_json, resolve_root, run_dir
 from snapd.commands.locate import Located, committed_of, human_bytes, locate
 from snapd.errors import CorruptSnapshot
-from snapd.reader import SnapshotReader
+from snapd.reader import SnapshotReader, check_name_matches
 from snapd.store import RunStore, list_runs
 
 
@@ -34,6 +34,7 @@ def check(loc: Located, advance: Optional[Callable[[int], None]] = None) -> Dict
                               "bytes": None, "error": None, "file": None, "field": None}
     try:
         reader = SnapshotReader(loc.path)
+        check_name_matches(loc.path, reader.manifest)
         result["bytes"] = sum(e["size"] for e in reader.manifest["files"].values())
         for name, entry in reader.objects.items():
             tensors = reader.load_object(name, advance)

@@ -525,7 +525,7 @@ def test_hot_restore_leaves_an_omitted_object_alone(env):
                 {k: v for k, v in own.items() if k.startswith("opt")})
 
 
-def test_a_damaged_hot_copy_and_damaged_files_name_the_objects_written(env):
+def test_a_damaged_hot_copy_and_damaged_files_leave_the_objects_untouched(env):
     committed_step_one(env)
     for hot in hot_segments(env):
         flip_byte(hot, 64)   # inside the model's first tensor
@@ -536,13 +536,15 @@ def test_a_damaged_hot_copy_and_damaged_files_name_the_objects_written(env):
     flip_byte(os.path.join(snapshot, model["file"]), offset + stored - 1)
 
     live_model, live_opt = make_model(seed=123)
+    before = state_of(live_model, live_opt)
     fresh = Client(env.root, env.run)
     fresh.track(model=live_model, optimizer=live_opt)
     with pytest.warns(UserWarning, match="refused"), \
-            pytest.raises(CorruptSnapshot, match=r"read into \['model'\] before it "
-                                                 r"failed its checksum: do not train on"):
+            pytest.raises(CorruptSnapshot, match=r"untouched \(the daemon's copy read "
+                                                 r"into \['model'\] was put back\)"):
         fresh.restore()
     fresh.close()
+    assert_same(state_of(live_model, live_opt), before)  # all or nothing
 
 
 def test_a_failed_write_is_raised_once_from_its_cause(env):
