@@ -172,3 +172,9 @@ class Journal:
                 self.writer.close()
         except OSError as e:
             self._dropped(e, records=0)
+        if self.dropped:  # the one warning was long ago: the total, where it ends
+            warnings.warn(LogWriteWarning(
+                f"{self.store.path}/log: {self.dropped} state-log record(s) were not "
+                f"written (last error: {self.last_error}); snapshots are unaffected, "
+                "but the replay check after a resume cannot cover those steps"),
+                stacklevel=3)

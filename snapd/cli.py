@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 import click
 
 from snapd import __version__
+from snapd.errors import SnapdError
 
 # name: (module under snapd.commands, one-line summary for `snapd --help`)
 COMMANDS: Dict[str, Tuple[str, str]] = {
@@ -38,6 +39,16 @@ class LazyGroup(click.Group):
             return None
         module = importlib.import_module(f"snapd.commands.{COMMANDS[name][0]}")
         return getattr(module, name)
+
+    def invoke(self, ctx: click.Context):
+        """A last net under every command: an error snapd raises on purpose, or one
+        from the filesystem, is one line and exit 1, never a traceback. Commands
+        still catch what they can explain better themselves."""
+        try:
+            return super().invoke(ctx)
+        except (SnapdError, OSError) as e:
+            click.echo(f"snapd: error: {e}", err=True)
+            ctx.exit(1)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):

@@ -175,7 +175,7 @@ class Daemon:
 
     def serve_forever(self) -> int:
         """Run until stopped; returns the exit code. Raises AlreadyServing."""
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.root, mode=0o700, exist_ok=True)  # only when we create it
         self.lock.acquire()
         try:
             self._collect_abandoned()

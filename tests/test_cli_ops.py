@@ -305,3 +305,14 @@ def test_every_command_has_an_example():
     for name in ("ls", "inspect", "verify", "diff", "gc", "export", "plot"):
         result = cli(name, "--help")
         assert result.exit_code == 0 and "Example: snapd " + name in result.output
+
+
+def test_a_filesystem_error_is_one_line_and_exit_1_never_a_traceback(tmp_path):
+    """A run whose snapshots/ is a file: every command that reaches it says so."""
+    (tmp_path / RUN).mkdir()
+    (tmp_path / RUN / "snapshots").write_bytes(b"not a directory")
+    result = CliRunner().invoke(main, ["inspect", f"{RUN}/00000001", "--root",
+                                       str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "Not a directory" in result.output and "snapshots" in result.output
+    assert not isinstance(result.exception, OSError)  # handled, not escaped
