@@ -215,7 +215,6 @@ class Connection:
                 if self.dropped or not self._outbox:
                     return
                 frame = self._outbox.popleft()
-                self._outbox_bytes -= len(frame)
             try:
                 self.sock.sendall(frame)
             except BlockingIOError:   # SO_SNDTIMEO: the peer read nothing meanwhile
@@ -224,6 +223,9 @@ class Connection:
             except OSError:
                 self.drop("cannot be written to")
                 return
+            with self._out_cond:   # counted until sent, so shutdown() can wait for it
+                self._outbox_bytes -= len(frame)
+                self._out_cond.notify_all()
 
     def drop(self, why: str) -> None:
         """Hang up on a peer that does not play its part; serve() then closes."""
@@ -382,8 +384,13 @@ class Connection:
         for arena in self.arenas.values():
             arena.retire(unlink=True)
 
-    def shutdown(self) -> None:
-        """Wake the connection's thread (recv returns EOF) so that it exits."""
+    def shutdown(self, flush_timeout: float = 5.0) -> None:
+        """Wake the connection's thread (recv returns EOF) so that it exits, once the
+        events already queued (a drain's last ``committed``) have gone out, or the
+        peer has had ``flush_timeout`` seconds to read them."""
+        with self._out_cond:
+            self._out_cond.wait_for(lambda: self._outbox_bytes == 0 or self.dropped,
+                                    timeout=flush_timeout)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
