@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import psutil
@@ -67,6 +68,21 @@ def root(tmp_path):
     path = tmp_path / "root"
     path.mkdir()
     return str(path)
+
+
+def trained_root(tmp_path_factory, name: str, train) -> str:
+    """A root that ``train(root)`` filled once: the pristine copy a test module shares."""
+    root = str(tmp_path_factory.mktemp(name) / "root")
+    os.mkdir(root)
+    train(root)
+    return root
+
+
+def private_copy(pristine: str, tmp_path) -> str:
+    """A private copy of a pristine root, free to damage."""
+    path = str(tmp_path / "root")
+    shutil.copytree(pristine, path)
+    return path
 
 
 def outside_listing(root: str) -> list:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from snapd.reader import SnapshotReader
 from snapd.cli import main
 from snapd_client import Client
 
-from conftest import flip_byte
+from conftest import flip_byte, private_copy, trained_root
 
 RUN = "gpt"
 
@@ -45,18 +44,13 @@ def train(root: str, run: str = RUN, steps=(1, 2, 3), snapshot_at=(1, 2)) -> tor
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("ops") / "root")
-    os.mkdir(root)
-    train(root)
-    return root
+    return trained_root(tmp_path_factory, "ops", train)
 
 
 @pytest.fixture
 def root(pristine, tmp_path):
     """A private copy of the trained root, free to damage."""
-    path = str(tmp_path / "root")
-    shutil.copytree(pristine, path)
-    return path
+    return private_copy(pristine, tmp_path)
 
 
 def cli(*args: str):

@@ -19,7 +19,7 @@ import msgpack
 import pytest
 import torch
 
-from conftest import flip_byte, read_manifest, write_manifest_raw
+from conftest import flip_byte, private_copy, read_manifest, trained_root, write_manifest_raw
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, IncompatibleState
 from snapd.reader import SnapshotReader
@@ -74,17 +74,12 @@ def run_workers(jobs: list, workers: int = 2) -> dict:
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("hostile") / "root")
-    os.mkdir(root)
-    train(root)
-    return root
+    return trained_root(tmp_path_factory, "hostile", train)
 
 
 @pytest.fixture
 def root(pristine, tmp_path):
-    path = str(tmp_path / "root")
-    shutil.copytree(pristine, path)
-    return path
+    return private_copy(pristine, tmp_path)
 
 
 def snap(root: str, name: str = "00000002") -> str:
