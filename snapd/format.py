@@ -307,7 +307,7 @@ def _check_chunk(chunk: Any, file_size: int, path: str, field: str) -> int:
 
 # --- skeletons --------------------------------------------------------------------
 
-_EXT_CONTAINERS = (2, 5, 7)  # tuple, numpy scalar, ordered map: msgpack inside (client/state.py)
+_EXT_CONTAINERS = (2, 5, 7)  # tuple, numpy scalar, ordered map: msgpack inside (snapd_client/state.py)
 
 
 def check_skeleton(data: bytes, *, path: str, field: str) -> None:
