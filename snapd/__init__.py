@@ -4,6 +4,7 @@ The training process imports :mod:`snapd_client`; this package holds the on-disk
 format, the state log, the store and the writer, which both sides share.
 """
 
+from snapd import logs as _logs  # noqa: F401  (the stderr handler of snapd's loggers)
 from snapd.errors import (
     CorruptLog,
     CorruptSnapshot,

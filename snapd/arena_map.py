@@ -36,8 +36,8 @@ import psutil
 
 from snapd import fsio
 from snapd.errors import SnapdError
+from snapd.names import SHM_DIR, arena_prefix, hot_prefix
 
-SHM_DIR = "/dev/shm"
 PREPARE_WAIT = 30.0  # at most this long for a spare being made, then make another
 _SHM_NAME = re.compile(r"^snapd-[A-Za-z0-9_.-]+$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -52,11 +52,6 @@ def validate_shm_name(name: Any) -> str:
         raise SnapdError(f"shared-memory name {name!r} refused: it must match "
                          "snapd-[A-Za-z0-9_.-]+ (a plain name under /dev/shm)")
     return name
-
-
-def arena_prefix(pid: int) -> str:
-    """The name prefix of the arenas process ``pid`` (of our uid) may attach."""
-    return f"snapd-{os.getuid()}-{pid}-"
 
 
 def check_arena_owner(name: str, pid: int) -> str:
@@ -227,12 +222,12 @@ class HotCache:
         # The nonce starts with the daemon's pid, so that a later daemon can tell
         # the copies of a dead (SIGKILLed) one from a live one's: see reclaim_orphans.
         safe_run = _UNSAFE.sub("_", run)
-        return (f"snapd-hot-{os.getuid()}-{safe_run}-{rank}-"
+        return (f"{hot_prefix()}{safe_run}-{rank}-"
                 f"{os.getpid()}x{secrets.token_hex(4)}")
 
     def reclaim_orphans(self) -> int:
         """Unlink hot copies of this uid whose daemon is dead; returns how many."""
-        prefix, removed = f"snapd-hot-{os.getuid()}-", 0
+        prefix, removed = hot_prefix(), 0
         try:
             names = [n for n in os.listdir(self.shm_dir) if n.startswith(prefix)]
         except OSError:

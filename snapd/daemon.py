@@ -40,6 +40,7 @@ import psutil
 from snapd import diskguard, protocol as p, retention
 from snapd.arena_map import HotCache, reclaim_dead_arenas, used_bytes
 from snapd.errors import SnapdError
+from snapd.names import ROOT_LOCK_NAME
 from snapd.options import Options
 from snapd.server import Server, Submission
 from snapd.store import RunStore, list_runs
@@ -56,7 +57,7 @@ class RootLock:
     """``<root>/.snapd.lock``: an exclusive flock, with the holder's pid inside."""
 
     def __init__(self, root: str) -> None:
-        self.path = os.path.join(root, ".snapd.lock")
+        self.path = os.path.join(root, ROOT_LOCK_NAME)
         self._fd: Optional[int] = None
 
     def acquire(self) -> None:

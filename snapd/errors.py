@@ -5,42 +5,68 @@
     SnapdError
     ├── CorruptSnapshot      (ValueError)    a snapshot's files fail verification
     ├── IncompatibleState    (ValueError)    a snapshot does not fit the tracked objects
+    │   └── MissingRngStream                 it lacks an RNG stream this host has
     ├── UnsupportedState     (TypeError)     a state leaf cannot be stored without pickle
     ├── CorruptLog           (ValueError)    a state-log segment header is unreadable
     ├── ReplayDivergence     (RuntimeError)  a recomputed step differs from the old log
     ├── SnapshotFailed       (RuntimeError)  a background snapshot did not commit
+    ├── SnapshotExists       (FileExistsError) another history holds the snapshot's name
     ├── InsufficientSpace    (OSError)       the root's disk cannot hold the snapshot
     ├── DaemonUnavailable    (ConnectionError) no daemon answers for the root
     │   └── DaemonStartFailed                  the daemon started for the root exited
-    └── RunInUse             (RuntimeError)  another process writes this run and rank
+    ├── AlreadyServing       (RuntimeError)  another daemon holds the root's lock
+    ├── ProtocolError        (ValueError)    a peer sent a frame or message that is invalid
+    ├── RunInUse             (RuntimeError)  another process writes this run and rank
+    └── UnknownOption        (TypeError)     an option name snapd does not have
 
 Every message names the file (or object) and the field at fault and says what to do
-next. Each error also subclasses the built-in it most resembles, so callers that
-already catch ``ValueError`` or ``OSError`` keep working.
+next; the file and the field are also attributes (``path``, ``field``, None where
+they do not apply), and they cross the daemon's socket with the error
+(``to_wire``/``from_wire``), so a trainer catches the same class with the same fields
+the daemon raised. Each error also subclasses the built-in it most resembles, so
+callers that already catch ``ValueError`` or ``OSError`` keep working.
 """
 
 from __future__ import annotations
 
+import builtins
+from typing import Any, Dict, Optional
+
 
 class SnapdError(Exception):
-    """Base of every error snapd raises on purpose."""
+    """Base of every error snapd raises on purpose.
+
+    ``path``: the file or directory at fault; ``field``: the field in it (a manifest
+    key, a state-dict path, an option name); either may be None.
+    """
+
+    def __init__(self, message: str = "", *, path: Optional[str] = None,
+                 field: Optional[str] = None):
+        super().__init__(message)
+        self.path = None if path is None else str(path)
+        self.field = field
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def wire_fields(self) -> Dict[str, Any]:
+        """The extra fields this error carries across the socket (plain values)."""
+        return {}
 
 
 class CorruptSnapshot(SnapdError, ValueError):
     """A snapshot (or a file in it) fails verification: size, checksum, structure."""
 
-    def __init__(self, message: str, *, path: str | None = None, field: str | None = None):
-        super().__init__(message)
-        self.path = path
-        self.field = field
-
 
 class IncompatibleState(SnapdError, ValueError):
     """A verified snapshot does not fit what the program tracks now."""
 
-    def __init__(self, message: str, *, field: str | None = None):
-        super().__init__(message)
-        self.field = field
+
+class MissingRngStream(IncompatibleState):
+    """The snapshot lacks an RNG stream this process has (a CPU snapshot resumed on a
+    GPU host, say). Every snapshot of the run lacks it too, so restore does not fall
+    back through them: it stops and says how to resume anyway."""
 
 
 class UnsupportedState(SnapdError, TypeError):
@@ -55,14 +81,23 @@ class CorruptLog(SnapdError, ValueError):
 class ReplayDivergence(SnapdError, RuntimeError):
     """A recomputed step does not match the record the interrupted run logged."""
 
-    def __init__(self, message: str, *, step: int, cause: str):
-        super().__init__(message)
+    def __init__(self, message: str = "", *, step: int = -1, cause: str = "",
+                 path: Optional[str] = None, field: Optional[str] = None):
+        super().__init__(message, path=path, field=field)
         self.step = step
         self.cause = cause
+
+    def wire_fields(self) -> Dict[str, Any]:
+        return {"step": self.step, "cause": self.cause}
 
 
 class SnapshotFailed(SnapdError, RuntimeError):
     """A snapshot handed to the writer did not commit."""
+
+
+class SnapshotExists(SnapdError, FileExistsError):
+    """The snapshot's directory name is held by a committed snapshot of another
+    history (lineage or rank); it is never overwritten."""
 
 
 class InsufficientSpace(SnapdError, OSError):
@@ -73,15 +108,77 @@ class DaemonUnavailable(SnapdError, ConnectionError):
     """No daemon answers for this root, or it stopped answering."""
 
 
+class DaemonStartFailed(DaemonUnavailable):
+    """The daemon a client started could not serve the root (its log says why)."""
+
+
+class AlreadyServing(SnapdError, RuntimeError):
+    """Another daemon holds the root's lock (``path``: the lock file)."""
+
+
+class ProtocolError(SnapdError, ValueError):
+    """A peer sent something that is not a valid frame or message."""
+
+
 class RunInUse(SnapdError, RuntimeError):
     """Another live client holds the writer lock of this run and rank."""
 
-    def __init__(self, message: str, *, path: str | None = None,
-                 holder: int | None = None):
-        super().__init__(message)
-        self.path = path
+    def __init__(self, message: str = "", *, path: Optional[str] = None,
+                 holder: Optional[int] = None, field: Optional[str] = None):
+        super().__init__(message, path=path, field=field)
         self.holder = holder
 
+    def wire_fields(self) -> Dict[str, Any]:
+        return {"holder": self.holder}
 
-class DaemonStartFailed(DaemonUnavailable):
-    """The daemon a client started could not serve the root (its log says why)."""
+
+class UnknownOption(SnapdError, TypeError):
+    """An option name that snapd does not have (a typo); the message lists the known
+    ones and the nearest match."""
+
+
+# --- across the socket ------------------------------------------------------------
+
+def to_wire(error: BaseException) -> Dict[str, Any]:
+    """An error as the plain fields a reply carries: class name, message, fields."""
+    wire: Dict[str, Any] = {"kind": type(error).__name__, "message": str(error)}
+    if isinstance(error, SnapdError):
+        wire.update(path=error.path, field=error.field, extra=error.wire_fields())
+    elif isinstance(error, OSError):
+        wire.update(path=error.filename, errno=error.errno, strerror=error.strerror)
+    return wire
+
+
+_EXTRA_KEYS = {"step", "cause", "holder"}
+
+
+def from_wire(wire: Dict[str, Any]) -> BaseException:
+    """The exception a reply's error fields name, with its fields back.
+
+    Only classes are looked up by name, in two fixed places (this module's snapd
+    errors, then Python's built-in exceptions); nothing is executed. An unknown kind
+    becomes a plain ``SnapdError`` whose message names it.
+    """
+    kind = str(wire.get("kind", "SnapdError"))
+    message = str(wire.get("message", ""))
+    path, field = wire.get("path"), wire.get("field")
+    cls = globals().get(kind)
+    if isinstance(cls, type) and issubclass(cls, SnapdError):
+        extra = wire.get("extra") if isinstance(wire.get("extra"), dict) else {}
+        kwargs = {k: v for k, v in extra.items() if k in _EXTRA_KEYS}
+        try:
+            return cls(message, path=path if isinstance(path, str) else None,
+                       field=field if isinstance(field, str) else None, **kwargs)
+        except TypeError:  # extra fields of another version: keep the class's message
+            return cls(message)
+    builtin = getattr(builtins, kind, None)
+    if isinstance(builtin, type) and issubclass(builtin, Exception):
+        errno = wire.get("errno")
+        if issubclass(builtin, OSError) and isinstance(errno, int):
+            strerror = str(wire.get("strerror") or message)
+            if isinstance(path, str):
+                return builtin(errno, strerror, path)
+            return builtin(errno, strerror)
+        return builtin(message)
+    return SnapdError(f"{kind}: {message}", path=path if isinstance(path, str) else None,
+                      field=field if isinstance(field, str) else None)

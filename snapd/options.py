@@ -16,6 +16,12 @@ from typing import Any, Mapping, Optional, Union
 Compression = Union[str, int]  # "off", "auto", or a zstd level 1..22
 
 
+# The options a client sends with each submit: the run's writer and retention
+# settings, which the daemon applies to that run's snapshots only.
+SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
+                  "best_mode", "hot_restore")
+
+
 @dataclass(frozen=True)
 class Options:
     """Tunables of the client, the writer and the daemon."""

@@ -27,7 +27,7 @@ PROTOCOL_VERSION = 1
 MAX_FRAME = 64 << 20
 RECV_PIECE = 1 << 20   # a frame's buffer grows with the bytes that really arrive
 _LEN = struct.Struct("<I")
-SOCKET_NAME = ".snapd.sock"
+from snapd.names import SOCKET_NAME  # noqa: F401  (re-exported: protocol.SOCKET_NAME)
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 
 

@@ -33,6 +33,7 @@ from typing import Dict, Optional
 import psutil
 
 from snapd.errors import RunInUse
+from snapd.names import writer_lock_name
 
 ORPHAN_WAIT = 10.0   # seconds to wait for the children of a dead holder to exit
 _POLL = 0.05
@@ -42,7 +43,7 @@ _held_lock = threading.Lock()
 
 
 def lock_path(run_path: str, rank: int) -> str:
-    return os.path.join(run_path, f".writer-{rank:05d}.lock")
+    return os.path.join(run_path, writer_lock_name(rank))
 
 
 def _close_in_child() -> None:

@@ -33,15 +33,13 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 from snapd import protocol as p
 from snapd.arena_map import Arena, check_arena_owner
 from snapd.errors import SnapdError
-from snapd.options import Options
+from snapd.options import SUBMIT_OPTIONS, Options
 from snapd.plan import SnapshotPlan, from_descriptor
 from snapd.store import check_run_name
 
 _CRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 _OBJECT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
 OUTBOX_BYTES = 4 << 20   # replies and events a peer may leave unread before it is dropped
-SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
-                  "best_mode", "hot_restore")
 
 
 def peer_allowed(peer_uid: int, own_uid: int) -> bool:

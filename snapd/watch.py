@@ -35,7 +35,7 @@ from snapd.commands.common import age
 from snapd.recovery import RecoveryPlan, plan_recovery
 from snapd.store import RunStore, list_runs
 
-SOCKET_NAME, LOCK_NAME = proto.SOCKET_NAME, ".snapd.lock"
+from snapd.names import ROOT_LOCK_NAME as LOCK_NAME, SOCKET_NAME  # noqa: E402
 TAIL_BUDGET = 1024     # records read per rank and refresh, newest first
 SPARK_POINTS = 24      # losses in the sparkline
 STALL_SAMPLES = 32     # staged records the stall statistics cover

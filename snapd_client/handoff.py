@@ -41,7 +41,7 @@ import torch
 from snapd import protocol as proto
 from snapd.format import dtype_name
 from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
-from snapd.options import Options
+from snapd.options import SUBMIT_OPTIONS, Options
 from snapd.plan import SnapshotPlan, TensorSource, to_descriptor
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
@@ -52,8 +52,6 @@ from snapd_client.hot import HotSource
 from snapd_client.staging import Arena, layout, nbytes_of, slot_size_for
 
 Sources = Sequence[Sequence[Tuple[str, torch.Tensor]]]
-SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
-                  "best_mode", "hot_restore")
 
 
 def copy_order(tensors: Sequence[torch.Tensor], offsets: Sequence[int],

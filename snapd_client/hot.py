@@ -35,16 +35,16 @@ import xxhash
 
 from snapd import format as fmt
 from snapd.errors import SnapdError
+from snapd.names import SHM_DIR, SHM_PREFIX
 from snapd.plan import tensor_extent
 from snapd.reader import SnapshotReader
 
-SHM_DIR = "/dev/shm"
 PIECE_BYTES = 4 << 20  # read, then hashed while still in cache
 MAX_READERS = 4
 
 
 def _open_segment(name: str) -> int:
-    if "/" in name or not name.startswith("snapd-"):
+    if "/" in name or not name.startswith(SHM_PREFIX):
         raise SnapdError(f"hot segment name {name!r} is not a snapd segment")
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
     st = os.fstat(fd)

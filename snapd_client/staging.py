@@ -48,8 +48,8 @@ import torch
 
 from snapd.errors import InsufficientSpace, SnapdError
 from snapd.format import CHUNK_ALIGN, align_up
+from snapd.names import SHM_DIR, arena_prefix
 
-SHM_DIR = "/dev/shm"
 ALIGN = 64                # every tensor
 BLOCK_ALIGN = CHUNK_ALIGN  # tensors of a block or more: direct I/O from the slot
 SLOT_ROUND = 2 << 20  # slots grow in 2 MiB steps (huge-page friendly, few regrowths)
@@ -120,7 +120,7 @@ class Arena:
         self.slot_bytes = align_up(max(slot_bytes, 1), mmap.PAGESIZE)
         self.slots = slots
         self.size = self.slot_bytes * slots
-        self.name = f"snapd-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.name = f"{arena_prefix(os.getpid())}{secrets.token_hex(4)}"
         self.path = os.path.join(SHM_DIR, self.name)
         self._map = self._create()
         self._u8: Optional[torch.Tensor] = torch.frombuffer(self._map, dtype=torch.uint8)
