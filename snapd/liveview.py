@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import statistics
 import threading
 import time
@@ -31,11 +30,12 @@ from rich.table import Table
 from rich.text import Text
 
 from snapd import protocol as proto, statelog
+from snapd.peer import Peer
 from snapd.recovery import RunProgress, read_progress
+from snapd.names import ROOT_LOCK_NAME as LOCK_NAME, SOCKET_NAME
 from snapd.store import RunStore, list_runs
 from snapd.text import age, number, si_bytes
 
-from snapd.names import ROOT_LOCK_NAME as LOCK_NAME, SOCKET_NAME  # noqa: E402
 TAIL_BUDGET = 1024     # records read per rank and refresh, newest first
 SPARK_POINTS = 24      # losses in the sparkline
 STALL_SAMPLES = 32     # staged records the stall statistics cover
@@ -47,41 +47,28 @@ _PROCESSES: Dict[int, psutil.Process] = {}   # cpu_percent needs the same object
 # --- the daemon --------------------------------------------------------------------
 
 class DaemonProbe:
-    """A status-only connection to the root's daemon, reopened when lost."""
+    """A status-only connection to the root's daemon, reopened when lost. Never starts
+    a daemon; events on the connection are skipped."""
 
     def __init__(self, root: str, timeout: float = 2.0) -> None:
         self.root, self.timeout = root, timeout
-        self.path = os.path.join(root, SOCKET_NAME)
-        self._sock: Optional[socket.socket] = None
-        self._ids = iter(range(1, 1 << 62))
-
-    def _request(self, message: Any) -> Dict[str, Any]:
-        rid = next(self._ids)
-        proto.send(self._sock, message, id=rid)
-        while True:                       # skip events: they carry no "re"
-            data = proto.recv(self._sock)
-            if data.get("re") == rid:
-                return data
+        self._peer: Optional[Peer] = None
 
     def status(self) -> Optional[Dict[str, Any]]:
         """The daemon's status map, or None when no daemon answers."""
         try:
-            if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._sock.settimeout(self.timeout)
-                with proto.socket_address(self.root) as address:
-                    self._sock.connect(address)
-                self._request(proto.Hello(proto.PROTOCOL_VERSION, os.getpid(), "", 0))
-            reply = self._request(proto.Status())
+            if self._peer is None:   # DaemonUnavailable (none listens) is an OSError
+                self._peer = Peer.open(self.root, timeout=self.timeout, keep_events=False)
+            reply = self._peer.request(proto.Status())
             return reply.get("status") if reply.get("op") == "status_reply" else None
         except (OSError, EOFError, proto.ProtocolError):
             self.close()
             return None
 
     def close(self) -> None:
-        self._sock, sock = None, self._sock
-        if sock is not None:
-            sock.close()
+        self._peer, peer = None, self._peer
+        if peer is not None:
+            peer.close()
 
 
 def _lock_holder(root: str) -> Optional[Dict[str, Any]]:
