@@ -3,6 +3,7 @@ reading a snapshot (exiting with the reason when it cannot be read)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -42,6 +43,16 @@ def emit_json(data: Any) -> None:
 def fail(message: str, code: int = 1) -> NoReturn:
     click.echo(f"snapd: error: {message}", err=True)
     sys.exit(code)
+
+
+def optional_import(module: str, command: str, extra: str) -> Any:
+    """A module only one command needs, declared as the extra ``snapd[extra]``; when it
+    is not installed, exit 1 with the line that installs it, not a traceback."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        fail(f"snapd {command} needs {module.split('.')[0]}: "
+             f"pip install 'snapd[{extra}]'", 1)
 
 
 # --- reading a snapshot ------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import click
 import torch
 
-from snapd.commands.common import ROOT_HELP, fail, open_reader, state_leaves
+from snapd.commands.common import ROOT_HELP, fail, open_reader, optional_import, state_leaves
 from snapd.commands.locate import locate
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
@@ -127,8 +127,7 @@ def export(snapshot: str, fmt: str, output: str, wanted: Optional[str],
 
     Example: snapd export gpt-small@best -o gpt-small.safetensors --root checkpoints
     """
-    from safetensors.torch import save_file
-
+    save_file = optional_import("safetensors.torch", "export", "export").save_file
     loc = locate(snapshot, root)
     reader = open_reader(loc.path)
     name = choose_object(reader, wanted)
