@@ -63,9 +63,9 @@ def build_log(root: Path, n: int) -> float:
 
 
 def _plan(run_dir: Path, stats: IOStats):
-    from snapd.recovery import plan_recovery
+    from snapd.recovery import read_progress
     from snapd.store import RunStore
-    plan = plan_recovery(RunStore(str(run_dir.parent), run_dir.name), 0)
+    plan = read_progress(RunStore(str(run_dir.parent), run_dir.name), 0)
     stats.bytes_read += plan.bytes_read
     return plan
 
@@ -136,7 +136,7 @@ def main() -> None:
                 big, 0, random.randrange(args.records), stats=s),
             "plan = find_last(snapshot) + read_tail(100)": lambda s: (
                 find_last(big, 0, "snapshot", stats=s), read_tail(big, 0, 100, stats=s)),
-            "plan_recovery (what restore() and snapd status run)": lambda s: _plan(big, s),
+            "read_progress (what restore() and snapd status run)": lambda s: _plan(big, s),
         }
         for name, fn in probes.items():
             ms, nbytes = timed(fn)

@@ -31,7 +31,7 @@ import xxhash
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from snapd.recovery import plan_recovery
+from snapd.recovery import read_progress
 from snapd.store import RunStore
 from snapd_client import Client
 
@@ -218,7 +218,7 @@ def story(steps: int, every: int, kill_at: int, keep: str | None) -> int:
     for key in reference:
         mark = "equal" if key not in differ else "DIFFERENT"
         print(f"   {key:10s} {mark:9s} {resumed[key]}")
-    replay = plan_recovery(RunStore(root, "interrupted")).last_replay or {}
+    replay = read_progress(RunStore(root, "interrupted")).last_replay or {}
     print(f"   replay check of the recomputed steps {replay.get('from')}..{replay.get('to')}: "
           f"{replay.get('verdict')} ({replay.get('checked')} steps compared with the log)")
     if replay.get("verdict") != "match":

@@ -86,8 +86,10 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-class Arena:
-    """One mapped client arena: ``slots`` equal slots and which of them are busy."""
+class MappedArena:
+    """One client arena as the daemon maps it: ``slots`` equal slots and which of them
+    are busy. (The client's side, which creates and fills the arena, is
+    ``snapd_client.staging.Arena``.)"""
 
     def __init__(self, name: str, size: int, slots: int, *, shm_dir: str = SHM_DIR):
         self.name = validate_shm_name(name)

@@ -307,7 +307,17 @@ def _check_chunk(chunk: Any, file_size: int, path: str, field: str) -> int:
 
 # --- skeletons --------------------------------------------------------------------
 
-_EXT_CONTAINERS = (2, 5, 7)  # tuple, numpy scalar, ordered map: msgpack inside (snapd_client/state.py)
+# The skeleton's extension codes (docs/format.md, "Skeleton extension types"). They are
+# defined here, beside the scanner that must know which ones hold msgpack; the codec
+# that gives them meaning is snapd/skeleton.py.
+EXT_TENSOR = 1     # u32 index into the object's tensor list
+EXT_TUPLE = 2      # msgpack array of the items
+EXT_DTYPE = 3      # dtype name, utf-8
+EXT_NDARRAY = 4    # u32 index; the tensor comes back as a numpy array
+EXT_NPSCALAR = 5   # msgpack [dtype name, raw bytes]
+EXT_DEVICE = 6     # device string, utf-8
+EXT_ORDERED = 7    # msgpack array of [key, value] pairs (OrderedDict, order kept)
+_EXT_CONTAINERS = (EXT_TUPLE, EXT_NPSCALAR, EXT_ORDERED)  # msgpack inside
 
 
 def check_skeleton(data: bytes, *, path: str, field: str) -> None:
@@ -322,7 +332,8 @@ def check_skeleton(data: bytes, *, path: str, field: str) -> None:
     try:
         first = data[0] if data else None
         is_container = first is not None and (
-            0x80 <= first <= 0x9f or first in _COUNTED or _ext_code_at(data, 0) in (2, 7))
+            0x80 <= first <= 0x9f or first in _COUNTED
+            or _ext_code_at(data, 0) in (EXT_TUPLE, EXT_ORDERED))
         need(is_container, path, field, "is not a map or an array")
         end = _scan(data, 0, 0, path, field)
     except (IndexError, struct.error) as e:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from contextlib import closing
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -24,20 +23,16 @@ from snapd.errors import CorruptLog
 from snapd.fsio import fsync_dir, write_all
 from snapd.statelog import (
     HEADER_SIZE,
-    IOStats,
     LogDamageWarning,
-    _encode_record,
-    _is_step,
-    _records,
-    _records_backward,
-    _segment_frames,
-    _Segment,
-    _warn_torn,
     encode_frame,
     encode_header,
+    encode_record,
     list_segments,
     rank_dir,
+    scan_segment,
     segment_seed,
+    tail_state,
+    warn_torn,
 )
 
 
@@ -76,22 +71,17 @@ class LogWriter:
         if not (paths := list_segments(self.run_dir, self.rank)):
             return
         try:
-            seg = _Segment(paths[-1], IOStats(), self.rank)
+            tail = tail_state(paths[-1], self.rank)
         except CorruptLog as e:  # bad header: its frames cannot be trusted, none copied
             self._seq = int(paths[-1].name.split(".")[0])
             self._move_aside(paths[-1], f"header field '{e.field}' is bad")
             return
-        with seg:
-            report = seg.tail()[2]
-            with closing(_records_backward(seg)) as back:
-                self._last_step = next((r["step"] for _, r in back if _is_step(r)),
-                                       seg.first_step)
-            self._seq, self._seed = seg.seq, seg.seed
-            damaged = sorted(seg.damaged)
-        if damaged:
-            self._replace_damaged(paths[-1], damaged)
+        self._last_step, self._seq, self._seed = tail.last_step, tail.seq, tail.seed
+        if tail.damaged:
+            self._replace_damaged(paths[-1], tail.damaged)
             return
-        _warn_torn(report)
+        report = tail.report
+        warn_torn(report)
         self._fd = os.open(paths[-1], os.O_WRONLY | os.O_APPEND)
         try:
             if report.torn_at is not None:
@@ -108,10 +98,9 @@ class LogWriter:
         """Damage before the tail of the segment we would append to: move it aside and
         copy its valid records into a new segment, so that the live segment is clean
         and no valid record (the replay check needs the old steps) is lost."""
-        with _Segment(path, IOStats(), self.rank) as seg:
-            with warnings.catch_warnings():  # the damage was reported once already
-                warnings.simplefilter("ignore", LogDamageWarning)
-                valid = [r for _, r in _records(seg, _segment_frames(seg, drop=True))]
+        with warnings.catch_warnings():  # the damage was reported once already
+            warnings.simplefilter("ignore", LogDamageWarning)
+            valid, _ = scan_segment(path, rank=self.rank)
         self._move_aside(path, f"damaged at offset {damaged[0]}")
         self._last_step = None
         if valid:
@@ -132,7 +121,7 @@ class LogWriter:
     def append(self, record: dict) -> None:
         """Frame ``record`` and hand it to the kernel in one write; it is durable after
         the next flush, ``sync()`` or ``close()``."""
-        payload, step = _encode_record(record)
+        payload, step = encode_record(record)
         with self._lock:
             self._check_open()
             self._admit(len(payload) + 12, step)
@@ -146,7 +135,7 @@ class LogWriter:
             self._check_open()
             try:
                 for record in records:
-                    payload, step = _encode_record(record)
+                    payload, step = encode_record(record)
                     if pending and self._must_rotate(len(payload) + 12, step, len(pending)):
                         self._write(pending)  # the rest of the old segment
                         pending.clear()

@@ -1,4 +1,4 @@
-"""Recovery planning from the state log and the pointers, without a tensor file.
+"""A run's progress, read from the state log and the pointers without a tensor file.
 
 A restarting trainer, ``snapd status`` and ``snapd watch`` all ask the same questions:
 how far did training get, what is the last committed snapshot, how many updates are
@@ -6,11 +6,11 @@ at risk, what happened at the last resume. The answers come from the tail of eac
 rank's log (bounded reads, see statelog) and from LATEST plus one manifest, so they
 cost milliseconds whatever the length of the run.
 
-Why planning never fails on the log: resuming needs a snapshot, and the snapshot is
-chosen from the snapshot directories and LATEST. The log only adds how far training
-got and the records the replay check compares, so a damaged log yields a plan from its
-valid records, with the damage listed in ``log_damage`` (and warned about by the
-readers), never an error.
+Why reading progress never fails on the log: resuming needs a snapshot, and the
+snapshot is chosen from the snapshot directories and LATEST. The log only adds how far
+training got and the records the replay check compares, so a damaged log yields a
+report from its valid records, with the damage listed in ``log_damage`` (and warned
+about by the readers), never an error. It is a report, not a plan: restore decides.
 """
 
 from __future__ import annotations
@@ -22,22 +22,14 @@ from snapd import statelog
 from snapd.store import RunStore, SnapshotId
 
 
-def _is(kind: str, event: Optional[str] = None):
-    return lambda r: r.get("kind") == kind and (event is None or r.get("event") == event)
-
-
-def _is_step(record: Dict[str, Any]) -> bool:
-    """A step record whose step is an int: others (a hostile edit) are not planned on."""
-    return record.get("kind") == "step" and type(record.get("step")) is int
-
-
 def _number(value: Any) -> Optional[float]:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 @dataclass
-class RecoveryPlan:
-    """What the log and pointers say about one (run, rank)."""
+class RunProgress:
+    """What the log and pointers say about one (run, rank): how far it got, what is
+    committed, what is at risk, the last resume and replay."""
 
     run: str
     rank: int
@@ -85,7 +77,7 @@ def _rate(records: List[Dict[str, Any]]) -> Optional[float]:
     return (steps[-1]["step"] - steps[0]["step"]) / (steps[-1]["time"] - steps[0]["time"])
 
 
-def plan_recovery(store: RunStore, rank: int = 0) -> RecoveryPlan:
+def read_progress(store: RunStore, rank: int = 0) -> RunProgress:
     """Read the log tail and LATEST of one rank; never opens a tensor file.
 
     One backward pass, which stops at the newest committed-snapshot record: that record
@@ -93,31 +85,31 @@ def plan_recovery(store: RunStore, rank: int = 0) -> RecoveryPlan:
     logged since the last commit (plus a short tail for the step rate), never the log.
     """
     stats = statelog.IOStats()
-    plan = RecoveryPlan(store.run, rank)
+    progress = RunProgress(store.run, rank)
     latest = store.read_pointer("LATEST")
-    plan.latest = latest.name if latest else None
+    progress.latest = latest.name if latest else None
     steps: List[Dict[str, Any]] = []
     for i, record in enumerate(statelog.newest_first(store.path, rank, stats)):
         kind = record.get("kind")
-        if _is_step(record) and len(steps) < 64:
+        if statelog.is_step(record) and len(steps) < 64:
             steps.append(record)
-        elif kind == "resume" and plan.last_resume is None:
-            plan.last_resume = record
-        elif kind == "replay" and plan.last_replay is None:
-            plan.last_replay = record
+        elif kind == "resume" and progress.last_resume is None:
+            progress.last_resume = record
+        elif kind == "replay" and progress.last_replay is None:
+            progress.last_replay = record
         elif kind == "snapshot" and record.get("event") == "committed" \
-                and plan.last_committed is None:
-            plan.last_committed = record
-            plan.last_resume = plan.last_resume or _map(record.get("last_resume"))
-            plan.last_replay = plan.last_replay or _map(record.get("last_replay"))
-        if plan.last_committed is not None and (len(steps) >= 64 or i > 256):
+                and progress.last_committed is None:
+            progress.last_committed = record
+            progress.last_resume = progress.last_resume or _map(record.get("last_resume"))
+            progress.last_replay = progress.last_replay or _map(record.get("last_replay"))
+        if progress.last_committed is not None and (len(steps) >= 64 or i > 256):
             break
     if steps:
-        plan.reached, plan.reached_time = steps[0]["step"], _number(steps[0].get("time"))
-        plan.last_scalars = _map(steps[0].get("scalars")) or {}
-    plan.steps_per_s = _rate(steps[::-1])
-    plan.bytes_read, plan.log_damage = stats.bytes_read, list(stats.damage)
-    return plan
+        progress.reached, progress.reached_time = steps[0]["step"], _number(steps[0].get("time"))
+        progress.last_scalars = _map(steps[0].get("scalars")) or {}
+    progress.steps_per_s = _rate(steps[::-1])
+    progress.bytes_read, progress.log_damage = stats.bytes_read, list(stats.damage)
+    return progress
 
 
 def _map(value: Any) -> Optional[Dict[str, Any]]:
@@ -133,7 +125,7 @@ def expected_steps(store: RunStore, rank: int, after: int, upto: int) -> Dict[in
     """
     found: Dict[int, Dict] = {}
     for record in statelog.newest_first(store.path, rank):
-        if not _is_step(record):
+        if not statelog.is_step(record):  # a step that is no int (a hostile edit) too
             continue
         step = record["step"]
         if step <= after:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 from snapd import protocol as p
-from snapd.arena_map import Arena, check_arena_owner
+from snapd.arena_map import MappedArena, check_arena_owner
 from snapd.errors import SnapdError
 from snapd.options import SUBMIT_OPTIONS, Options
 from snapd.plan import SnapshotPlan, from_descriptor
@@ -103,7 +103,7 @@ class Submission:
     """One accepted snapshot: its plan over a slot the daemon owns until released."""
 
     conn: "Connection"
-    arena: Arena
+    arena: MappedArena
     slot: int
     view: memoryview
     plan: SnapshotPlan
@@ -164,7 +164,7 @@ class Connection:
         self.handler = handler
         self.peer_pid = peer_pid   # SO_PEERCRED's, not what hello claims
         self.pid, self.run, self.rank = peer_pid, "", 0
-        self.arenas: Dict[Tuple[str, int], Arena] = {}
+        self.arenas: Dict[Tuple[str, int], MappedArena] = {}
         self.order_lock = threading.Lock()   # a submit's accepted before its events
         self.closed = False
         self.finished = False   # the client said bye: everything resolved, clean exit
@@ -319,7 +319,7 @@ class Connection:
 
     def _on_attach(self, m: p.Attach, rid: int) -> Any:
         _check_run(m.run, m.rank)
-        arena = Arena(check_arena_owner(m.shm, self.peer_pid), m.size, m.slots)
+        arena = MappedArena(check_arena_owner(m.shm, self.peer_pid), m.size, m.slots)
         arena.unlink_name()   # mapped on both sides: no death can leak it now
         old = self.arenas.get((m.run, m.rank))
         self.arenas[(m.run, m.rank)] = arena

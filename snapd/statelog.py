@@ -47,10 +47,15 @@ import xxhash
 
 from snapd.errors import CorruptLog
 
+# The public API. Readers: read_records, newest_first, last_record, find_last, find_step,
+# read_tail, tail_report, scan_segment. For the writer (snapd/logwriter.py), which
+# shares the framing and must resume exactly where readers stop: encode_record,
+# encode_frame, encode_header, segment_seed, is_step, tail_state, warn_torn.
 __all__ = ["HEADER_SIZE", "MAX_RECORD", "VERSION", "IOStats", "LogDamageWarning", "LogScan",
-           "TornTailWarning", "encode_frame", "newest_first", "encode_header", "find_last", "find_step",
-           "last_record", "list_ranks", "list_segments", "rank_dir", "read_records",
-           "read_tail", "scan_segment", "segment_seed", "tail_report"]
+           "SegmentTail", "TornTailWarning", "encode_frame", "encode_header", "encode_record",
+           "find_last", "find_step", "is_step", "last_record", "list_ranks", "list_segments",
+           "newest_first", "rank_dir", "read_records", "read_tail", "scan_segment",
+           "segment_seed", "tail_report", "tail_state", "warn_torn"]
 
 MAGIC, VERSION, HEADER_SIZE = b"SNAPDLOG", 1, 48
 MAX_RECORD = 16 << 20  # a garbage length can never make a reader allocate more
@@ -132,7 +137,7 @@ def encode_frame(payload: bytes, seed: int) -> bytes:
     return _FRAME_HEAD.pack(len(payload), checksum) + payload + footer
 
 
-def _encode_record(record: dict) -> tuple[bytes, int | None]:
+def encode_record(record: dict) -> tuple[bytes, int | None]:
     """Payload bytes, and the step of a "step" record (those order a segment)."""
     kind, step = record.get("kind"), record.get("step")
     if kind == "sync":
@@ -155,12 +160,11 @@ def _decode_header(path: Path, raw: bytes, rank: int | None, seq: int) -> tuple[
             ("rank", rank is None or h_rank == rank, f"{h_rank}, directory says {rank}"),
             ("seq", h_seq == seq, f"{h_seq}, file name says {seq}")):
         if not ok:
-            err = CorruptLog(f"{path}: state-log segment header field '{field}' is bad "
+            raise CorruptLog(f"{path}: state-log segment header field '{field}' is bad "
                              f"({detail}); the segment cannot be read. Readers skip it; a "
                              "trainer opening the log moves it aside as "
-                             "<name>.damaged-<n>, kept for inspection.")
-            err.path, err.field = str(path), field
-            raise err
+                             "<name>.damaged-<n>, kept for inspection.",
+                             path=str(path), field=field)
     return h_rank, first
 
 
@@ -367,7 +371,7 @@ def _records_backward(seg: _Segment) -> Iterator[tuple[int, dict]]:
         pos = start
 
 
-def _warn_torn(report: LogScan) -> None:
+def warn_torn(report: LogScan) -> None:
     if report.torn_at is not None:
         warnings.warn(TornTailWarning(
             f"{report.path}: ignoring {report.size - report.valid_end} bytes after offset "
@@ -390,11 +394,12 @@ def _readable(paths: Iterable[Path], stats: IOStats, rank: int) -> Iterator[_Seg
             yield seg
 
 
-def scan_segment(path: str | os.PathLike, *, stats: IOStats | None = None
-                 ) -> tuple[list[dict], LogScan]:
+def scan_segment(path: str | os.PathLike, *, stats: IOStats | None = None,
+                 rank: int | None = None) -> tuple[list[dict], LogScan]:
     """Every valid record of one segment, applying the validity rule from the header;
-    raises CorruptLog if the header itself is bad."""
-    with _Segment(Path(path), stats or IOStats()) as seg:
+    raises CorruptLog if the header itself is bad. ``rank``: the rank the header must
+    name (default: the one its directory names)."""
+    with _Segment(Path(path), stats or IOStats(), rank) as seg:
         records = [r for _, r in _records(seg, _segment_frames(seg, drop=True))]
         report = seg.tail()[2]
         report.damaged = sorted(seg.damaged)
@@ -410,13 +415,13 @@ def read_records(run_dir: str | os.PathLike, rank: int, start_step: int | None =
             step = record.get("step")
             if start_step is None or type(step) is not int or step >= start_step:
                 yield record
-        _warn_torn(seg.tail()[2])
+        warn_torn(seg.tail()[2])
 
 
 def newest_first(run_dir, rank: int, stats: IOStats | None = None) -> Iterator[dict]:
     """Every valid record, newest first, read backward from the tail (lazily)."""
     for seg in _readable(reversed(list_segments(run_dir, rank)), stats or IOStats(), rank):
-        _warn_torn(seg.tail()[2])
+        warn_torn(seg.tail()[2])
         yield from (record for _, record in _records_backward(seg))
 
 
@@ -451,7 +456,32 @@ def tail_report(run_dir: str | os.PathLike, rank: int, *,
         return next((seg.tail()[2] for seg in segments), None)
 
 
-def _is_step(record: dict) -> bool:
+@dataclass
+class SegmentTail:
+    """Where a writer resumes in a segment: what :func:`tail_state` reads."""
+
+    seq: int
+    seed: int
+    first_step: int
+    last_step: int          # of the newest "step" record, else the header's first_step
+    report: LogScan         # where the valid prefix ends (torn_at: bytes to cut)
+    damaged: list[int]      # offsets of damage before the tail (then: copy, not append)
+
+
+def tail_state(path: str | os.PathLike, rank: int) -> SegmentTail:
+    """The state a writer appends after, read as the readers read it (bounded: the tail
+    and the footers back to the newest "step" record); raises CorruptLog on a bad
+    header, whose frames cannot be trusted."""
+    with _Segment(Path(path), IOStats(), rank) as seg:
+        report = seg.tail()[2]
+        with closing(_records_backward(seg)) as back:
+            last = next((r["step"] for _, r in back if is_step(r)), seg.first_step)
+        return SegmentTail(seg.seq, seg.seed, seg.first_step, last, report,
+                           sorted(seg.damaged))
+
+
+def is_step(record: dict) -> bool:
+    """A "step" record whose step is an int: others (a hostile edit) are not used."""
     return record.get("kind") == "step" and type(record.get("step")) is int
 
 
@@ -460,7 +490,7 @@ def _step_after(seg: _Segment, pos: int, hi: int, limit: int) -> tuple[int, dict
     first valid frame (see _next_frame) and walking on past any damage."""
     while pos < hi and (p := _next_frame(seg, pos, limit, before=hi)) is not None:
         payload = _frame_at(seg, p, limit)[0]
-        if _is_step(record := _decode(seg, p, payload) or {}):
+        if is_step(record := _decode(seg, p, payload) or {}):
             return p, record
         pos = p + len(payload) + 12
     return hi, None
@@ -471,7 +501,7 @@ def _find_step_in(seg: _Segment, step: int) -> dict | None:
     starts a new one when they would), so ~log2(size / 4 KiB) page probes suffice."""
     limit = seg.tail()[2].valid_end
     with closing(_records_backward(seg)) as back:
-        hi, newest = next(((o, r) for o, r in back if _is_step(r)), (0, None))
+        hi, newest = next(((o, r) for o, r in back if is_step(r)), (0, None))
     if newest is None or newest["step"] <= step:
         return newest if newest is not None and newest["step"] == step else None
     lo = HEADER_SIZE
@@ -480,7 +510,7 @@ def _find_step_in(seg: _Segment, step: int) -> dict | None:
         lo, hi = (off, hi) if record and record["step"] <= step else (lo, (lo + hi) // 2)
     found = None
     for _, record in _records(seg, _frames_resync(seg, lo, limit)):
-        if _is_step(record):
+        if is_step(record):
             if record["step"] > step:
                 break
             found = record if record["step"] == step else found

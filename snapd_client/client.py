@@ -30,7 +30,7 @@ import torch
 
 from snapd import retention
 from snapd.options import Options
-from snapd.recovery import RecoveryPlan, plan_recovery
+from snapd.recovery import RunProgress, read_progress
 from snapd.runlock import RunLock
 from snapd.store import RunStore
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
@@ -102,7 +102,7 @@ class Client:
         self._handoff = Handoff(self.store, self.rank, self.options) if self.daemon else None
         self._hooks: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook
         self._journal: Optional[Journal] = None
-        self.recovery: Optional[RecoveryPlan] = None
+        self.recovery: Optional[RunProgress] = None
         self._closed = False
         self._lock: Optional[RunLock] = None
         if not self.read_only:
@@ -335,7 +335,7 @@ class Client:
         if self._handoff is not None and self.options.hot_restore:
             hot = self._handoff.hot_source()  # never starts a daemon just to restore
         try:
-            self.recovery = plan_recovery(self.store, self.rank)  # the log: no tensor file
+            self.recovery = read_progress(self.store, self.rank)  # the log: no tensor file
             loaded = load_for_resume(self.store, self._tracked, self.rng,
                                      data_version=self.data_version,
                                      need_cursor=self._stream is not None, tensor_source=hot,

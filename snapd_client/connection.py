@@ -12,7 +12,6 @@ every pending request and is reported to the client once.
 from __future__ import annotations
 
 import builtins
-import errno
 import itertools
 import os
 import socket
@@ -24,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import psutil
 
-from snapd import errors
+from snapd import errors, peer
 from snapd import protocol as proto
 from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
 
@@ -50,17 +49,13 @@ def error_from(kind: str, message: str) -> BaseException:
 
 
 def try_connect(root: str) -> Optional[socket.socket]:
-    """A socket connected to the root's daemon, or None when none listens."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    """A socket connected to the root's daemon, or None when none listens (no daemon,
+    or a socket a dead one left behind): snapd.peer.connect, its errors as snapd's."""
     try:
-        with proto.socket_address(root) as address:
-            sock.connect(address)
-        return sock
+        return peer.connect(root)
     except OSError as e:
-        sock.close()
-        if e.errno in (errno.ENOENT, errno.ECONNREFUSED):
-            return None  # no daemon, or a socket a dead one left behind
-        raise DaemonUnavailable(f"{root}/{SOCKET_NAME}: cannot connect ({e})") from e
+        raise DaemonUnavailable(f"{root}/{SOCKET_NAME}: cannot connect ({e})",
+                                path=f"{root}/{SOCKET_NAME}") from e
 
 
 def daemon_command(root: str) -> List[str]:
@@ -151,8 +146,7 @@ class DaemonConnection:
     def _hello(self) -> int:
         self._sock.settimeout(self.timeout)
         try:
-            proto.send(self._sock, proto.Hello(proto.PROTOCOL_VERSION, os.getpid(),
-                                               self.run, self.rank), id=0)
+            proto.send(self._sock, peer.hello(self.run, self.rank), id=0)
             reply = proto.from_wire(proto.recv(self._sock))
         except (OSError, EOFError, proto.ProtocolError) as e:
             self._sock.close()

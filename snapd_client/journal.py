@@ -1,5 +1,7 @@
 """The client's side of the state log: one record per step, lifecycle records, and the
-replay proof after a resume.
+replay proof after a resume. (``Client.journal`` is this object; the thing it writes is
+the state log, docs/format.md: the format is :mod:`snapd.statelog`, the appending
+:mod:`snapd.logwriter`.)
 
 Replay proof: a resume from snapshot S of a run that had reached step R recomputes
 S+1..R. The interrupted run logged each of those steps; as the resumed run logs them

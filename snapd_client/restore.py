@@ -31,10 +31,11 @@ import torch
 
 from snapd.errors import CorruptSnapshot, IncompatibleState, SnapdError
 from snapd.reader import SnapshotReader, check_name_matches
+from snapd.skeleton import unflatten
 from snapd.store import RunStore, SnapshotId
 from snapd_client.cursor import check_cursor
 from snapd_client.rng import RngStreams
-from snapd_client.state import flatten, tensor_meta, unflatten
+from snapd_client.state import flatten, tensor_meta
 
 
 # Tensors of one object from elsewhere than the files (the daemon's hot copy), or

@@ -29,3 +29,18 @@ def test_top_level_help_lists_every_command_without_importing_torch():
 def test_unknown_command_is_an_error():
     result = CliRunner().invoke(main, ["frobnicate"])
     assert result.exit_code == 2 and "No such command" in result.output
+
+
+@pytest.mark.parametrize("argv, missing, line", [
+    (["export", "gpt", "-o", "out.safetensors"], ("safetensors", "safetensors.torch"),
+     "snapd export needs safetensors: pip install 'snapd[export]'"),
+    (["plot", "gpt", "-o", "loss.png"], ("matplotlib", "matplotlib.pyplot"),
+     "snapd plot needs matplotlib: pip install 'snapd[plot]'"),
+])
+def test_a_command_whose_extra_is_missing_says_what_to_install(monkeypatch, tmp_path, argv,
+                                                               missing, line):
+    for module in missing:   # None in sys.modules: the import fails as if not installed
+        monkeypatch.setitem(sys.modules, module, None)
+    result = CliRunner().invoke(main, [*argv, "--root", str(tmp_path)])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [f"snapd: error: {line}"]

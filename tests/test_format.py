@@ -16,7 +16,8 @@ from snapd.store import RunStore, SnapshotId
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.writer import write_snapshot
 from snapd_client.client import tensor_bytes
-from snapd_client.state import flatten, unflatten
+from snapd.skeleton import unflatten
+from snapd_client.state import flatten
 
 
 def plan_for(state, step=1, name="model"):

@@ -23,7 +23,7 @@ from snapd import format as fmt
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
 from snapd_client import Client
-from snapd_client.state import unflatten
+from snapd.skeleton import unflatten
 
 SEED = 11
 ROUNDS = 4000

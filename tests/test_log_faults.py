@@ -31,7 +31,7 @@ from snapd.statelog import (
     scan_segment,
 )
 from snapd.store import RunStore
-from snapd.watch import collect as watch_collect
+from snapd.liveview import collect as watch_collect
 from snapd_client import Client
 
 LOG_WARNINGS = (LogDamageWarning, TornTailWarning)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from snapd.logwriter import LogWriter
-from snapd.recovery import expected_steps, plan_recovery
+from snapd.recovery import expected_steps, read_progress
 from snapd.store import RunStore
 from snapd_client.journal import compare
 
@@ -41,7 +41,7 @@ def million(tmp_path_factory):
 
 
 def test_plan_on_a_million_records_reads_a_bounded_number_of_bytes(million):
-    plan = plan_recovery(million, 0)
+    plan = read_progress(million, 0)
     assert plan.reached == 1_000_000
     assert plan.committed_step == 999_000
     assert plan.at_risk == 1000
@@ -66,7 +66,7 @@ def test_expected_steps_prefers_the_newest_record_of_a_replayed_step(tmp_path):
 def test_plan_of_a_run_without_log():
     import tempfile
     store = RunStore(tempfile.mkdtemp(), "new")
-    plan = plan_recovery(store, 0)
+    plan = read_progress(store, 0)
     assert plan.reached is None and plan.at_risk is None and plan.latest is None
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from snapd import protocol as p
-from snapd.arena_map import Arena, HotCache, validate_shm_name
+from snapd.arena_map import MappedArena, HotCache, validate_shm_name
 from snapd.daemon import Daemon, WriteQueue
 from snapd.errors import SnapdError
 from snapd.format import dtype_name
@@ -67,16 +67,16 @@ def segment(shm, name="snapd-unit-1", size=SLOT * 2):
 def test_arena_refuses_wrong_size_and_symlink(shm):
     name = segment(shm)
     with pytest.raises(SnapdError, match="bytes"):
-        Arena(name, SLOT * 3, 1, shm_dir=str(shm))
+        MappedArena(name, SLOT * 3, 1, shm_dir=str(shm))
     os.symlink(shm / name, shm / "snapd-link")
     with pytest.raises(SnapdError, match="cannot open"):
-        Arena("snapd-link", SLOT * 2, 2, shm_dir=str(shm))
+        MappedArena("snapd-link", SLOT * 2, 2, shm_dir=str(shm))
     with pytest.raises(SnapdError, match="equal slots"):
-        Arena(name, SLOT * 2, 3, shm_dir=str(shm))
+        MappedArena(name, SLOT * 2, 3, shm_dir=str(shm))
 
 
 def test_arena_slots_and_retire(shm):
-    arena = Arena(segment(shm), SLOT * 2, 2, shm_dir=str(shm))
+    arena = MappedArena(segment(shm), SLOT * 2, 2, shm_dir=str(shm))
     arena.acquire(1)
     with pytest.raises(SnapdError, match="busy"):
         arena.acquire(1)
@@ -251,7 +251,7 @@ def test_submit_outside_slot_is_an_error_reply(shm):
     name = segment(shm, size=SLOT)
     sock, conn, thread = connected(handler)
     ask(sock, p.Hello(p.PROTOCOL_VERSION, 1, "r"), 1)
-    conn.arenas[("r", 0)] = Arena(name, SLOT, 1, shm_dir=str(shm))  # attach, in shm
+    conn.arenas[("r", 0)] = MappedArena(name, SLOT, 1, shm_dir=str(shm))  # attach, in shm
     reply = ask(sock, p.Submit("r", 0, 1, 0, descriptor(offset=SLOT - 8)), 2)
     assert reply["op"] == "error" and "outside" in reply["message"] and reply["re"] == 2
     assert conn.arenas[("r", 0)].busy == set() and handler.queued == []
@@ -278,7 +278,7 @@ class EventSink:
 
 def staged_submission(shm, root_opts=Options()):
     name = segment(shm, "snapd-unit-w", SLOT)
-    arena = Arena(name, SLOT, 1, shm_dir=str(shm))
+    arena = MappedArena(name, SLOT, 1, shm_dir=str(shm))
     arena.acquire(0)
     view = arena.slot_view(0)
     data = torch.arange(8, dtype=torch.float32)

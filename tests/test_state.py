@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from snapd.errors import CorruptSnapshot, UnsupportedState
-from snapd_client.state import flatten, tensor_meta, unflatten
+from snapd.skeleton import unflatten
+from snapd_client.state import flatten, tensor_meta
 
 
 def roundtrip(state):

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from snapd import protocol as proto
-from snapd import watch as view
+from snapd import liveview as view
 from snapd.cli import main
 from snapd.commands.watch import (LogFollower, StepLimiter, format_record,
                                   lines_for_new_records)

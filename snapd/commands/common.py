@@ -1,13 +1,19 @@
-"""What the operator commands share: root resolution, JSON output, error exits."""
+"""What the operator commands share: root resolution, JSON output, error exits, and
+reading a snapshot (exiting with the reason when it cannot be read)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any, Dict, List, NoReturn
 
 import click
+
+from snapd import format as fmt
+from snapd.errors import CorruptSnapshot
+from snapd.reader import SnapshotReader, check_real_directories, read_manifest_bytes
 
 ROOT_HELP = "The checkpoint root (default: $SNAPD_ROOT, else the current directory)."
 
@@ -39,11 +45,49 @@ def fail(message: str, code: int = 1) -> NoReturn:
     sys.exit(code)
 
 
-def age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0.0, seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
+def optional_import(module: str, command: str, extra: str) -> Any:
+    """A module only one command needs, declared as the extra ``snapd[extra]``; when it
+    is not installed, exit 1 with the line that installs it, not a traceback."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        fail(f"snapd {command} needs {module.split('.')[0]}: "
+             f"pip install 'snapd[{extra}]'", 1)
+
+
+# --- reading a snapshot ------------------------------------------------------------
+
+def open_reader(path: str) -> SnapshotReader:
+    """The verified manifest (and checked file sizes), or exit 1 with the reason."""
+    try:
+        return SnapshotReader(path)
+    except CorruptSnapshot as e:
+        fail(f"{e}\n  hint: snapd verify {path} checks every file; an older "
+             "snapshot is listed by snapd ls", 1)
+
+
+def read_manifest(path: str) -> Dict[str, Any]:
+    """The manifest alone (no tensor file is opened or stat'ed), or exit 1."""
+    manifest_path = os.path.join(path, fmt.MANIFEST_NAME)
+    try:
+        check_real_directories(path)
+        return fmt.decode_manifest(read_manifest_bytes(path), path=manifest_path)
+    except OSError as e:
+        fail(f"{manifest_path}: cannot be read ({e.strerror})", 2)
+    except CorruptSnapshot as e:
+        fail(f"{e}\n  hint: the manifest is damaged; pick an older snapshot (snapd ls)", 1)
+
+
+def files_bytes(manifest: Dict[str, Any]) -> int:
+    """The bytes a snapshot's files hold, by its manifest."""
+    return sum(int(entry["size"]) for entry in manifest.get("files", {}).values())
+
+
+def state_leaves(tree: Any, prefix: str = "") -> List[tuple]:
+    """(path, leaf) of a state tree, paths spelt as the manifest spells tensor paths:
+    ``.key`` for a mapping entry, ``[i]`` for a list or tuple item."""
+    if isinstance(tree, dict):
+        return [leaf for k, v in tree.items() for leaf in state_leaves(v, f"{prefix}.{k}")]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for i, v in enumerate(tree) for leaf in state_leaves(v, f"{prefix}[{i}]")]
+    return [(prefix, tree)]

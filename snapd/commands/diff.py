@@ -23,10 +23,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from snapd.commands.common import ROOT_HELP, emit_json, fail
-from snapd.commands.locate import locate, open_reader, state_leaves
+from snapd.commands.common import ROOT_HELP, emit_json, fail, open_reader, state_leaves
+from snapd.commands.locate import locate
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
+from snapd.skeleton import unflatten
 
 _SLICE = 1 << 22  # elements compared at a time: bounds the float64 copies
 
@@ -92,8 +93,6 @@ def compare_tensor(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Any]:
 
 def _load(reader: SnapshotReader, name: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """An object's tensors by path, and its plain (non-tensor) leaves by path."""
-    from snapd_client.state import unflatten
-
     entry = reader.objects[name]
     tensors = reader.load_object(name)
     tree = unflatten(entry["skeleton"], tensors, source=f"{reader.path}/{entry.get('file')}")
@@ -214,7 +213,7 @@ def diff(a: str, b: str, root: Optional[str], objects: Tuple[str, ...], show_equ
     Example: snapd diff gpt/00001200 gpt-resumed/00001200 --root checkpoints
     """
     loc_a, loc_b = locate(a, root), locate(b, root)
-    reader_a, reader_b = open_reader(loc_a), open_reader(loc_b)
+    reader_a, reader_b = open_reader(loc_a.path), open_reader(loc_b.path)
     try:
         out = compare(reader_a, reader_b, list(objects) or None)
     except CorruptSnapshot as e:

@@ -25,10 +25,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import click
 import torch
 
-from snapd.commands.common import ROOT_HELP, fail
-from snapd.commands.locate import human_bytes, locate, open_reader, state_leaves
+from snapd.commands.common import ROOT_HELP, fail, open_reader, optional_import, state_leaves
+from snapd.commands.locate import locate
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
+from snapd.skeleton import unflatten
+from snapd.text import human_bytes
 
 
 def _torch_class(type_name: str) -> Optional[type]:
@@ -81,8 +83,6 @@ def _modules(reader: SnapshotReader) -> List[str]:
 
 def weights(reader: SnapshotReader, name: str) -> Tuple[Dict[str, torch.Tensor], List[str]]:
     """The object's tensors keyed by state_dict key, and the plain leaves skipped."""
-    from snapd_client.state import unflatten
-
     entry = reader.objects[name]
     tensors = reader.load_object(name)
     tree = unflatten(entry["skeleton"], tensors,
@@ -127,10 +127,9 @@ def export(snapshot: str, fmt: str, output: str, wanted: Optional[str],
 
     Example: snapd export gpt-small@best -o gpt-small.safetensors --root checkpoints
     """
-    from safetensors.torch import save_file
-
+    save_file = optional_import("safetensors.torch", "export", "export").save_file
     loc = locate(snapshot, root)
-    reader = open_reader(loc)
+    reader = open_reader(loc.path)
     name = choose_object(reader, wanted)
     try:
         tensors, skipped = weights(reader, name)

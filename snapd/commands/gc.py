@@ -18,9 +18,9 @@ import click
 
 from snapd import retention
 from snapd.commands.common import ROOT_HELP, emit_json, fail, resolve_root, run_dir
-from snapd.commands.locate import human_bytes
 from snapd.options import Options
 from snapd.store import RunStore, list_runs
+from snapd.text import human_bytes
 
 TMP_MIN_AGE_S = 3600.0  # a younger .tmp- directory may be a snapshot still being written
 

@@ -17,11 +17,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from snapd.commands.common import ROOT_HELP, age, emit_json
-from snapd.commands.locate import (files_bytes, human_bytes, iso_time,
-                                   lineage_text, locate, read_manifest)
+from snapd.commands.common import ROOT_HELP, emit_json, files_bytes, read_manifest
+from snapd.commands.locate import locate
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
+from snapd.text import age, human_bytes, iso_time, lineage_text
 
 
 def cursor_info(cursor: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:

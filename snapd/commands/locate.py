@@ -1,4 +1,4 @@
-"""The SNAPSHOT argument of the operator commands, and what they share about snapshots.
+"""The SNAPSHOT argument of the operator commands: find the snapshot a user means.
 
 A SNAPSHOT is one of, tried in this order::
 
@@ -19,13 +19,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 from snapd import format as fmt
 from snapd.commands.common import fail, resolve_root, run_dir
-from snapd.errors import CorruptSnapshot
-from snapd.reader import SnapshotReader, check_real_directories, read_manifest_bytes
 from snapd.store import TMP_PREFIX, RunStore, SnapshotId
 
 SNAPSHOT_HELP = ("SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), "
@@ -41,7 +38,6 @@ class Located:
     path: str                    # the snapshot directory, absolute
     name: str                    # its directory name
     run: Optional[str] = None    # None for a directory outside any run layout
-    via: str = "path"            # "path", "name", "LATEST", "newest", "BEST"
 
     @property
     def label(self) -> str:
@@ -91,7 +87,7 @@ def _from_directory(path: str) -> Located:
     parent = os.path.dirname(path)
     run = os.path.basename(os.path.dirname(parent)) \
         if os.path.basename(parent) == "snapshots" else None
-    return Located(path, name, run, "path")
+    return Located(path, name, run)
 
 
 def _by_name(store: RunStore, text: str) -> Located:
@@ -105,7 +101,7 @@ def _by_name(store: RunStore, text: str) -> Located:
         fail(f"{path}: no such snapshot in run {store.run!r}; it has "
              f"{', '.join(have[-8:]) if have else 'no committed snapshot'}"
              + (" (newest last; snapd ls shows all)" if len(have) > 8 else ""), 2)
-    return Located(path, sid.name, store.run, "name")
+    return Located(path, sid.name, store.run)
 
 
 def _by_pointer(store: RunStore, which: str) -> Located:
@@ -120,7 +116,7 @@ def _by_pointer(store: RunStore, which: str) -> Located:
     if sid not in store.committed():
         fail(f"{pointer} names {sid.name}, which is not a committed snapshot of "
              f"{store.path}; use RUN/NAME instead (snapd ls {store.run})", 2)
-    return Located(store.snapshot_path(sid), sid.name, store.run, which)
+    return Located(store.snapshot_path(sid), sid.name, store.run)
 
 
 def latest(store: RunStore) -> Located:
@@ -130,83 +126,11 @@ def latest(store: RunStore) -> Located:
         fail(f"{store.snapshots_path}: run {store.run!r} has no committed snapshot", 2)
     sid = store.read_pointer("LATEST")
     if sid in committed:
-        return Located(store.snapshot_path(sid), sid.name, store.run, "LATEST")
+        return Located(store.snapshot_path(sid), sid.name, store.run)
     newest = committed[-1]
-    return Located(store.snapshot_path(newest), newest.name, store.run, "newest")
-
-
-# --- reading ------------------------------------------------------------------------
-
-def open_reader(loc: Located) -> SnapshotReader:
-    """The verified manifest (and checked file sizes), or exit 1 with the reason."""
-    try:
-        return SnapshotReader(loc.path)
-    except CorruptSnapshot as e:
-        fail(f"{e}\n  hint: snapd verify {loc.path} checks every file; an older "
-             "snapshot is listed by snapd ls", 1)
-
-
-def read_manifest(path: str) -> Dict[str, Any]:
-    """The manifest alone (no tensor file is opened or stat'ed), or exit 1."""
-    manifest_path = os.path.join(path, fmt.MANIFEST_NAME)
-    try:
-        check_real_directories(path)
-        return fmt.decode_manifest(read_manifest_bytes(path), path=manifest_path)
-    except OSError as e:
-        fail(f"{manifest_path}: cannot be read ({e.strerror})", 2)
-    except CorruptSnapshot as e:
-        fail(f"{e}\n  hint: the manifest is damaged; pick an older snapshot (snapd ls)", 1)
-
-
-# --- shared formatting -----------------------------------------------------------
-
-def human_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
-def iso_time(t: Optional[float]) -> Optional[str]:
-    if t is None:
-        return None
-    return datetime.fromtimestamp(t, tz=timezone.utc).astimezone().isoformat(
-        timespec="seconds")
-
-
-def lineage_text(lineage: Optional[Dict[str, Any]], run: Optional[str] = None) -> str:
-    """``0`` for a fresh run; ``1 warm_start from gpt/00001200`` for a warm start, or
-    ``1 from 00001200`` when ``run`` (the row's own run) is the parent's: short form."""
-    lineage = lineage or {}
-    text = str(lineage.get("id", 0))
-    parent = lineage.get("parent")
-    if run is None and lineage.get("mode") and lineage.get("mode") != "fresh":
-        text += f" {lineage['mode']}"
-    if parent:
-        where = parent.get("snapshot") if run is not None and parent.get("run") == run \
-            else f"{parent.get('run')}/{parent.get('snapshot')}"
-        text += f" from {where}"
-    return text
-
-
-def files_bytes(manifest: Dict[str, Any]) -> int:
-    return sum(int(entry["size"]) for entry in manifest.get("files", {}).values())
+    return Located(store.snapshot_path(newest), newest.name, store.run)
 
 
 def committed_of(store: RunStore) -> List[Located]:
-    return [Located(store.snapshot_path(s), s.name, store.run, "name")
-            for s in store.committed()]
-
-
-def state_leaves(tree: Any, prefix: str = "") -> List[tuple]:
-    """(path, leaf) of a state tree, paths spelt as the manifest spells tensor paths:
-    ``.key`` for a mapping entry, ``[i]`` for a list or tuple item."""
-    if isinstance(tree, dict):
-        return [leaf for k, v in tree.items() for leaf in state_leaves(v, f"{prefix}.{k}")]
-    if isinstance(tree, (list, tuple)):
-        return [leaf for i, v in enumerate(tree) for leaf in state_leaves(v, f"{prefix}[{i}]")]
-    return [(prefix, tree)]
+    """Every committed snapshot of a run, oldest first."""
+    return [Located(store.snapshot_path(s), s.name, store.run) for s in store.committed()]

@@ -16,13 +16,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from snapd.commands.common import ROOT_HELP, age, emit_json, resolve_root, run_dir
-from snapd.commands.locate import (Located, files_bytes, human_bytes, iso_time,
-                                   lineage_text)
+from snapd.commands.common import ROOT_HELP, emit_json, files_bytes, resolve_root, run_dir
+from snapd.commands.locate import Located
 from snapd.commands.verify import check
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId, list_runs
+from snapd.text import age, human_bytes, iso_time, lineage_text
 
 
 def describe(store: RunStore, sid: SnapshotId, *, verify: bool,

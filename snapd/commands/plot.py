@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import click
 
 from snapd import statelog
-from snapd.commands.common import ROOT_HELP, emit_json, fail, resolve_root, run_dir
+from snapd.commands.common import (ROOT_HELP, emit_json, fail, optional_import,
+                                   resolve_root, run_dir)
 from snapd.errors import CorruptLog
 from snapd.store import SnapshotId
 
@@ -101,6 +102,7 @@ def plot(run: str, output: str, scalar: str, rank: int, root: Optional[str],
 
     Example: snapd plot gpt-small -o loss.png --root checkpoints --scalar loss
     """
+    optional_import("matplotlib", "plot", "plot")   # before any work: say what is missing
     path = run_dir(resolve_root(root), run)
     if rank not in statelog.list_ranks(path):
         fail(f"{os.path.join(path, 'log', f'rank-{rank:05d}')}: no state log for rank "

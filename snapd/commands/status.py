@@ -17,13 +17,14 @@ from rich.console import Console
 from rich.table import Table
 
 from snapd import statelog
-from snapd.commands.common import age, emit_json, resolve_root
-from snapd.recovery import RecoveryPlan, plan_recovery
+from snapd.commands.common import emit_json, resolve_root
+from snapd.recovery import RunProgress, read_progress
 from snapd.store import RunStore, list_runs
+from snapd.text import age
 
 
 def collect(root: str) -> List[Dict[str, Any]]:
-    """One entry per (run, rank): the recovery plan, as plain data."""
+    """One entry per (run, rank): its progress (snapd.recovery.RunProgress), as plain data."""
     rows = []
     for run in list_runs(root):
         store = RunStore(root, run)
@@ -37,11 +38,11 @@ def _row(store: RunStore, rank: int) -> Dict[str, Any]:
     with warnings.catch_warnings():  # reported in the row instead
         warnings.simplefilter("ignore", statelog.LogDamageWarning)
         try:
-            plan = plan_recovery(store, rank)
+            progress = read_progress(store, rank)
         except (OSError, ValueError) as e:  # unreadable (permissions): say so, go on
-            plan, error = RecoveryPlan(store.run, rank), f"{type(e).__name__}: {e}"
-    row = plan.to_json()
-    committed_at = (plan.last_committed or {}).get("time")
+            progress, error = RunProgress(store.run, rank), f"{type(e).__name__}: {e}"
+    row = progress.to_json()
+    committed_at = (progress.last_committed or {}).get("time")
     row["committed_age_s"] = time.time() - committed_at \
         if isinstance(committed_at, (int, float)) else None
     row["error"] = error

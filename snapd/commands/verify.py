@@ -20,16 +20,16 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
 
 from snapd.commands.common import ROOT_HELP, emit_json, resolve_root, run_dir
-from snapd.commands.locate import Located, committed_of, human_bytes, locate
+from snapd.commands.locate import Located, committed_of, locate
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader, check_name_matches
+from snapd.skeleton import unflatten
 from snapd.store import RunStore, list_runs
+from snapd.text import human_bytes
 
 
 def check(loc: Located, advance: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
     """Verify one snapshot; a plain-data verdict (``ok``, and ``error``/``file``/``field``)."""
-    from snapd_client.state import unflatten  # the skeleton codec lives with the client
-
     result: Dict[str, Any] = {"snapshot": loc.label, "path": loc.path, "ok": False,
                               "bytes": None, "error": None, "file": None, "field": None}
     try:

@@ -1,6 +1,6 @@
 """``snapd watch [ROOT]``: the live view on a terminal, one line per event on a pipe.
 
-On a terminal the view (snapd/watch.py: collect, render) is redrawn by rich's Live on
+On a terminal the view (snapd/liveview.py: collect, render) is redrawn by rich's Live on
 every change under the root and every ``--interval`` seconds. With stdout piped it
 prints, like ``tail -f``, one line per new log record: the last few events first, then
 snapshot events, resumes and replay verdicts as they happen, and step lines at most
@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.live import Live
 
 from snapd import statelog
-from snapd import watch as view
+from snapd import liveview as view
 from snapd.commands.common import emit_json, resolve_root
 from snapd.store import list_runs
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import stop_daemons_under
+from snapd import peer as peer_mod
 from snapd import protocol as p
 from snapd.errors import DaemonUnavailable
 from snapd.store import RunStore, SnapshotId
@@ -109,9 +110,7 @@ def test_connections_beyond_the_cap_are_refused_and_silent_ones_dropped(harness)
     daemon = harness.start(root, extra_env={"SNAPD_MAX_CONNECTIONS": "4",
                                             "SNAPD_PEER_TIMEOUT": "1"})
     peers = [Peer(root, hello=True) for _ in range(4)]
-    extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    extra.settimeout(10)
-    extra.connect(os.path.join(root, ".snapd.sock"))
+    extra = peer_mod.connect(root, timeout=10)
     refusal = p.recv(extra)
     assert refusal["op"] == "error" and refusal["kind"] == "DaemonUnavailable"
     assert "max_connections" in refusal["message"]
@@ -122,9 +121,7 @@ def test_connections_beyond_the_cap_are_refused_and_silent_ones_dropped(harness)
     for peer in peers:
         peer.close()
     # A connection that never says hello is closed after peer_timeout.
-    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    silent.settimeout(10)
-    silent.connect(os.path.join(root, ".snapd.sock"))
+    silent = peer_mod.connect(root, timeout=10)
     assert hung_up(silent)
     silent.close()
     with Peer(root, hello=True) as peer:

@@ -25,6 +25,7 @@ import pytest
 from conftest import stop_daemons_under
 import torch
 
+from snapd import peer as peer_mod
 from snapd import protocol as p
 from snapd.format import dtype_name
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, from_descriptor, to_descriptor
@@ -68,41 +69,18 @@ class DaemonProc:
             self.proc.send_signal(sig)
 
 
-class Peer:
-    """A protocol client: requests get their reply; events are kept in order."""
+class Peer(peer_mod.Peer):
+    """snapd's protocol client, connected and past hello (a request needs one first,
+    ping too); ``hello=True`` also asserts that the daemon welcomed it."""
 
     def __init__(self, root: str, hello: bool = False, run: str = "", rank: int = 0):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(60)
-        self.sock.connect(os.path.join(root, ".snapd.sock"))
-        self.events: List[Dict[str, Any]] = []
-        self._id = 0
+        sock = peer_mod.connect(root, timeout=60)
+        if sock is None:   # an OSError, which wait_ready() waits out
+            raise ConnectionRefusedError(f"no daemon listens under {root}")
+        super().__init__(sock)
+        reply = self.request(peer_mod.hello(run, rank))
         if hello:
-            reply = self.request(p.Hello(p.PROTOCOL_VERSION, os.getpid(), run, rank))
             assert reply["op"] == "welcome", reply
-        else:   # every request needs a hello first; ping too
-            self.request(p.Hello(p.PROTOCOL_VERSION, os.getpid(), run, rank))
-
-    def request(self, message: Any) -> Dict[str, Any]:
-        self._id += 1
-        p.send(self.sock, message, id=self._id)
-        while True:
-            frame = p.recv(self.sock)
-            if frame.get("re") == self._id:
-                return frame
-            self.events.append(frame)
-
-    def event(self) -> Dict[str, Any]:
-        return self.events.pop(0) if self.events else p.recv(self.sock)
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class Arena:
@@ -305,8 +283,7 @@ def test_not_msgpack_closes_only_that_connection(harness):
         with pytest.raises((EOFError, ConnectionResetError)):
             p.recv(peer.sock)
     with Peer(root) as peer:   # no hello first: also closed
-        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        raw.connect(os.path.join(root, ".snapd.sock"))
+        raw = peer_mod.connect(root, timeout=60)
         p.send(raw, p.Ping(), id=1)
         with pytest.raises((EOFError, ConnectionResetError)):
             p.recv(raw)
@@ -317,8 +294,7 @@ def test_not_msgpack_closes_only_that_connection(harness):
 def test_protocol_mismatch(harness):
     root = harness.root()
     harness.start(root)
-    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    raw.connect(os.path.join(root, ".snapd.sock"))
+    raw = peer_mod.connect(root, timeout=60)
     p.send(raw, p.Hello(99, os.getpid()), id=1)
     reply = p.recv(raw)
     assert reply["op"] == "error" and reply["kind"] == "ProtocolMismatch"

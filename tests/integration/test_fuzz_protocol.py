@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import struct
 import time
 
 import msgpack
 import pytest
 
+from snapd import peer as peer_mod
 from snapd import protocol as p
 from test_daemon_protocol import Peer, env, harness, sample_states, submit  # noqa: F401
 
@@ -68,9 +68,7 @@ def hello() -> bytes:
 
 def send_case(root: str, data: bytes) -> None:
     """One connection: maybe a hello first, then the case; read a little, hang up."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.5)
-        sock.connect(os.path.join(root, ".snapd.sock"))
+    with peer_mod.connect(root, timeout=0.5) as sock:
         try:
             sock.sendall(data)
             sock.recv(65536)

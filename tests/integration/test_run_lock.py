@@ -18,7 +18,7 @@ import torch
 from snapd import statelog
 from snapd.errors import DaemonUnavailable
 from snapd.reader import SnapshotReader
-from snapd.recovery import plan_recovery
+from snapd.recovery import read_progress
 from snapd.store import RunStore
 from snapd_client import Client
 
@@ -175,7 +175,7 @@ def finish_live(live: subprocess.Popen) -> None:
 
 
 def assert_log_intact(env: Env, reached: int) -> None:
-    plan = plan_recovery(RunStore(env.root, env.run), 0)
+    plan = read_progress(RunStore(env.root, env.run), 0)
     assert plan.reached == reached
     steps = []
     for path in statelog.list_segments(RunStore(env.root, env.run).path, 0):

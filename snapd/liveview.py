@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import statistics
 import threading
 import time
@@ -31,11 +30,12 @@ from rich.table import Table
 from rich.text import Text
 
 from snapd import protocol as proto, statelog
-from snapd.commands.common import age
-from snapd.recovery import RecoveryPlan, plan_recovery
+from snapd.peer import Peer
+from snapd.recovery import RunProgress, read_progress
+from snapd.names import ROOT_LOCK_NAME as LOCK_NAME, SOCKET_NAME
 from snapd.store import RunStore, list_runs
+from snapd.text import age, number, si_bytes
 
-from snapd.names import ROOT_LOCK_NAME as LOCK_NAME, SOCKET_NAME  # noqa: E402
 TAIL_BUDGET = 1024     # records read per rank and refresh, newest first
 SPARK_POINTS = 24      # losses in the sparkline
 STALL_SAMPLES = 32     # staged records the stall statistics cover
@@ -47,41 +47,28 @@ _PROCESSES: Dict[int, psutil.Process] = {}   # cpu_percent needs the same object
 # --- the daemon --------------------------------------------------------------------
 
 class DaemonProbe:
-    """A status-only connection to the root's daemon, reopened when lost."""
+    """A status-only connection to the root's daemon, reopened when lost. Never starts
+    a daemon; events on the connection are skipped."""
 
     def __init__(self, root: str, timeout: float = 2.0) -> None:
         self.root, self.timeout = root, timeout
-        self.path = os.path.join(root, SOCKET_NAME)
-        self._sock: Optional[socket.socket] = None
-        self._ids = iter(range(1, 1 << 62))
-
-    def _request(self, message: Any) -> Dict[str, Any]:
-        rid = next(self._ids)
-        proto.send(self._sock, message, id=rid)
-        while True:                       # skip events: they carry no "re"
-            data = proto.recv(self._sock)
-            if data.get("re") == rid:
-                return data
+        self._peer: Optional[Peer] = None
 
     def status(self) -> Optional[Dict[str, Any]]:
         """The daemon's status map, or None when no daemon answers."""
         try:
-            if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._sock.settimeout(self.timeout)
-                with proto.socket_address(self.root) as address:
-                    self._sock.connect(address)
-                self._request(proto.Hello(proto.PROTOCOL_VERSION, os.getpid(), "", 0))
-            reply = self._request(proto.Status())
+            if self._peer is None:   # DaemonUnavailable (none listens) is an OSError
+                self._peer = Peer.open(self.root, timeout=self.timeout, keep_events=False)
+            reply = self._peer.request(proto.Status())
             return reply.get("status") if reply.get("op") == "status_reply" else None
         except (OSError, EOFError, proto.ProtocolError):
             self.close()
             return None
 
     def close(self) -> None:
-        self._sock, sock = None, self._sock
-        if sock is not None:
-            sock.close()
+        self._peer, peer = None, self._peer
+        if peer is not None:
+            peer.close()
 
 
 def _lock_holder(root: str) -> Optional[Dict[str, Any]]:
@@ -166,19 +153,19 @@ def _retention(store: RunStore) -> Dict[str, Any]:
             "latest": latest.name if latest else None, "best": best.name if best else None}
 
 
-def _progress(plan: RecoveryPlan, committed: Optional[Dict[str, Any]], now: float
+def _progress(prog: RunProgress, committed: Optional[Dict[str, Any]], now: float
               ) -> Dict[str, Any]:
     last = _pick(committed, "name", "step", "bytes", "seconds", "time")
-    committed_step = last["step"] if last else plan.committed_step
+    committed_step = last["step"] if last else prog.committed_step
     return {
-        "step": plan.reached, "steps_per_s": plan.steps_per_s,
-        "step_age_s": None if plan.reached_time is None else now - plan.reached_time,
-        "at_risk": None if plan.reached is None else plan.reached - (committed_step or 0),
+        "step": prog.reached, "steps_per_s": prog.steps_per_s,
+        "step_age_s": None if prog.reached_time is None else now - prog.reached_time,
+        "at_risk": None if prog.reached is None else prog.reached - (committed_step or 0),
         "last_committed": last,
         "committed_age_s": now - last["time"] if last and last.get("time") else None,
-        "last_resume": _pick(plan.last_resume, "snapshot", "step", "mode", "recompute",
-                             "time"),
-        "last_replay": _pick(plan.last_replay, "verdict", "checked", "step", "cause")}
+        "last_resume": _pick(prog.last_resume, "snapshot", "step", "mode", "recompute",
+                        "time"),
+        "last_replay": _pick(prog.last_replay, "verdict", "checked", "step", "cause")}
 
 
 def rank_model(store: RunStore, rank: int, now: float) -> Dict[str, Any]:
@@ -188,14 +175,14 @@ def rank_model(store: RunStore, rank: int, now: float) -> Dict[str, Any]:
         with warnings.catch_warnings():  # a live view shows damage in its rows instead
             warnings.simplefilter("ignore", statelog.TornTailWarning)
             warnings.simplefilter("ignore", statelog.LogDamageWarning)
-            plan = plan_recovery(store, rank)
-            row["log_damage"] = plan.log_damage
+            progress = read_progress(store, rank)
+            row["log_damage"] = progress.log_damage
             row.update(_scan_tail(store.path, rank))
     except (OSError, ValueError) as e:   # CorruptLog is a ValueError; rotation races
         row["error"] = f"{type(e).__name__}: {e}"
-        plan = RecoveryPlan(store.run, rank)
-    # The newest committed record: the tail's, else the plan's (from further back).
-    row.update(_progress(plan, row.pop("_committed", None) or plan.last_committed, now))
+        progress = RunProgress(store.run, rank)
+    # The newest committed record: the tail's, else the report's (from further back).
+    row.update(_progress(progress, row.pop("_committed", None) or progress.last_committed, now))
     with suppress(OSError):   # no commit in the log: the age of the LATEST pointer
         if row["committed_age_s"] is None:
             row["committed_age_s"] = now - os.stat(f"{store.path}/LATEST").st_mtime
@@ -237,29 +224,16 @@ def sparkline(values: List[float], points: int = SPARK_POINTS) -> str:
     return "".join(BLOCKS[round((v - lo) / (hi - lo) * (len(BLOCKS) - 1))] for v in values)
 
 
-def size(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _num(v: Any, fmt: str = "{:.4g}") -> str:
-    return "-" if v is None else fmt.format(v)
-
-
 def _header(model: Dict[str, Any]) -> Text:
     d, disk = model["daemon"], model.get("disk")
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(model["time"]))
     text = Text.assemble(("snapd watch ", "bold"), model["root"], f"  {stamp}\n")
     if disk:
-        text.append(f"disk free {size(disk['free'])} of {size(disk['total'])}   ")
+        text.append(f"disk free {si_bytes(disk['free'])} of {si_bytes(disk['total'])}   ")
     if not d["running"]:
         return text.append("daemon: not running", style="yellow")
-    text.append(f"daemon pid {d['pid']}  cpu {_num(d.get('cpu_percent'), '{:.1f}')}%  "
-                f"rss {size(d.get('rss'))}")
+    text.append(f"daemon pid {d['pid']}  cpu {number(d.get('cpu_percent'), '{:.1f}')}%  "
+                f"rss {si_bytes(d.get('rss'))}")
     if not d["answering"]:
         return text.append("  (not answering on .snapd.sock)", style="red")
     text.append(f"  {d.get('clients') or 0} client(s)")
@@ -277,10 +251,10 @@ def _training_table(runs: List[Dict[str, Any]], points: int) -> Table:
         table.add_column(name, justify="left" if name in ("run", "trend") else "right",
                          no_wrap=name in ("run", "step", "trend"))
     for r in runs:
-        table.add_row(r["run"], str(r["rank"]), _num(r.get("step"), "{}"),
-                      _num(r.get("steps_per_s"), "{:.2f}"), _num(r.get("loss")),
+        table.add_row(r["run"], str(r["rank"]), number(r.get("step"), "{}"),
+                      number(r.get("steps_per_s"), "{:.2f}"), number(r.get("loss")),
                       Text(sparkline(r.get("losses") or [], points), style="cyan"),
-                      _num(r.get("at_risk"), "{}"), age(r.get("step_age_s")) + " ago"
+                      number(r.get("at_risk"), "{}"), age(r.get("step_age_s")) + " ago"
                       if r.get("step_age_s") is not None else "-")
     return table
 
@@ -320,9 +294,9 @@ def _flight_line(f: Dict[str, Any], width: int) -> Text:
     bar = "█" * filled + "░" * (cells - filled)
     pct = "-" if f.get("fraction") is None else f"{f['fraction'] * 100:.0f}%"
     eta = "-" if f.get("eta_s") is None else age(f["eta_s"])
-    return Text.assemble(head, (bar, "green"), f" {pct}  {size(f['bytes_written'])} / "
-                         f"{size(f['bytes_total'])}  {_num(f.get('mb_s'), '{:.1f}')} MB/s  "
-                         f"ETA {eta}")
+    rate = number(f.get("mb_s"), "{:.1f}")
+    return Text.assemble(head, (bar, "green"), f" {pct}  {si_bytes(f['bytes_written'])} / "
+                         f"{si_bytes(f['bytes_total'])}  {rate} MB/s  ETA {eta}")
 
 
 def _history(runs: List[Dict[str, Any]]) -> List[Text]:
