@@ -320,7 +320,7 @@ class Daemon:
 
     def _report_failure(self, sub: Submission, error: BaseException) -> None:
         kind, message = type(error).__name__, str(error)
-        sub.conn.send_event(p.Failed(sub.run, sub.rank, sub.step, sub.slot, kind, message))
+        sub.conn.send_event(p.Failed.of(sub.run, sub.rank, sub.step, sub.slot, error))
         log(f"failed run {sub.run!r} rank {sub.rank} step {sub.step}: {kind}: {message}")
 
     def _retain(self, store: RunStore, sub: Submission) -> List[str]:

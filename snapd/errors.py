@@ -17,7 +17,8 @@
     ├── AlreadyServing       (RuntimeError)  another daemon holds the root's lock
     ├── ProtocolError        (ValueError)    a peer sent a frame or message that is invalid
     ├── RunInUse             (RuntimeError)  another process writes this run and rank
-    └── UnknownOption        (TypeError)     an option name snapd does not have
+    ├── UnknownOption        (TypeError)     an option name snapd does not have
+    └── InvalidOption        (ValueError)    an option or argument value snapd cannot use
 
 Every message names the file (or object) and the field at fault and says what to do
 next; the file and the field are also attributes (``path``, ``field``, None where
@@ -30,6 +31,7 @@ callers that already catch ``ValueError`` or ``OSError`` keep working.
 from __future__ import annotations
 
 import builtins
+import os
 from typing import Any, Dict, Optional
 
 
@@ -134,22 +136,37 @@ class RunInUse(SnapdError, RuntimeError):
 
 class UnknownOption(SnapdError, TypeError):
     """An option name that snapd does not have (a typo); the message lists the known
-    ones and the nearest match."""
+    ones and the nearest match; ``field`` is the name given."""
+
+
+class InvalidOption(SnapdError, ValueError):
+    """A value snapd cannot use for an option or argument (``field`` names it); the
+    message says which values it takes."""
 
 
 # --- across the socket ------------------------------------------------------------
 
 def to_wire(error: BaseException) -> Dict[str, Any]:
-    """An error as the plain fields a reply carries: class name, message, fields."""
-    wire: Dict[str, Any] = {"kind": type(error).__name__, "message": str(error)}
+    """An error as the plain fields a reply carries: ``kind`` (the class name),
+    ``message``, ``path``, ``field``, and ``extra`` (the class's own fields; errno
+    and strerror for an OSError)."""
+    wire: Dict[str, Any] = {"kind": type(error).__name__, "message": str(error),
+                            "path": None, "field": None, "extra": {}}
     if isinstance(error, SnapdError):
         wire.update(path=error.path, field=error.field, extra=error.wire_fields())
     elif isinstance(error, OSError):
-        wire.update(path=error.filename, errno=error.errno, strerror=error.strerror)
+        path = error.filename
+        wire.update(path=None if path is None else os.fsdecode(path),
+                    extra={"errno": error.errno, "strerror": error.strerror})
     return wire
 
 
+# The extra fields a snapd error's constructor takes back (its wire_fields()).
 _EXTRA_KEYS = {"step", "cause", "holder"}
+
+
+def _text(value: Any) -> Optional[str]:
+    return value if isinstance(value, str) else None
 
 
 def from_wire(wire: Dict[str, Any]) -> BaseException:
@@ -157,28 +174,34 @@ def from_wire(wire: Dict[str, Any]) -> BaseException:
 
     Only classes are looked up by name, in two fixed places (this module's snapd
     errors, then Python's built-in exceptions); nothing is executed. An unknown kind
-    becomes a plain ``SnapdError`` whose message names it.
+    becomes a plain ``SnapdError`` whose message names it. A peer that sends only
+    ``kind`` and ``message`` gets the class with ``path``/``field`` None.
     """
     kind = str(wire.get("kind", "SnapdError"))
     message = str(wire.get("message", ""))
-    path, field = wire.get("path"), wire.get("field")
+    path, field = _text(wire.get("path")), _text(wire.get("field"))
+    extra = wire.get("extra") if isinstance(wire.get("extra"), dict) else {}
     cls = globals().get(kind)
     if isinstance(cls, type) and issubclass(cls, SnapdError):
-        extra = wire.get("extra") if isinstance(wire.get("extra"), dict) else {}
         kwargs = {k: v for k, v in extra.items() if k in _EXTRA_KEYS}
         try:
-            return cls(message, path=path if isinstance(path, str) else None,
-                       field=field if isinstance(field, str) else None, **kwargs)
-        except TypeError:  # extra fields of another version: keep the class's message
-            return cls(message)
+            return cls(message, path=path, field=field, **kwargs)
+        except TypeError:  # extra fields of another version: keep class and fields
+            return cls(message, path=path, field=field)
     builtin = getattr(builtins, kind, None)
-    if isinstance(builtin, type) and issubclass(builtin, Exception):
-        errno = wire.get("errno")
-        if issubclass(builtin, OSError) and isinstance(errno, int):
-            strerror = str(wire.get("strerror") or message)
-            if isinstance(path, str):
-                return builtin(errno, strerror, path)
-            return builtin(errno, strerror)
-        return builtin(message)
-    return SnapdError(f"{kind}: {message}", path=path if isinstance(path, str) else None,
-                      field=field if isinstance(field, str) else None)
+    if isinstance(builtin, type) and issubclass(builtin, Exception) \
+            and not issubclass(builtin, SnapdError):
+        return _builtin_from_wire(builtin, message, path, extra)
+    return SnapdError(f"{kind}: {message}", path=path, field=field)
+
+
+def _builtin_from_wire(cls: type, message: str, path: Optional[str],
+                       extra: Dict[str, Any]) -> BaseException:
+    errno = extra.get("errno")
+    if issubclass(cls, OSError) and isinstance(errno, int):
+        strerror = str(extra.get("strerror") or message)
+        return cls(errno, strerror, path) if path is not None else cls(errno, strerror)
+    try:
+        return cls(message)
+    except TypeError:  # a builtin that needs more than a message (UnicodeError's kin)
+        return SnapdError(f"{cls.__name__}: {message}", path=path)

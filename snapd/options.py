@@ -9,9 +9,15 @@ other module reads ``os.environ`` for a tunable.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
+
+from snapd.errors import InvalidOption, UnknownOption
+
+_log = logging.getLogger(__name__)
 
 Compression = Union[str, int]  # "off", "auto", or a zstd level 1..22
 
@@ -24,7 +30,11 @@ SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep
 
 @dataclass(frozen=True)
 class Options:
-    """Tunables of the client, the writer and the daemon."""
+    """Tunables of the client, the writer and the daemon.
+
+    An unknown name (``Options(keep_lsat=3)``, ``replace``, ``resolve``) raises
+    UnknownOption with the nearest known name; a value out of range, InvalidOption.
+    """
 
     # On-disk layout of tensor data.
     chunk_bytes: int = 4 << 20
@@ -57,33 +67,44 @@ class Options:
     hot_linger_seconds: float = 300.0  # a crashed client's hot copy is kept this long
     hot_max_bytes: int = 0        # all hot copies together; 0: a quarter of the RAM
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Options":
+        # Before the generated __init__, whose TypeError would not name the options.
+        cls.check_names(kwargs)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, ("wait", "overlap"))
         _check_choice("on_busy", self.on_busy, ("wait", "skip"))
         _check_choice("best_mode", self.best_mode, ("min", "max"))
         _check_choice("replay_check", self.replay_check, ("raise", "warn", "off"))
         if isinstance(self.compression, str) and self.compression not in ("off", "auto"):
-            raise ValueError(f"compression={self.compression!r}: use 'off', 'auto' or a "
-                             "zstd level 1..22")
+            raise InvalidOption(f"compression={self.compression!r}: use 'off', 'auto' "
+                                "or a zstd level 1..22", field="compression")
         if isinstance(self.compression, int) and not 1 <= self.compression <= 22:
-            raise ValueError(f"compression={self.compression}: zstd levels are 1..22")
+            raise InvalidOption(f"compression={self.compression}: zstd levels are 1..22",
+                                field="compression")
         if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
-            raise ValueError(f"chunk_bytes={self.chunk_bytes}: use a multiple of 4096 "
-                             "(chunks are written in 4096-byte blocks)")
+            raise InvalidOption(f"chunk_bytes={self.chunk_bytes}: use a multiple of 4096 "
+                                "(chunks are written in 4096-byte blocks)",
+                                field="chunk_bytes")
         if not self.root_check_seconds > 0:
-            raise ValueError(f"root_check_seconds={self.root_check_seconds}: a positive "
-                             "number of seconds")
+            raise InvalidOption(f"root_check_seconds={self.root_check_seconds}: a "
+                                "positive number of seconds", field="root_check_seconds")
         if self.copy_threads < 1:
-            raise ValueError(f"copy_threads={self.copy_threads}: at least 1 (the calling "
-                             "thread); more share the staging copy, up to the usable CPUs")
+            raise InvalidOption(f"copy_threads={self.copy_threads}: at least 1 (the "
+                                "calling thread); more share the staging copy, up to the "
+                                "usable CPUs", field="copy_threads")
         for name in ("max_connections", "peer_timeout"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)}: a positive number")
+                raise InvalidOption(f"{name}={getattr(self, name)}: a positive number",
+                                    field=name)
         for name in ("hot_linger_seconds", "hot_max_bytes"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: zero or more")
+                raise InvalidOption(f"{name}={getattr(self, name)}: zero or more",
+                                    field=name)
         if self.slots not in (1, 2):
-            raise ValueError(f"slots={self.slots}: the staging arena has 1 or 2 slots")
+            raise InvalidOption(f"slots={self.slots}: the staging arena has 1 or 2 slots",
+                                field="slots")
 
     @classmethod
     def resolve(cls, overrides: Mapping[str, Any] | None = None,
@@ -95,21 +116,57 @@ class Options:
             raw = environ.get(f"SNAPD_{f.name.upper()}")
             if raw is not None:
                 values[f.name] = _parse(f.name, raw, f.default)
-        for key, value in (overrides or {}).items():
-            if key not in {f.name for f in fields(cls)}:
-                raise TypeError(f"unknown snapd option {key!r}; known: "
-                                + ", ".join(f.name for f in fields(cls)))
-            if value is not None:
-                values[key] = value
+        _warn_env_typos(environ, cls.names())
+        cls.check_names(overrides or {})
+        values.update((k, v) for k, v in (overrides or {}).items() if v is not None)
         return cls(**values)
 
     def replace(self, **changes: Any) -> "Options":
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def check_names(cls, given: Iterable[str], *, also: Iterable[str] = (),
+                    where: str = "Options") -> None:
+        """Raise UnknownOption for the first name that is neither an option nor one of
+        ``also`` (the caller's own parameters), naming the nearest known name."""
+        known = cls.names() + list(also)
+        for name in given:
+            if name not in known:
+                near = difflib.get_close_matches(str(name), known, n=1)
+                hint = f"did you mean {near[0]!r}? " if near else ""
+                raise UnknownOption(
+                    f"{where}({name}=...): {name!r} is not a snapd option; {hint}"
+                    f"known: {', '.join(sorted(known))}", field=str(name))
+
 
 def _check_choice(name: str, value: str, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(repr, allowed))}")
+        raise InvalidOption(f"{name}={value!r}: choose one of "
+                            f"{', '.join(map(repr, allowed))}", field=name)
+
+
+# SNAPD_* variables that are not options (scripts and tests read them).
+_OTHER_VARIABLES = {"SNAPD_ROOT", "SNAPD_FUZZ_SEED"}
+
+
+def _warn_env_typos(environ: Mapping[str, str], known: list[str]) -> None:
+    """Warn about a SNAPD_* variable that is close to an option's but is none.
+
+    Only warned, never raised: the environment is shared with other programs, and
+    only a near miss (SNAPD_KEEP_LSAT) is worth a line.
+    """
+    variables = {f"SNAPD_{name.upper()}": name for name in known}
+    for key in environ:
+        if not key.startswith("SNAPD_") or key in variables or key in _OTHER_VARIABLES:
+            continue
+        near = difflib.get_close_matches(key, list(variables), n=1, cutoff=0.8)
+        if near:
+            _log.warning("environment variable %s is not a snapd option and is ignored; "
+                         "did you mean %s (option %s)?", key, near[0], variables[near[0]])
 
 
 def _parse(name: str, raw: str, default: Any) -> Any:
@@ -125,5 +182,5 @@ def _parse(name: str, raw: str, default: Any) -> Any:
             return float(raw)
         return raw
     except ValueError as e:
-        raise ValueError(f"environment variable SNAPD_{name.upper()}={raw!r} is not "
-                         f"valid for {name}: {e}") from e
+        raise InvalidOption(f"environment variable SNAPD_{name.upper()}={raw!r} is not "
+                            f"valid for {name}: {e}", field=name) from e

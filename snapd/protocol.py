@@ -19,6 +19,10 @@ from typing import Any, Dict, Iterator, Optional, Type
 
 import msgpack
 
+from snapd import errors
+# Its home is the error tree; imported here too, so ``protocol.ProtocolError`` works.
+from snapd.errors import ProtocolError  # noqa: F401
+
 PROTOCOL_VERSION = 1
 # The largest frame either side accepts, refused at its length prefix. The biggest
 # frames are a submit's plan descriptor and a hot_reply's copy of it: about 96 bytes
@@ -47,10 +51,6 @@ def socket_address(root: str) -> Iterator[str]:
         yield f"/proc/self/fd/{fd}/{SOCKET_NAME}"
     finally:
         os.close(fd)
-
-
-class ProtocolError(Exception):
-    """A peer sent something that is not a valid frame or message."""
 
 
 # --- requests (client -> daemon) --------------------------------------------------
@@ -131,10 +131,23 @@ class Ok:
 
 @dataclass
 class Error:
-    """A request failed; ``kind`` names the snapd error class to raise."""
+    """A request failed: the error as :func:`snapd.errors.to_wire` gives it. ``kind``
+    names the class to raise; ``path``, ``field`` and ``extra`` (the class's own
+    fields) are absent from an older peer's reply, and then None."""
     op = "error"
     kind: str
     message: str
+    path: Optional[str] = None
+    field: Optional[str] = None
+    extra: Optional[Dict[str, Any]] = None
+
+    @classmethod
+    def of(cls, error: BaseException) -> "Error":
+        return cls(**errors.to_wire(error))
+
+    def exception(self) -> BaseException:
+        """The exception to raise on this side: the same class, with its fields."""
+        return errors.from_wire(_error_fields(self))
 
 
 @dataclass
@@ -166,6 +179,23 @@ class Failed:
     slot: int
     kind: str
     message: str
+    path: Optional[str] = None      # the error's fields, as in Error
+    field: Optional[str] = None
+    extra: Optional[Dict[str, Any]] = None
+
+    @classmethod
+    def of(cls, run: str, rank: int, step: int, slot: int,
+           error: BaseException) -> "Failed":
+        return cls(run, rank, step, slot, **errors.to_wire(error))
+
+    def exception(self) -> BaseException:
+        """The error that failed the write, as the daemon raised it."""
+        return errors.from_wire(_error_fields(self))
+
+
+def _error_fields(message: Any) -> Dict[str, Any]:
+    return {"kind": message.kind, "message": message.message, "path": message.path,
+            "field": message.field, "extra": message.extra or {}}
 
 
 @dataclass

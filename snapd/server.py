@@ -32,7 +32,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 from snapd import protocol as p
 from snapd.arena_map import MappedArena, check_arena_owner
-from snapd.errors import SnapdError
+from snapd.errors import DaemonUnavailable, InvalidOption, ProtocolError, SnapdError
 from snapd.options import SUBMIT_OPTIONS, Options
 from snapd.plan import SnapshotPlan, from_descriptor
 from snapd.store import check_run_name
@@ -60,32 +60,39 @@ def submit_options(base: Options, given: Any) -> Options:
     not break an older daemon; bad values are refused.
     """
     if not isinstance(given, dict):
-        raise SnapdError(f"submit options must be a map, got {type(given).__name__}")
+        raise InvalidOption(f"submit options must be a map, got {type(given).__name__}",
+                            field="options")
     chosen = {k: v for k, v in given.items() if k in SUBMIT_OPTIONS}
     for key in ("keep_last", "keep_every", "keep_best", "chunk_bytes"):
         value = chosen.get(key)
         if value is not None and (not isinstance(value, int) or value < 0):
-            raise SnapdError(f"submit option {key}={value!r}: use a non-negative int")
+            raise InvalidOption(f"submit option {key}={value!r}: use a non-negative int",
+                                field=f"options.{key}")
     try:
         return base.replace(**chosen)
+    except InvalidOption as e:   # it names the option: keep the class and the name
+        raise InvalidOption(f"submit options refused: {e}",
+                            field=f"options.{e.field}") from e
     except (TypeError, ValueError) as e:
-        raise SnapdError(f"submit options refused: {e}") from e
+        raise InvalidOption(f"submit options refused: {e}", field="options") from e
 
 
 def check_descriptor(desc: Any, run: str, rank: int, step: int) -> None:
     """The descriptor must describe this submit, with plain object names."""
     if not isinstance(desc, dict) or not isinstance(desc.get("objects"), list):
-        raise SnapdError("submit plan is not a plan descriptor (a map with objects)")
+        raise SnapdError("submit plan is not a plan descriptor (a map with objects)",
+                         field="plan")
     if (desc.get("run"), desc.get("rank", 0), desc.get("step")) != (run, rank, step):
         raise SnapdError(f"submit plan is for run {desc.get('run')!r} rank "
                          f"{desc.get('rank', 0)} step {desc.get('step')}, but the submit "
-                         f"says run {run!r} rank {rank} step {step}")
+                         f"says run {run!r} rank {rank} step {step}", field="plan")
     names = [o.get("name") if isinstance(o, dict) else None for o in desc["objects"]]
     for name in names:
         if not isinstance(name, str) or not _OBJECT_NAME.match(name) or ".." in name:
-            raise SnapdError(f"submit plan: object name {name!r} is not a plain name")
+            raise SnapdError(f"submit plan: object name {name!r} is not a plain name",
+                             field="plan.objects")
     if len(set(names)) != len(names):
-        raise SnapdError("submit plan: two objects share a name")
+        raise SnapdError("submit plan: two objects share a name", field="plan.objects")
 
 
 def plan_over_slot(desc: Dict[str, Any], slot: memoryview) -> SnapshotPlan:
@@ -95,7 +102,8 @@ def plan_over_slot(desc: Dict[str, Any], slot: memoryview) -> SnapshotPlan:
     except SnapdError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-        raise SnapdError(f"submit plan descriptor is malformed: {e!r}") from e
+        raise SnapdError(f"submit plan descriptor is malformed: {e!r}",
+                         field="plan") from e
 
 
 @dataclass
@@ -253,7 +261,7 @@ class Connection:
                 self._dispatch(self._next_frame())
         except EOFError:
             pass
-        except p.ProtocolError as e:
+        except ProtocolError as e:
             why = f"closed for a protocol error: {e}"
         except BlockingIOError:
             why = f"closed: a frame (or hello) took over {self._timeout} s to arrive"
@@ -287,16 +295,18 @@ class Connection:
         message = p.from_wire(data)
         rid = data.get("id")
         if not isinstance(rid, int) or isinstance(rid, bool):
-            raise p.ProtocolError(f"{data['op']} request without an int id")
+            raise ProtocolError(f"{data['op']} request without an int id", field="id")
         if first and not isinstance(message, p.Hello):
-            raise p.ProtocolError(f"first message is {data['op']}, not hello")
+            raise ProtocolError(f"first message is {data['op']}, not hello", field="op")
         handle = self._requests.get(type(message))
         if handle is None:
-            raise p.ProtocolError(f"{data['op']} is not a request")
+            raise ProtocolError(f"{data['op']} is not a request", field="op")
         try:
             answer = handle(message, rid)
-        except SnapdError as e:
-            answer = p.Error(type(e).__name__, str(e))
+        except ProtocolError:
+            raise   # closes the connection; never an error reply
+        except SnapdError as e:   # refused: the peer gets the error with its fields
+            answer = p.Error.of(e)
         if answer is not None:
             self.reply(answer, rid)
 
@@ -304,12 +314,14 @@ class Connection:
 
     def _on_hello(self, m: p.Hello, rid: int) -> Any:
         if m.protocol != p.PROTOCOL_VERSION:
+            # A kind of its own, so that a client of any version can tell it apart.
             self.reply(p.Error("ProtocolMismatch", f"client speaks protocol "
                                f"{m.protocol!r}, this daemon {p.PROTOCOL_VERSION}; "
-                               "run the same snapd version on both sides"), rid)
-            raise p.ProtocolError(f"protocol mismatch ({m.protocol!r})")
+                               "run the same snapd version on both sides",
+                               field="protocol"), rid)
+            raise ProtocolError(f"protocol mismatch ({m.protocol!r})", field="protocol")
         if not isinstance(m.pid, int) or isinstance(m.pid, bool):
-            raise p.ProtocolError(f"hello pid {m.pid!r} is not an int")
+            raise ProtocolError(f"hello pid {m.pid!r} is not an int", field="pid")
         if m.run != "":   # "" is a tool (status, watch); a run is checked like any
             _check_run(m.run, m.rank)
         self.pid, self.run, self.rank = m.pid, m.run, m.rank
@@ -330,11 +342,11 @@ class Connection:
     def _on_submit(self, m: p.Submit, rid: int) -> Any:
         _check_run(m.run, m.rank)
         if not isinstance(m.step, int) or isinstance(m.step, bool) or m.step < 0:
-            raise SnapdError(f"submit step {m.step!r}: a non-negative int")
+            raise SnapdError(f"submit step {m.step!r}: a non-negative int", field="step")
         arena = self.arenas.get((m.run, m.rank))
         if arena is None:
             raise SnapdError(f"no arena attached for run {m.run!r} rank {m.rank}; "
-                             "attach one before submit")
+                             "attach one before submit", field="slot")
         check_descriptor(m.plan, m.run, m.rank, m.step)
         options = submit_options(self.handler.options, m.options)
         arena.acquire(m.slot)
@@ -406,9 +418,9 @@ def _check_run(run: Any, rank: Any) -> None:
     try:
         check_run_name(run)
     except ValueError as e:
-        raise SnapdError(str(e)) from e
+        raise SnapdError(str(e), field="run") from e
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-        raise SnapdError(f"rank {rank!r}: a non-negative int")
+        raise SnapdError(f"rank {rank!r}: a non-negative int", field="rank")
 
 
 class Server:
@@ -502,9 +514,10 @@ class Server:
         """One error frame, never waited on, then close: the cap holds memory and
         threads bounded whatever the peers do."""
         cap = self.handler.options.max_connections
-        frame = p.encode(p.Error("DaemonUnavailable", (
+        frame = p.encode(p.Error.of(DaemonUnavailable(
             f"the daemon serving {self.root} already has {cap} connections "
-            f"(max_connections, SNAPD_MAX_CONNECTIONS); close idle clients or raise it")))
+            f"(max_connections, SNAPD_MAX_CONNECTIONS); close idle clients or raise it",
+            path=self.path, field="max_connections")))
         try:
             sock.send(frame, socket.MSG_DONTWAIT)
         except OSError:

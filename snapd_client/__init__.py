@@ -10,16 +10,22 @@ from snapd.errors import (
     DaemonStartFailed,
     DaemonUnavailable,
     IncompatibleState,
+    InsufficientSpace,
+    InvalidOption,
+    MissingRngStream,
     ReplayDivergence,
     RunInUse,
     SnapdError,
+    SnapshotExists,
     SnapshotFailed,
+    UnknownOption,
     UnsupportedState,
 )
 from snapd.options import Options
 from snapd_client.client import Client
 from snapd_client.cursor import BatchStream
 from snapd_client.handle import SnapshotHandle
+from snapd_client.journal import ReplayWarning
 from snapd_client.restore import FallbackWarning
 
 __all__ = [
@@ -30,11 +36,17 @@ __all__ = [
     "DaemonUnavailable",
     "FallbackWarning",
     "IncompatibleState",
+    "InsufficientSpace",
+    "InvalidOption",
+    "MissingRngStream",
     "Options",
     "ReplayDivergence",
+    "ReplayWarning",
     "RunInUse",
     "SnapdError",
+    "SnapshotExists",
     "SnapshotFailed",
     "SnapshotHandle",
+    "UnknownOption",
     "UnsupportedState",
 ]

@@ -82,6 +82,9 @@ class Client:
                  rank: Optional[int] = None, options: Optional[Options] = None,
                  daemon: Optional[bool] = None, read_only: bool = False,
                  **option_overrides: Any) -> None:
+        # A typo (keep_lsat=3) is refused before anything is created on disk.
+        Options.check_names(option_overrides, where="Client",
+                            also=("data_version", "rank", "options", "daemon", "read_only"))
         self.store = RunStore(root, run)
         self.read_only = bool(read_only)
         if not self.read_only:

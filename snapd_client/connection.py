@@ -11,7 +11,6 @@ every pending request and is reported to the client once.
 
 from __future__ import annotations
 
-import builtins
 import itertools
 import os
 import socket
@@ -23,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import psutil
 
-from snapd import errors, peer
+from snapd import peer
 from snapd import protocol as proto
 from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
 
@@ -32,20 +31,6 @@ LOG_NAME = ".snapd.log"
 SPAWN_TIMEOUT = 30.0
 POLL = 0.2
 EXIT_ALREADY_RUNNING = 2  # `snapd serve` exit code when another daemon holds the root
-
-
-def error_from(kind: str, message: str) -> BaseException:
-    """The exception a daemon's error ``kind`` names: a snapd error or a builtin.
-
-    Only classes are looked up by name, in two fixed places; nothing is executed.
-    """
-    cls = getattr(errors, kind, None) or getattr(builtins, kind, None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        try:
-            return cls(message)
-        except TypeError:  # a class that needs more than a message
-            pass
-    return SnapdError(f"{kind}: {message}")
 
 
 def try_connect(root: str) -> Optional[socket.socket]:
@@ -154,7 +139,7 @@ class DaemonConnection:
                                     f"within {self.timeout} s ({e})") from e
         if isinstance(reply, proto.Error):
             self._sock.close()
-            raise error_from(reply.kind, reply.message)
+            raise reply.exception()   # the daemon's error, with its fields
         if not isinstance(reply, proto.Welcome):
             self._sock.close()
             raise DaemonUnavailable(f"the daemon for {self.root} answered hello with "
@@ -268,7 +253,7 @@ class DaemonConnection:
         if pending.reply is None:
             raise self.lost or DaemonUnavailable(f"no reply to {message.op}")
         if isinstance(pending.reply, proto.Error):
-            raise error_from(pending.reply.kind, pending.reply.message)
+            raise pending.reply.exception()
         return pending.reply
 
     def close(self) -> None:

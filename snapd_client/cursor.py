@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from snapd.errors import CorruptSnapshot, IncompatibleState, UnsupportedState
+from snapd.errors import CorruptSnapshot, IncompatibleState, InvalidOption, UnsupportedState
 
 from .rng import RngState, RngStreams
 
@@ -155,7 +155,8 @@ class BatchStream:
 
     def __init__(self, loader: Iterable, rng: RngStreams, fast_forward: str = "skip") -> None:
         if fast_forward not in FAST_FORWARD_MODES:
-            raise ValueError(f"fast_forward={fast_forward!r}; choose one of {FAST_FORWARD_MODES}")
+            raise InvalidOption(f"fast_forward={fast_forward!r}; choose one of "
+                                f"{FAST_FORWARD_MODES}", field="fast_forward")
         self.loader, self.fast_forward, self._rng = loader, fast_forward, rng
         self.epoch, self.index = 0, 0  # the current epoch; batches consumed in it
         self.last_fast_forward: Optional[dict] = None  # {"mode", "batches", "seconds"} of load()
@@ -222,10 +223,11 @@ class BatchStream:
                 "iter_rng": dict(self._iter_rng) if reused else {},
                 "loader_state": to_plain(self.loader.state_dict()) if stateful else None}
 
-    def load(self, state: Mapping[str, Any]) -> None:
+    def load(self, state: Mapping[str, Any], *, omit: Iterable[str] = ()) -> None:
         """Continue from ``state``: the next batch is the one the uninterrupted run
-        yielded next, and later epochs match too. Every RNG stream is left as found."""
-        epoch, index, epoch_rng, iter_rng, loader_state = self._parse(state)
+        yielded next, and later epochs match too. Every RNG stream is left as found.
+        RNG streams in ``omit`` may be absent from ``state`` (restore's ``_omit``)."""
+        epoch, index, epoch_rng, iter_rng, loader_state = self._parse(state, omit)
         mode = self._mode()
         self._drop_iterator()
         self.epoch, self.index, self._epoch_rng, self._iter_rng = epoch, 0, epoch_rng, iter_rng
@@ -289,15 +291,17 @@ class BatchStream:
         _consume(it, index)  # replay: fetch and drop
         return it
 
-    def _parse(self, state: Mapping[str, Any]):
-        check_cursor(state, self._rng, source="cursor")
+    def _parse(self, state: Mapping[str, Any], omit: Iterable[str] = ()):
+        check_cursor(state, self._rng, source="cursor", omit=omit)
         return (state["epoch"], state["index"], dict(state["epoch_rng"]),
                 dict(state.get("iter_rng") or {}), state.get("loader_state"))
 
 
-def check_cursor(state: Any, rng: RngStreams, *, source: str) -> None:
+def check_cursor(state: Any, rng: RngStreams, *, source: str,
+                 omit: Iterable[str] = ()) -> None:
     """Refuse, naming the field, a saved cursor :meth:`BatchStream.load` could not
-    take: run before any object, stream or the cursor itself is touched."""
+    take: run before any object, stream or the cursor itself is touched. RNG streams
+    in ``omit`` are not checked."""
     def bad(field: str, what: str) -> CorruptSnapshot:
         return CorruptSnapshot(f"{source}: field {field} {what}; the snapshot is damaged "
                                "or hostile, use an older one", path=source, field=field)
@@ -313,7 +317,7 @@ def check_cursor(state: Any, rng: RngStreams, *, source: str) -> None:
         if not isinstance(streams, Mapping):
             raise bad(f"cursor.{name}", "is not a map of RNG streams")
         if streams:
-            rng.check(streams, source=f"{source} (cursor.{name})")
+            rng.check(streams, source=source, prefix=f"cursor.{name}", omit=omit)
     if state["index"] and not state["epoch_rng"]:
         raise bad("cursor.epoch_rng", "is empty although batches were consumed")
     loader_state = state.get("loader_state")

@@ -46,7 +46,7 @@ from snapd.plan import SnapshotPlan, TensorSource, to_descriptor
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import CommitResult
-from snapd_client.connection import POLL, DaemonConnection, error_from
+from snapd_client.connection import POLL, DaemonConnection
 from snapd_client.handle import SnapshotHandle
 from snapd_client.hot import HotSource
 from snapd_client.staging import Arena, layout, nbytes_of, slot_size_for
@@ -239,7 +239,7 @@ class Handoff:
                 handle: SnapshotHandle) -> None:
         def refused(reply: Any) -> None:
             if isinstance(reply, proto.Error):
-                self._release(slot, handle, error_from(reply.kind, reply.message))
+                self._release(slot, handle, reply.exception())
 
         # Not waited for: the trainer goes on while the daemon accepts; a refusal
         # reaches the handle, and a lost daemon fails every snapshot in flight.
@@ -357,7 +357,7 @@ class Handoff:
                                   event.bytes, event.seconds)
             self._release(event.slot, handle, result=result)
         else:
-            self._release(event.slot, handle, error_from(event.kind, event.message))
+            self._release(event.slot, handle, event.exception())
 
     def _on_lost(self, error: DaemonUnavailable) -> None:
         with self._cond:

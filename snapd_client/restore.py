@@ -1,11 +1,12 @@
 """Choose, verify and check a snapshot before any tracked object is touched.
 
 Order of trust: LATEST is a hint, tried first; then every committed snapshot, newest
-first. A snapshot that fails verification (a damaged file, a missing RNG field) is
+first. A snapshot that fails verification (a damaged file, a damaged RNG field) is
 reported and the next older one is tried; it is never deleted. A snapshot that
 verifies but does not fit the program (tracked names, types, shapes, dtypes,
-``data_version``) stops the restore with IncompatibleState: an older snapshot of the
-same run would not fit either, and silently starting over would lose the run.
+``data_version``, an RNG stream this process has and it lacks: MissingRngStream)
+stops the restore with IncompatibleState: an older snapshot of the same run would
+not fit either, and silently starting over would lose the run.
 
 Restore is all or nothing. Per candidate, in this order: (1) the manifest's schema,
 its files' types and sizes, its name against its step and lineage (the reader);
@@ -136,16 +137,17 @@ def check_fit(manifest: Dict[str, Any], tracked: Dict[str, Any], *, source: str,
             f"{source}: field data_version is {manifest.get('data_version')!r} but this "
             f"run uses {data_version!r}. Resuming on other data is not the same run: "
             "pass the old data_version, or restore(mode='warm_start') to start a new "
-            "lineage from these weights", field="data_version")
+            "lineage from these weights", path=source, field="data_version")
     for name in sorted(set(saved) | set(tracked)):
         if name not in saved:
             raise IncompatibleState(f"{source}: no object {name!r} in the snapshot; "
                                     f"it holds {sorted(saved)}. Stop tracking {name!r} or "
-                                    "use mode='warm_start'", field=f"objects.{name}")
+                                    "use mode='warm_start'", path=source,
+                                    field=f"objects.{name}")
         if name not in tracked:
             raise IncompatibleState(f"{source}: the snapshot holds {name!r}, which is not "
                                     f"tracked now; track it, or use mode='warm_start'",
-                                    field=f"objects.{name}")
+                                    path=source, field=f"objects.{name}")
         _check_object_fit(name, saved[name], tracked[name], source)
 
 
@@ -154,22 +156,23 @@ def _check_object_fit(name: str, saved: Dict[str, Any], obj: Any, source: str) -
         raise IncompatibleState(f"{source}: objects.{name}.type is {saved.get('type')} "
                                 f"but {name!r} is now a {type_name(obj)}; use "
                                 "mode='warm_start' to load weights only",
-                                field=f"objects.{name}.type")
+                                path=source, field=f"objects.{name}.type")
     have = {t["path"]: (t["dtype"], t["shape"]) for t in saved["tensors"]}
     want = _expected_meta(obj, name)
     for path, (dtype, shape) in want.items():
         if path not in have:
             raise IncompatibleState(f"{source}: objects.{name} has no tensor {path!r}; "
                                     "the model's structure changed",
-                                    field=f"objects.{name}{path}")
+                                    path=source, field=f"objects.{name}{path}")
         if have[path] != (dtype, shape):
             raise IncompatibleState(
                 f"{source}: objects.{name}{path} is {have[path][0]}{have[path][1]} in "
-                f"the snapshot but {dtype}{shape} now", field=f"objects.{name}{path}")
+                f"the snapshot but {dtype}{shape} now", path=source,
+                field=f"objects.{name}{path}")
     if isinstance(obj, torch.nn.Module) and set(have) != set(want):
         extra = sorted(set(have) - set(want))[:3]
         raise IncompatibleState(f"{source}: objects.{name} holds tensors the module "
-                                f"lacks: {extra}", field=f"objects.{name}")
+                                f"lacks: {extra}", path=source, field=f"objects.{name}")
 
 
 def _live_tensors(obj: Any, name: str) -> Dict[str, torch.Tensor]:
@@ -217,21 +220,28 @@ def _check_optimizer_groups(name: str, entry: Dict[str, Any], obj: Any,
     if now != then:
         raise IncompatibleState(f"{source}: objects.{name}.param_groups hold {then} "
                                 f"parameters, the optimizer now holds {now}",
-                                field=f"objects.{name}.param_groups")
+                                path=source, field=f"objects.{name}.param_groups")
+
+
+def rng_omitted(omit: Iterable[str]) -> List[str]:
+    """The RNG streams named in ``omit`` (as ``rng:<stream>``)."""
+    return [o.split(":", 1)[1] for o in omit if o.startswith("rng:")]
 
 
 def _check_candidate(reader: SnapshotReader, tracked: Dict[str, Any], rng: RngStreams,
-                     *, data_version: Optional[str], need_cursor: bool) -> None:
+                     *, data_version: Optional[str], need_cursor: bool,
+                     omit: Iterable[str] = ()) -> None:
     """Every check that needs no tensor: nothing live is touched yet."""
     source = os.path.join(reader.path, "manifest.snapd")
     check_name_matches(reader.path, reader.manifest)
-    rng.check(reader.manifest["rng"], source=source)
+    rng.check(reader.manifest["rng"], source=source, omit=rng_omitted(omit))
     if need_cursor:
         if not isinstance(reader.manifest.get("cursor"), dict):
             raise CorruptSnapshot(f"{source}: field cursor is missing; the data "
                                   "position cannot be restored", path=source,
                                   field="cursor")
-        check_cursor(reader.manifest["cursor"], rng, source=source)
+        check_cursor(reader.manifest["cursor"], rng, source=source,
+                     omit=rng_omitted(omit))
     check_fit(reader.manifest, tracked, source=source, data_version=data_version)
     for name in tracked:  # every skeleton decodes to a state dict before a tensor is read
         if not isinstance(unflatten(reader.objects[name]["skeleton"], None, source=source),
@@ -248,7 +258,8 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                     tensor_source: Optional[TensorProvider] = None,
                     omit: Iterable[str] = ()) -> Optional[Loaded]:
     """The newest snapshot that verifies and fits, fully read; None if the run is new.
-    Objects named in ``omit`` are checked but not read (their states are absent).
+    Objects named in ``omit`` are checked but not read (their states are absent);
+    ``rng:<stream>`` in it is neither checked nor (by :func:`apply`) restored.
     The returned ``before`` is the tracked state as it was: :func:`apply` puts it back
     if applying fails."""
     refused: Dict[str, str] = {}
@@ -258,7 +269,7 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
         try:
             reader = SnapshotReader(path)
             _check_candidate(reader, tracked, rng, data_version=data_version,
-                             need_cursor=need_cursor)
+                             need_cursor=need_cursor, omit=omit)
             if before is None:  # a hot read may land in live tensors from here on
                 before = Before(tracked, rng)
             states = _read_states(reader, {n: o for n, o in tracked.items()
@@ -309,19 +320,20 @@ def apply(loaded: Loaded, tracked: Dict[str, Any], rng: RngStreams, stream: Any,
             if name not in omit:
                 obj.load_state_dict(loaded.states[name])
         rng.restore(loaded.manifest["rng"],
-                    omit=[o.split(":", 1)[1] for o in omit if o.startswith("rng:")])
+                    omit=rng_omitted(omit))
         if stream is not None and "cursor" not in omit:
-            stream.load(loaded.manifest["cursor"])
+            stream.load(loaded.manifest["cursor"], omit=rng_omitted(omit))
     except Exception as e:
         failed = before.put_back(tracked, rng, list(tracked), stream)
         where = f"{loaded.path}: applying the snapshot failed half way ({e!r})"
         if failed:
             raise SnapdError(f"{where}, and {failed} could not be put back as they were: "
-                             "do not train on in this process; restart it") from e
+                             "do not train on in this process; restart it",
+                             path=loaded.path, field="objects") from e
         raise IncompatibleState(f"{where}; every tracked object, RNG stream and the cursor "
                                 "was put back as it was before restore(), untouched. Fix "
                                 "the object that raised, or use mode='warm_start'",
-                                field="objects") from e
+                                path=loaded.path, field="objects") from e
 
 
 def load_weights(store: RunStore, modules: Dict[str, torch.nn.Module]) -> Optional[Loaded]:

@@ -29,9 +29,14 @@ import numpy as np
 import torch
 import xxhash
 
-from snapd.errors import CorruptSnapshot, IncompatibleState
+from snapd.errors import CorruptSnapshot, IncompatibleState, InvalidOption, MissingRngStream
 
 RngState = Dict[str, bytes]
+
+# Streams every snapshot holds (the writer always captures them): one missing means
+# damage. A CUDA stream or a private generator may be absent for good reasons (fewer
+# devices then, a generator tracked since), and then absent from every snapshot.
+ALWAYS = ("python", "numpy", "torch")
 
 # random.getstate() is (3, 625 uint32 words, gauss_next): the words are the MT state
 # plus its index, gauss_next is None or a float.
@@ -116,8 +121,8 @@ class RngStreams:
         key = f"gen:{name}"
         known = self._generators.get(key)
         if known is not None and known is not generator:
-            raise ValueError(f"a different generator is already tracked as {key!r}; "
-                             "give each generator its own name")
+            raise InvalidOption(f"a different generator is already tracked as {key!r}; "
+                                "give each generator its own name", field=key)
         self._generators[key] = generator
 
     def names(self) -> list[str]:
@@ -141,34 +146,37 @@ class RngStreams:
             state[key] = _tensor_bytes(gen.get_state())
         return state
 
-    def check(self, state: Mapping[str, bytes], *, source: str) -> None:
+    def check(self, state: Mapping[str, bytes], *, source: str, prefix: str = "rng",
+              omit: Iterable[str] = ()) -> None:
         """Refuse a saved state that lacks a stream this process has, or holds one
         that its generator would not take back (wrong length, impossible position).
 
-        Each stream is put into a scratch generator of its kind, never a live one:
-        raises CorruptSnapshot naming the field, before anything is restored.
+        Each stream is put into a scratch generator of its kind, never a live one;
+        all before anything is restored. A damaged stream raises CorruptSnapshot; a
+        CUDA or private-generator stream the state lacks, MissingRngStream. ``prefix``
+        is the field the state lies under; streams in ``omit`` are not checked.
+        Streams the state has and this process lacks are ignored (docs/operations.md).
         """
         if not isinstance(state, Mapping):
-            raise CorruptSnapshot(f"{source}: field rng is not a map of streams",
-                                  path=source, field="rng")
-        for name in self.names():
-            if name not in state:
-                raise CorruptSnapshot(
-                    f"{source}: field rng.{name} is missing; this snapshot cannot "
-                    f"restore the {name!r} random stream. Use an older snapshot, or "
-                    "restore(mode='warm_start') to load weights only",
-                    path=source, field=f"rng.{name}")
-            blob = state[name]
+            raise CorruptSnapshot(f"{source}: field {prefix} is not a map of streams",
+                                  path=source, field=prefix)
+        skip = set(omit)
+        names = [n for n in self.names() if n not in skip]
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise _missing(missing, state, source, prefix)
+        for name in names:
+            blob, field = state[name], f"{prefix}.{name}"
             if not isinstance(blob, (bytes, bytearray)):
-                raise CorruptSnapshot(f"{source}: field rng.{name} is not bytes",
-                                      path=source, field=f"rng.{name}")
+                raise CorruptSnapshot(f"{source}: field {field} is not bytes",
+                                      path=source, field=field)
             try:
                 self._try_state(name, bytes(blob))
             except Exception as e:  # struct, numpy and torch each raise their own
                 raise CorruptSnapshot(
-                    f"{source}: field rng.{name} ({len(blob)} bytes) is not a state the "
+                    f"{source}: field {field} ({len(blob)} bytes) is not a state the "
                     f"{name!r} generator accepts ({e}); the snapshot is damaged or "
-                    "hostile, use an older one", path=source, field=f"rng.{name}") from e
+                    "hostile, use an older one", path=source, field=field) from e
 
     def _try_state(self, name: str, blob: bytes) -> None:
         """Load ``blob`` into a new generator of the stream's kind; raises if refused."""
@@ -225,3 +233,34 @@ class RngStreams:
         for key, gen in sorted(self._generators.items()):
             out[key] = digest(key, gen.get_state().numpy())
         return out
+
+
+def _missing(names: list[str], state: Mapping[str, bytes], source: str,
+             prefix: str) -> Exception:
+    """The error for streams this process has and the saved state lacks."""
+    field = f"{prefix}.{names[0]}"
+    damaged = [n for n in names if n in ALWAYS]
+    if damaged:   # the writer always saves these: the snapshot is damaged
+        return CorruptSnapshot(
+            f"{source}: field {prefix}.{damaged[0]} is missing; this snapshot cannot "
+            f"restore the {damaged[0]!r} random stream. Use an older snapshot, or "
+            "restore(mode='warm_start') to load weights only",
+            path=source, field=f"{prefix}.{damaged[0]}")
+    fixes = []
+    if any(n.startswith("cuda:") for n in names):
+        saved = sum(1 for k in state if str(k).startswith("cuda:"))
+        fixes.append(f"it was taken with {saved} CUDA device(s) visible: set "
+                     f"CUDA_VISIBLE_DEVICES to {saved} device(s)"
+                     + (" ('' for none)" if saved == 0 else "") + " to resume exactly")
+    if any(n.startswith("gen:") for n in names):
+        fixes.append("a generator tracked now was not tracked then: stop tracking it "
+                     "to resume exactly")
+    omit = ", ".join(repr(f"rng:{n}") for n in names)
+    return MissingRngStream(
+        f"{source}: field {prefix} has no {', '.join(names)} stream, which this "
+        f"process has. No older snapshot is tried (they come from the same setup, and "
+        "would lose the steps since): "
+        + "; ".join(fixes) + f"; or restore(_omit=[{omit}]) to resume with the stream "
+        "as it is now (recomputed steps then differ from the log there: replay_check="
+        "'warn'), or restore(mode='warm_start') to load weights only",
+        path=source, field=field)

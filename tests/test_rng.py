@@ -1,12 +1,14 @@
 """Every RNG stream captured, digested, refused when missing, and restored exactly."""
 
 import random
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from snapd.errors import CorruptSnapshot
+from snapd.errors import CorruptSnapshot, IncompatibleState, InvalidOption, MissingRngStream
+from snapd_client import Client, FallbackWarning
 from snapd_client.rng import RngStreams
 
 
@@ -68,5 +70,47 @@ def test_missing_stream_is_refused_by_name():
 def test_same_name_for_two_generators_is_an_error():
     rng = RngStreams()
     rng.add_generator("g", torch.Generator())
-    with pytest.raises(ValueError, match="gen:g"):
+    with pytest.raises(InvalidOption, match="gen:g") as info:
         rng.add_generator("g", torch.Generator())
+    assert isinstance(info.value, ValueError) and info.value.field == "gen:g"
+
+
+def test_a_stream_the_snapshot_lacks_is_missing_not_corrupt():
+    rng = RngStreams()
+    state = rng.capture()
+    rng.add_generator("late", torch.Generator())   # tracked after the snapshot
+    with pytest.raises(MissingRngStream) as info:
+        rng.check(state, source="snap/manifest.snapd")
+    assert isinstance(info.value, IncompatibleState)
+    assert (info.value.path, info.value.field) == ("snap/manifest.snapd", "rng.gen:late")
+    assert "_omit=['rng:gen:late']" in str(info.value)
+    rng.check(state, source="snap/manifest.snapd", omit=["gen:late"])
+
+
+def test_a_cpu_snapshot_on_a_gpu_host_says_how_to_resume(monkeypatch):
+    rng = RngStreams()
+    state = rng.capture()   # no cuda:N in it: a CPU-only run's
+    monkeypatch.setattr(rng, "names", lambda: ["python", "numpy", "torch", "cuda:0"])
+    with pytest.raises(MissingRngStream, match="CUDA_VISIBLE_DEVICES") as info:
+        rng.check(state, source="snap/manifest.snapd")
+    assert info.value.field == "rng.cuda:0" and "0 CUDA device(s)" in str(info.value)
+
+
+def test_restore_stops_at_a_missing_stream_without_falling_back(tmp_path):
+    root = str(tmp_path / "root")
+    first = Client(root, "run", daemon=False)
+    first.track(model=torch.nn.Linear(2, 2))
+    for step in (1, 2):
+        first.snapshot(step).wait()
+    first.close()
+    again = Client(root, "run", daemon=False)
+    again.track(model=torch.nn.Linear(2, 2), noise=torch.Generator())
+    newest = again.store.snapshot_path(again.store.committed()[-1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(MissingRngStream) as info:
+            again.restore()
+    assert not [w for w in caught if issubclass(w.category, FallbackWarning)]
+    assert info.value.path.startswith(newest) and info.value.field == "rng.gen:noise"
+    assert again.restore(_omit=["rng:gen:noise"]) == 2   # the way the message names
+    again.close()
