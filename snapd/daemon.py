@@ -2,8 +2,8 @@
 
 Lifecycle of :meth:`Daemon.serve_forever`:
 
-1. Take ``<root>/.snapd.lock`` (flock, non-blocking; the holder's pid is written in
-   it). Held by another daemon: :class:`AlreadyServing`, exit code 2.
+1. Take ``<root>/.snapd.lock`` (snapd/rootlock.py: flock, non-blocking; the holder's
+   pid in it). Held by another daemon: :class:`AlreadyServing`, exit code 2.
 2. Collect ``.tmp-*`` directories under every run: with the lock held nothing else
    writes there, so they are writes a dead daemon abandoned.
 3. Replace a stale socket, listen, accept (snapd/server.py).
@@ -15,16 +15,21 @@ Lifecycle of :meth:`Daemon.serve_forever`:
    client can reach this daemon, and a daemon nobody can reach would hold its hot
    copies in memory forever. A socket another daemon bound since is left alone.
 
-One snapshot (after ``accepted``): check free space (retention first when short),
-:func:`snapd.writer.write_snapshot` (the one commit path), retention, hot copy, free
-the slot, send ``committed``. On any failure: collect the tmp dir, free the slot,
-send ``failed``. Snapshots of one run are written strictly in submission order;
-different runs share ``writer_threads`` workers.
+One snapshot (after ``accepted``): the commit service (snapd/commit.py: space check,
+write, error mapping, tmp cleanup, retention), then the hot copy published, then, in
+a ``finally``, the slot freed and exactly one event sent: ``committed`` when the
+snapshot is on disk (a later step that failed is logged as a warning; the snapshot
+stands), ``failed`` with the error otherwise. Snapshots of one run are written
+strictly in submission order; different runs share ``writer_threads`` workers.
+
+The daemon logs through ``logging.getLogger("snapd.daemon")`` (and the library's
+loggers under "snapd"); in the daemon process every line is stamped with the time
+and ``snapd[pid]`` (:data:`LINE_FORMAT`).
 """
 
 from __future__ import annotations
 
-import fcntl
+import logging
 import os
 import signal
 import socket
@@ -37,49 +42,21 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set
 
 import psutil
 
-from snapd import diskguard, protocol as p, retention
+from snapd import diskguard, logs, protocol as p, retention
 from snapd.arena_map import HotCache, reclaim_dead_arenas, used_bytes
-from snapd.errors import SnapdError
-from snapd.names import ROOT_LOCK_NAME
+from snapd.commit import Commit, CommitService
+from snapd.errors import AlreadyServing, SnapdError
 from snapd.options import Options
+from snapd.rootlock import RootLock
 from snapd.server import Server, Submission
 from snapd.store import RunStore, list_runs
 from snapd.writer import CommitResult, write_snapshot
 
 EXIT_ALREADY_SERVING = 2
+LINE_FORMAT = "%(asctime)s snapd[%(process)d] %(message)s"
+DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
-
-class AlreadyServing(SnapdError):
-    """Another daemon holds the root's lock."""
-
-
-class RootLock:
-    """``<root>/.snapd.lock``: an exclusive flock, with the holder's pid inside."""
-
-    def __init__(self, root: str) -> None:
-        self.path = os.path.join(root, ROOT_LOCK_NAME)
-        self._fd: Optional[int] = None
-
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-            os.close(fd)
-            raise AlreadyServing(
-                f"another snapd daemon (pid {holder}) already serves root "
-                f"{os.path.dirname(self.path)}; stop it first (kill {holder}) or serve "
-                "another root") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            os.close(self._fd)   # closing the fd releases the flock
-            self._fd = None
+logger = logging.getLogger(__name__)
 
 
 class WriteQueue:
@@ -144,21 +121,22 @@ class WriteQueue:
 
 
 def log(message: str) -> None:
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    # One write per line: connection threads log at once, and print() would write
-    # the text and its newline separately, interleaving lines.
-    sys.stderr.write(f"{stamp} snapd[{os.getpid()}] {message}\n")
-    sys.stderr.flush()
+    """One line of the daemon's log (the server calls it through its handler)."""
+    logger.info(message)
 
 
 class Daemon:
     """Serves one root until SIGTERM/SIGINT (or :meth:`stop`)."""
 
     def __init__(self, root: str, options: Optional[Options] = None, *,
-                 writer: Callable[..., CommitResult] = write_snapshot) -> None:
+                 writer: Callable[..., CommitResult] = write_snapshot,
+                 retain: Callable[..., retention.RetentionResult] =
+                 retention.apply_retention) -> None:
         self.root = os.path.abspath(root)
         self.options = options or Options.resolve()
-        self.writer = writer   # write_snapshot; tests substitute a faulty one
+        # writer, retain: the commit service's; tests substitute faulty ones.
+        self.commits = CommitService(self.root, self.options.min_free_bytes,
+                                     writer=writer, retain=retain)
         self.started = time.time()
         self.lock = RootLock(self.root)
         self.server = Server(self.root, self)
@@ -265,74 +243,87 @@ class Daemon:
     # --- one snapshot ---------------------------------------------------------------
 
     def _write(self, sub: Submission) -> None:
-        """Write, retain, hot-copy, free the slot, report. Never raises.
+        """Commit, publish the hot copy, free the slot, send one event. Never raises.
 
-        The hot copy (a memcpy of the slot) runs beside the disk write, which is
-        slower, so that it adds nothing to the time until the snapshot is durable.
+        Exactly one event per accepted submit, by structure: the ``finally`` frees
+        the slot and sends ``event``, which is ``committed`` from the moment the
+        snapshot is on disk, whatever fails after it (that is logged), and
+        ``failed`` before. The hot copy (a memcpy of the slot) runs beside the disk
+        write, which is slower, so that it adds nothing to the time until durable.
         """
         sub.started = time.time()
-        store = RunStore(self.root, sub.run)
         hot = _Background(self._hot_copy, sub) if self._hot_wanted(sub) else None
+        event: Any = None
+        done: Optional[Commit] = None
         try:
-            result = self._commit(store, sub)
+            done = self.commits.commit(RunStore(self.root, sub.run), sub.plan,
+                                       sub.options, progress=sub.advance)
+            event = p.Committed(sub.run, sub.rank, sub.step, sub.slot,
+                                done.result.sid.name, done.result.bytes_written,
+                                done.result.seconds)
+            self._note_commit(sub, done)
+            segment, hot = _joined(hot), None   # the copy is done; published or dropped
+            self._publish_hot(sub, done.result, segment)
         except Exception as e:
-            self._collect_failed(store)
-            segment = hot.result() if hot is not None else None
-            if segment is not None:
-                self.hot_cache.discard(segment)
-            sub.release()
-            self._report_failure(sub, e)
+            if event is None:
+                event = self._failure(sub, e)
+            else:   # the snapshot stands: the client hears committed
+                logger.warning("run %r step %d is committed as %s, but a step after "
+                               "the commit failed: %r", sub.run, sub.step, event.name, e)
+        finally:
+            self._finish(sub, hot, event)
+        if done is not None:
+            done.purge()   # the slow part of retention's deletes, after the client knows
+
+    def _finish(self, sub: Submission, hot: Optional["_Background"], event: Any) -> None:
+        """Free the slot (once the hot copy no longer reads it), then send the event.
+
+        Never raises: each step runs whatever the one before did, and a failure is
+        logged (a connection that cannot take the event is broken: its client learns
+        from the lost connection).
+        """
+        try:
+            try:
+                self._discard_hot(hot)
+            finally:
+                sub.release()
+        except Exception as e:
+            log(f"run {sub.run!r} step {sub.step}: freeing slot {sub.slot} failed: {e!r}")
+        if event is None:   # only a bug gets here: still, the client must hear
+            event = self._failure(sub, SnapdError("the daemon failed internally"))
+        try:
+            sub.conn.send_event(event)
+        except Exception as e:
+            log(f"run {sub.run!r} step {sub.step}: the {event.op} event could not be "
+                f"sent: {e!r}")
             return
-        trash = self._retain(store, sub)
-        self._publish_hot(sub, result, hot.result() if hot is not None else None)
+        if isinstance(event, p.Committed):
+            log(f"committed run {sub.run!r} rank {sub.rank} step {sub.step} as "
+                f"{event.name}: {event.bytes} bytes in {event.seconds:.2f}s")
+
+    def _note_commit(self, sub: Submission, done: Commit) -> None:
+        """The status lines for a commit, and what retention did after it."""
+        result = done.result
         self.runs[sub.run] = {"last_committed": result.sid.name, "step": sub.step,
                               "bytes": result.bytes_written,
                               "seconds": round(result.seconds, 3),
                               "committed_at": time.time()}
-        sub.release()
-        sub.conn.send_event(p.Committed(sub.run, sub.rank, sub.step, sub.slot,
-                                        result.sid.name, result.bytes_written,
-                                        result.seconds))
-        log(f"committed run {sub.run!r} rank {sub.rank} step {sub.step} as "
-            f"{result.sid.name}: {result.bytes_written} bytes in {result.seconds:.2f}s")
-        retention.purge(trash)   # the slow part of deleting, after the client knows
+        if done.deleted:
+            log(f"run {sub.run!r}: retention deleted {', '.join(done.deleted)}")
 
-    def _commit(self, store: RunStore, sub: Submission) -> CommitResult:
-        needed = sub.plan.nbytes
-        store.ensure()
-        diskguard.ensure_space(
-            self.root, needed, self.options.min_free_bytes,
-            reclaim=lambda: retention.apply_retention(store, sub.options))
-        try:
-            return self.writer(store, sub.plan, sub.options, progress=sub.advance)
-        except OSError as e:
-            if diskguard.is_enospc(e):
-                raise diskguard.from_enospc(e, self.root, needed) from e
-            raise
+    def _failure(self, sub: Submission, error: BaseException) -> p.Failed:
+        """The ``failed`` event for an error, with its path, field and extras."""
+        log(f"failed run {sub.run!r} rank {sub.rank} step {sub.step}: "
+            f"{type(error).__name__}: {error}")
+        return p.Failed.of(sub.run, sub.rank, sub.step, sub.slot, error)
 
-    def _collect_failed(self, store: RunStore) -> None:
-        """Remove the failed write's tmp dir. This run's writes are serial, so every
-        tmp dir in it is ours (or abandoned), never another write in progress."""
-        try:
-            store.collect_tmp()
-        except OSError as e:
-            log(f"run {store.run!r}: could not collect tmp dirs: {e}")
-
-    def _report_failure(self, sub: Submission, error: BaseException) -> None:
-        kind, message = type(error).__name__, str(error)
-        sub.conn.send_event(p.Failed.of(sub.run, sub.rank, sub.step, sub.slot, error))
-        log(f"failed run {sub.run!r} rank {sub.rank} step {sub.step}: {kind}: {message}")
-
-    def _retain(self, store: RunStore, sub: Submission) -> List[str]:
-        """Retention after a commit; its failure never fails the committed snapshot."""
-        try:
-            result = retention.apply_retention(store, sub.options, purge_now=False)
-        except Exception as e:
-            log(f"retention of run {sub.run!r} failed (snapshots kept): {e!r}")
-            return []
-        if result.deleted:
-            log(f"run {sub.run!r}: retention deleted {', '.join(result.deleted)}")
-        return result.trash
+    def _discard_hot(self, hot: Optional["_Background"]) -> None:
+        """An unpublished hot copy: wait for it (it reads the slot), then drop it."""
+        if hot is None:
+            return
+        segment = _joined(hot)
+        if segment is not None:
+            self.hot_cache.discard(segment)
 
     def _hot_wanted(self, sub: Submission) -> bool:
         """Keep the snapshot in memory for a fast restore, when memory allows."""
@@ -356,8 +347,13 @@ class Daemon:
         if segment is None:   # an older copy is no longer the latest snapshot
             self.hot_cache.drop(sub.run, sub.rank)
             return
-        self.hot_cache.publish(sub.run, sub.rank, segment, sub.desc, result.sid.name,
-                               used_bytes(sub.desc))
+        try:
+            self.hot_cache.publish(sub.run, sub.rank, segment, sub.desc, result.sid.name,
+                                   used_bytes(sub.desc))
+        except BaseException:   # no copy at all beats one that is not the latest
+            self.hot_cache.drop(sub.run, sub.rank)
+            self.hot_cache.discard(segment)
+            raise
         if sub.conn.finished:   # bye came while this was written: nobody will read it
             self.hot_cache.drop(sub.run, sub.rank)
 
@@ -383,19 +379,37 @@ class Daemon:
 
 
 class _Background:
-    """Run ``fn(*args)`` on a thread now; ``result()`` joins and returns its value."""
+    """Run ``fn(*args)`` on a thread now; ``result()`` joins and returns its value,
+    or raises what it raised."""
 
     def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
         self._value: Any = None
+        self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
         self._thread.start()
 
     def _run(self, fn: Callable[..., Any], args: tuple) -> None:
-        self._value = fn(*args)
+        try:
+            self._value = fn(*args)
+        except BaseException as e:   # handed to whoever asks for the result
+            self._error = e
 
     def result(self) -> Any:
         self._thread.join()
+        if self._error is not None:
+            raise self._error
         return self._value
+
+
+def _joined(hot: Optional[_Background]) -> Optional[str]:
+    """The hot copy's segment, once its thread is done (None: none, or it failed)."""
+    if hot is None:
+        return None
+    try:
+        return hot.result()
+    except Exception as e:   # the copy is optional; the snapshot is not
+        log(f"no hot copy: {e!r}")
+        return None
 
 
 def _pid_alive(pid: Any) -> bool:
@@ -427,8 +441,7 @@ def detached(root: str, timeout: float = 120.0) -> int:
         if _serving(root):
             return 0
         time.sleep(0.02)
-    print(f"snapd: the daemon (pid {pid}) did not serve {root} within {timeout:.0f} s",
-          file=sys.stderr, flush=True)
+    logger.error("the daemon (pid %d) did not serve %s within %.0f s", pid, root, timeout)
     return 1
 
 
@@ -445,11 +458,12 @@ def _serving(root: str) -> bool:
 
 def main(root: str, options: Optional[Options] = None) -> int:
     """``snapd serve``: serve ``root``; returns the process exit code."""
+    logs.set_format("snapd", LINE_FORMAT, DATE_FORMAT)   # this process is the daemon
     try:
         return Daemon(root, options).serve_forever()
     except AlreadyServing as e:
-        print(f"snapd: {e}", file=sys.stderr, flush=True)
+        logger.error("%s", e)
         return EXIT_ALREADY_SERVING
     except (SnapdError, OSError, ValueError) as e:   # cannot serve: say why, briefly
-        print(f"snapd: cannot serve {root}: {e}", file=sys.stderr, flush=True)
+        logger.error("cannot serve %s: %s", root, e)
         return 1

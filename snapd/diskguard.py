@@ -32,7 +32,7 @@ def insufficient(root: str, needed: int, free: int, min_free: int) -> Insufficie
     return InsufficientSpace(
         f"not enough free space under {root}: the snapshot needs {needed} bytes and "
         f"{min_free} more are kept free (min_free_bytes), but {free} bytes are free; "
-        + _advice(root))
+        + _advice(root), path=root, field="min_free_bytes")
 
 
 def ensure_space(root: str, needed: int, min_free: int,
@@ -59,4 +59,4 @@ def from_enospc(error: OSError, root: str, needed: int) -> InsufficientSpace:
     return InsufficientSpace(
         f"the disk under {root} filled up while writing a {needed}-byte snapshot "
         f"({error.strerror}{where}); nothing was committed and the previous snapshot "
-        "is intact; " + _advice(root))
+        "is intact; " + _advice(root), path=error.filename or root)

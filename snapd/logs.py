@@ -55,11 +55,11 @@ def install(name: str, fmt: str = "snapd: %(message)s") -> logging.Logger:
     return logger
 
 
-def set_format(name: str, fmt: str) -> None:
+def set_format(name: str, fmt: str, datefmt: str | None = None) -> None:
     """Change how the top logger `name` writes its lines (the daemon stamps time, pid)."""
     for handler in install(name).handlers:
         if isinstance(handler, StderrHandler):
-            handler.setFormatter(logging.Formatter(fmt))
+            handler.setFormatter(logging.Formatter(fmt, datefmt))
 
 
 for _name in TOP_LOGGERS:

@@ -171,7 +171,8 @@ class Committed:
 
 @dataclass
 class Failed:
-    """Event: a submitted snapshot did not commit; its slot is free again."""
+    """Event: a submitted snapshot did not commit; its slot is free again. ``path``
+    and ``field``: the error's (snapd.errors.to_wire), when it has them."""
     op = "failed"
     run: str
     rank: int

@@ -2,7 +2,9 @@
 
 Planning is a pure function over what the manifests say (:func:`plan_retention`), so
 the rules can be tested without a disk; :func:`apply_retention` reads the manifests,
-plans, and deletes. The rules:
+plans, and deletes. It is the one entry point: the daemon after each commit, the
+in-process writer (both through snapd/commit.py) and ``snapd gc`` (through
+:func:`gc`) apply the same rules:
 
 - a snapshot is kept when it is among the last ``keep_last``, or its step is a
   multiple of ``keep_every``, or it is among the ``keep_best`` best by metric
@@ -10,30 +12,42 @@ plans, and deletes. The rules:
 - order is (lineage, step) as the *manifest* says, never the name or the mtime;
 - the newest verified snapshot is always kept: the last good one is never deleted
   before its successor is committed, and a run never loses its only good snapshot;
+- the snapshot LATEST names is never deleted, even when a crash left it behind a
+  newer commit: a restore looks there first;
 - a snapshot whose manifest cannot be read is never deleted automatically (it is
   reported, as a reader reports it) and counts for nothing.
 
 A deletion first renames the directory to ``.tmp-deleting-<name>-<nonce>``, so that a
 crash in the middle of the (slow) recursive delete leaves a tmp dir, which no reader
 lists and the next collection removes, never a half snapshot under a committed name.
+
+Collecting tmp dirs by hand (``snapd gc --collect-tmp``, :func:`collect_tmp`) happens
+under the root's lock (snapd/rootlock.py), so never beside a serving daemon, and
+skips every run whose writer lock (snapd/runlock.py) a live client holds, since an
+in-process writer (``daemon=False``) writes tmp dirs without the root's lock.
 """
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import math
 import os
 import secrets
 import shutil
+import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from snapd import fsio
 from snapd.errors import CorruptSnapshot
 from snapd.options import Options
 from snapd.reader import SnapshotReader
+from snapd.rootlock import RootLock
 from snapd.store import (TMP_PREFIX, RunStore, SnapshotId, list_runs, remove_pointer)
 
 DELETING_PREFIX = f"{TMP_PREFIX}deleting-"
+TMP_MIN_AGE_S = 3600.0  # a younger .tmp- directory may be a snapshot still being written
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,7 @@ class SnapshotInfo:
 class RetentionPlan:
     keep: List[SnapshotInfo] = field(default_factory=list)
     delete: List[SnapshotInfo] = field(default_factory=list)
+    protected: List[SnapshotInfo] = field(default_factory=list)  # kept: LATEST names it
 
 
 def _has_metric(info: SnapshotInfo) -> bool:
@@ -71,8 +86,13 @@ def best_of(infos: Iterable[SnapshotInfo], mode: str = "min",
 
 def plan_retention(infos: Sequence[SnapshotInfo], *, keep_last: Optional[int] = None,
                    keep_every: Optional[int] = None, keep_best: int = 0,
-                   best_mode: str = "min") -> RetentionPlan:
-    """Split verified snapshots into kept and deleted (pure; see the module rules)."""
+                   best_mode: str = "min",
+                   protect: Collection[SnapshotId] = ()) -> RetentionPlan:
+    """Split verified snapshots into kept and deleted (pure; see the module rules).
+
+    ``protect``: names kept whatever the rules say (LATEST's); those the rules alone
+    would delete are listed in ``protected`` too.
+    """
     ordered = sorted(infos, key=lambda i: i.key)
     if not ordered or (keep_last is None and not keep_every and not keep_best):
         return RetentionPlan(keep=ordered)
@@ -83,8 +103,11 @@ def plan_retention(infos: Sequence[SnapshotInfo], *, keep_last: Optional[int] = 
         kept.update(i.sid for i in ordered if i.step % keep_every == 0)
     if keep_best:
         kept.update(i.sid for i in best_of(ordered, best_mode, keep_best))
+    protected = [i for i in ordered if i.sid in protect and i.sid not in kept]
+    kept.update(i.sid for i in protected)
     return RetentionPlan(keep=[i for i in ordered if i.sid in kept],
-                         delete=[i for i in ordered if i.sid not in kept])
+                         delete=[i for i in ordered if i.sid not in kept],
+                         protected=protected)
 
 
 def scan(store: RunStore) -> Tuple[List[SnapshotInfo], List[str]]:
@@ -136,19 +159,27 @@ class RetentionResult:
     deleted: List[str] = field(default_factory=list)   # snapshot names un-committed
     trash: List[str] = field(default_factory=list)     # tmp dirs still to purge
     refused: List[str] = field(default_factory=list)   # unreadable, left alone
+    kept: List[str] = field(default_factory=list)      # what the rules keep
+    protected: List[str] = field(default_factory=list)  # kept only because LATEST names it
+    bytes: int = 0                                      # of the deleted (gc measures it)
 
 
 def apply_retention(store: RunStore, opts: Options, *, purge_now: bool = True,
                     dry_run: bool = False) -> RetentionResult:
     """Delete what the rules do not keep and move BEST; returns what it did.
 
-    ``purge_now=False`` leaves the renamed directories for :func:`purge`, so that a
-    caller can report the commit before the slow recursive delete.
+    The one entry point of retention (see the module rules). ``purge_now=False``
+    leaves the renamed directories for :func:`purge`, so that a caller can report
+    the commit (or measure them) before the slow recursive delete.
     """
     infos, refused = scan(store)
+    latest = store.read_pointer("LATEST")
     plan = plan_retention(infos, keep_last=opts.keep_last, keep_every=opts.keep_every,
-                          keep_best=opts.keep_best, best_mode=opts.best_mode)
-    result = RetentionResult(deleted=[i.sid.name for i in plan.delete], refused=refused)
+                          keep_best=opts.keep_best, best_mode=opts.best_mode,
+                          protect=() if latest is None else (latest,))
+    result = RetentionResult(deleted=[i.sid.name for i in plan.delete], refused=refused,
+                             kept=[i.sid.name for i in plan.keep],
+                             protected=[i.sid.name for i in plan.protected])
     if dry_run:
         return result
     result.trash = [trash_snapshot(store, i.sid) for i in plan.delete]
@@ -159,18 +190,84 @@ def apply_retention(store: RunStore, opts: Options, *, purge_now: bool = True,
     return result
 
 
-def gc(root: str, opts: Options, runs: Optional[Sequence[str]] = None, *,
-       dry_run: bool = False, collect_tmp: bool = False) -> Dict[str, RetentionResult]:
-    """Retention over every run of a root (``snapd gc``); returns results per run.
+# --- snapd gc -----------------------------------------------------------------------
 
-    ``collect_tmp`` also removes ``.tmp-*`` directories: only safe while no daemon
-    writes under the root (hold ``<root>/.snapd.lock``), since one of them may be a
-    snapshot being written.
+@dataclass
+class Collected:
+    """What :func:`collect_tmp` removed, and the runs it left alone."""
+
+    removed: List[str] = field(default_factory=list)
+    busy: List[str] = field(default_factory=list)   # runs a live client writes
+
+
+def writer_active(store: RunStore) -> bool:
+    """A live client holds one of the run's writer locks (snapd/runlock.py).
+
+    A shared flock is refused while anyone holds the exclusive one; it is dropped at
+    once, so probing never blocks the writer.
+    """
+    for path in glob.glob(os.path.join(glob.escape(store.path), ".writer-*.lock")):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)   # also drops the shared lock
+    return False
+
+
+def collect_tmp(root: str, runs: Sequence[str], *,
+                min_age: float = TMP_MIN_AGE_S) -> Collected:
+    """Remove abandoned ``.tmp-`` directories at least ``min_age`` seconds old.
+
+    Holds the root's lock meanwhile (AlreadyServing when a daemon serves the root: a
+    tmp dir may be its snapshot in progress) and skips runs a live client writes.
+    """
+    done = Collected()
+    with RootLock(root):
+        now = time.time()
+        for run in runs:
+            store = RunStore(root, run)
+            if writer_active(store):
+                done.busy.append(run)
+                continue
+            young = tuple(p for p in store.tmp_dirs()
+                          if now - os.lstat(p).st_mtime < min_age)
+            old = [p for p in store.tmp_dirs() if p not in young]
+            store.collect_tmp(keep=young)
+            done.removed += old
+    return done
+
+
+def gc(root: str, opts: Options, runs: Optional[Sequence[str]] = None, *,
+       dry_run: bool = False) -> Dict[str, RetentionResult]:
+    """Retention over runs of a root (every run by default); results per run.
+
+    Trash is measured (``bytes``) before it is purged, for the report.
     """
     results = {}
     for run in runs if runs is not None else list_runs(root):
         store = RunStore(root, run)
-        results[run] = apply_retention(store, opts, dry_run=dry_run)
-        if collect_tmp and not dry_run:
-            store.collect_tmp()
+        result = apply_retention(store, opts, dry_run=dry_run, purge_now=False)
+        paths = result.trash if not dry_run else \
+            [os.path.join(store.snapshots_path, n) for n in result.deleted]
+        result.bytes = sum(dir_bytes(p) for p in paths)
+        purge(result.trash)
+        result.trash = []
+        results[run] = result
     return results
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                continue
+    return total

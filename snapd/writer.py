@@ -20,7 +20,7 @@ import xxhash
 from snapd import format as fmt
 from snapd import fsio
 from snapd.blockfile import BlockFile
-from snapd.errors import SnapdError
+from snapd.errors import SnapdError, SnapshotExists
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan
 from snapd.reader import SnapshotReader
@@ -139,11 +139,15 @@ def _same_snapshot_committed(store: RunStore, plan: SnapshotPlan, final: str,
         return None
     theirs = (manifest.get("step"), manifest.get("lineage"), manifest.get("rank"))
     if theirs != (plan.step, plan.lineage, plan.rank):
-        raise FileExistsError(
+        field = next(name for name, a, b in zip(("step", "lineage", "rank"), theirs,
+                                                 (plan.step, plan.lineage, plan.rank))
+                     if a != b)
+        raise SnapshotExists(
             f"{final} already exists with fields step, lineage, rank = {theirs!r}, not "
             f"this snapshot's {(plan.step, plan.lineage, plan.rank)!r}: a snapshot of "
             f"another history holds the name. Move it out of "
-            f"{store.snapshots_path} to keep it, or snapshot under another run name")
+            f"{store.snapshots_path} to keep it, or snapshot under another run name",
+            path=os.path.join(final, fmt.MANIFEST_NAME), field=field)
     store.write_pointer("LATEST", plan.sid)
     size = sum(int(f.get("size", 0)) for f in manifest.get("files", {}).values())
     return CommitResult(plan.sid, final, size, time.perf_counter() - t0)

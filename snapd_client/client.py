@@ -28,13 +28,12 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from snapd import retention
+from snapd.commit import CommitService
 from snapd.options import Options
 from snapd.recovery import RunProgress, read_progress
 from snapd.runlock import RunLock
 from snapd.store import RunStore
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
-from snapd.writer import write_snapshot
 from snapd_client.cursor import BatchStream
 from snapd_client.handle import SnapshotHandle
 from snapd_client.handoff import Handoff, Sources, settle_writes
@@ -228,23 +227,17 @@ class Client:
         else:
             handle = SnapshotHandle(step)
             plan = self.capture(step, metric)
+            # The daemon's commit path, here: space check, write, tmp cleanup, retention.
+            commits = CommitService(self.store.root, self.options.min_free_bytes)
             try:
-                result = write_snapshot(self.store, plan, self.options)
+                done = commits.commit(self.store, plan, self.options)
             except Exception as e:  # reported through the handle, as a daemon's would be
                 handle.set_error(e)
             else:
-                self._retain()
-                handle.set_result(result)
+                done.purge()
+                handle.set_result(done.result)
         handle.plan_state = (plan.rng, plan.cursor)
         return handle
-
-    def _retain(self) -> None:
-        """In-process writes apply retention and move BEST, as the daemon does."""
-        try:
-            retention.apply_retention(self.store, self.options)
-        except Exception as e:  # the snapshot is committed; keeping too much is safe
-            warnings.warn(f"retention in {self.store.snapshots_path} failed, snapshots "
-                          f"kept: {e}", RuntimeWarning)
 
     def _record_outcome(self, handle: SnapshotHandle) -> None:
         """The lifecycle record of a snapshot; a committed one carries the full RNG

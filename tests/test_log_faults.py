@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 
 from snapd.cli import main
-from snapd.errors import SnapshotFailed
+from snapd.errors import InsufficientSpace, SnapshotFailed
 from snapd.logwriter import LogWriter
 from snapd.recovery import expected_steps
 from snapd.statelog import (
@@ -118,7 +118,7 @@ def test_full_disk_in_a_training_loop_never_blocks_the_resume(small_disk):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    client = Client(root, "r", daemon=False)
+    client = Client(root, "r", daemon=False, min_free_bytes=0)  # a 1 MiB disk: keep none
     client.track(model=model, optimizer=opt)
     assert client.restore() == 0
     for step in (1, 2):
@@ -157,8 +157,9 @@ def test_first_snapshot_on_a_full_disk_fails_through_its_handle_not_the_log(smal
         warnings.simplefilter("ignore", RuntimeWarning)
         handle = client.snapshot(1)  # the log cannot even create its segment
         client.log(1, loss=0.5)
-    with pytest.raises(SnapshotFailed, match="No space left"):
-        handle.wait()
+    with pytest.raises(SnapshotFailed, match="not enough free space") as failure:
+        handle.wait()   # refused by the space check, before a byte is written
+    assert isinstance(failure.value.__cause__, InsufficientSpace)
     assert client.journal.dropped >= 2 and client.journal.last_error.errno == errno.ENOSPC
     with pytest.warns(RuntimeWarning, match="were not written"):
         client.close()  # the snapshot's failure was seen once; the log's is summed up

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 
 from snapd import format as fmt
+from snapd.errors import AlreadyServing
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.reader import SnapshotReader
-from snapd.retention import (DELETING_PREFIX, SnapshotInfo, apply_retention, gc,
-                             plan_retention, purge, scan)
+from snapd.retention import (DELETING_PREFIX, SnapshotInfo, apply_retention, collect_tmp,
+                             gc, plan_retention, purge, scan)
+from snapd.rootlock import RootLock
+from snapd.runlock import RunLock
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import write_snapshot
 
@@ -175,10 +179,70 @@ def test_gc_over_runs(root):
     for s in range(1, 4):
         make(a, s)
         make(b, s)
-    os.mkdir(os.path.join(b.snapshots_path, ".tmp-00000009-dead"))
     dry = gc(root, Options(keep_last=1), dry_run=True)
-    assert dry["a"].deleted == ["00000001", "00000002"]
+    assert dry["a"].deleted == ["00000001", "00000002"] and dry["a"].bytes > 0
     assert len(a.committed()) == 3
-    gc(root, Options(keep_last=1), collect_tmp=True)
+    gc(root, Options(keep_last=1))
     assert [s.step for s in a.committed()] == [3] == [s.step for s in b.committed()]
-    assert b.tmp_dirs() == []
+    assert a.tmp_dirs() == [] == b.tmp_dirs()
+
+
+# --- LATEST is never deleted, by any caller -------------------------------------------
+
+def test_the_snapshot_latest_names_is_kept(store):
+    for s in (1, 2, 3):
+        make(store, s)
+    store.write_pointer("LATEST", SnapshotId(0, 1))   # a crash left it behind step 3
+    result = apply_retention(store, Options(keep_last=1))
+    assert result.deleted == ["00000002"] and result.protected == ["00000001"]
+    assert [s.step for s in store.committed()] == [1, 3]
+
+
+def test_protect_in_the_pure_plan():
+    plan = plan_retention([info(s) for s in (1, 2, 3)], keep_last=1,
+                          protect=[SnapshotId(0, 2)])
+    assert steps(plan.keep) == [2, 3] and steps(plan.protected) == [2]
+    assert steps(plan.delete) == [1]
+
+
+# --- collecting tmp dirs by hand ------------------------------------------------------
+
+def tmp_dir(store, name, age):
+    path = os.path.join(store.snapshots_path, name)
+    os.mkdir(path)
+    os.utime(path, (time.time() - age, time.time() - age))
+    return path
+
+
+def test_collect_tmp_removes_old_tmp_dirs_only(root):
+    store = RunStore(root, "a")
+    make(store, 1)
+    old, young = tmp_dir(store, ".tmp-00000009-dead", 7200), tmp_dir(store, ".tmp-x-1", 5)
+    done = collect_tmp(root, ["a"])
+    assert done.removed == [old] and store.tmp_dirs() == [young] and done.busy == []
+
+
+def test_collect_tmp_is_refused_while_a_daemon_holds_the_root(root):
+    store = RunStore(root, "a")
+    make(store, 1)
+    old = tmp_dir(store, ".tmp-00000009-dead", 7200)
+    with RootLock(root):   # what a serving daemon holds
+        with pytest.raises(AlreadyServing) as refused:
+            collect_tmp(root, ["a"])
+    assert refused.value.path == os.path.join(root, ".snapd.lock")
+    assert store.tmp_dirs() == [old]
+
+
+def test_collect_tmp_skips_a_run_a_live_client_writes(root):
+    a, b = RunStore(root, "a"), RunStore(root, "b")
+    for store in (a, b):
+        make(store, 1)
+    kept, gone = tmp_dir(a, ".tmp-00000009-x", 7200), tmp_dir(b, ".tmp-00000009-y", 7200)
+    lock = RunLock(a.path, "a", 0)   # an in-process writer of run a
+    lock.acquire()
+    try:
+        done = collect_tmp(root, ["a", "b"])
+    finally:
+        lock.release()
+    assert done.busy == ["a"] and done.removed == [gone]
+    assert a.tmp_dirs() == [kept] and b.tmp_dirs() == []

@@ -1,91 +1,54 @@
 """``snapd gc``: apply retention to a root's runs, by hand.
 
-The rules and the safe delete are snapd.retention's (the daemon applies the same after
-each commit): keep the last N, every K-th step, the M best by metric; never the newest
-snapshot whose manifest verifies; never one whose manifest cannot be read. On top of
-that this command never deletes the snapshot LATEST names, even when a crash left it
-behind a newer commit. A delete is one rename out of the committed namespace, then the
-slow recursive removal, so an interrupted gc leaves no half snapshot.
+The rules and the safe delete are snapd.retention's, the same the daemon and the
+in-process writer apply after each commit (snapd/commit.py): keep the last N, every
+K-th step, the M best by metric; never the newest snapshot whose manifest verifies,
+nor the one LATEST names, nor one whose manifest cannot be read. A delete is one
+rename out of the committed namespace, then the slow recursive removal, so an
+interrupted gc leaves no half snapshot. ``--collect-tmp`` removes old tmp dirs under
+the root's lock, skipping runs a live client writes (retention.collect_tmp).
 """
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any, Dict, List, Optional
 
 import click
 
 from snapd import retention
 from snapd.commands.common import ROOT_HELP, emit_json, fail, resolve_root, run_dir
+from snapd.errors import AlreadyServing
 from snapd.options import Options
-from snapd.store import RunStore, list_runs
+from snapd.store import list_runs
 from snapd.text import human_bytes
 
-TMP_MIN_AGE_S = 3600.0  # a younger .tmp- directory may be a snapshot still being written
+
+def _as_json(r: retention.RetentionResult) -> Dict[str, Any]:
+    return {"deleted": r.deleted, "kept": r.kept, "protected_latest": r.protected,
+            "refused": r.refused, "bytes": r.bytes}
 
 
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                continue
-    return total
-
-
-def plan_run(store: RunStore, opts: Options) -> Dict[str, Any]:
-    """What retention keeps and deletes in one run (nothing is touched)."""
-    infos, refused = retention.scan(store)
-    plan = retention.plan_retention(infos, keep_last=opts.keep_last,
-                                    keep_every=opts.keep_every, keep_best=opts.keep_best,
-                                    best_mode=opts.best_mode)
-    latest = store.read_pointer("LATEST")
-    protected = [i for i in plan.delete if i.sid == latest]
-    delete = [i for i in plan.delete if i.sid != latest]
-    return {"keep": sorted(plan.keep + protected, key=lambda i: i.key), "delete": delete,
-            "protected": [i.sid.name for i in protected], "refused": refused}
-
-
-def apply_run(store: RunStore, plan: Dict[str, Any], opts: Options,
-              dry_run: bool) -> Dict[str, Any]:
-    sizes = {i.sid.name: _dir_bytes(store.snapshot_path(i.sid)) for i in plan["delete"]}
-    if not dry_run:
-        trash = [retention.trash_snapshot(store, i.sid) for i in plan["delete"]]
-        retention.update_best(store, plan["keep"], opts.best_mode)
-        retention.purge(trash)
-    return {"deleted": [i.sid.name for i in plan["delete"]],
-            "kept": [i.sid.name for i in plan["keep"]],
-            "protected_latest": plan["protected"], "refused": plan["refused"],
-            "bytes": sum(sizes.values())}
-
-
-def collect_tmp(root: str, runs: List[str]) -> List[str]:
-    """Remove .tmp- directories older than an hour, holding the root's daemon lock."""
-    from snapd.daemon import AlreadyServing, RootLock
-
-    lock = RootLock(root)
+def _collect(root: str, runs: List[str]) -> retention.Collected:
     try:
-        lock.acquire()
+        return retention.collect_tmp(root, runs)
     except AlreadyServing as e:
         fail(f"{e}\n  hint: --collect-tmp is refused while a daemon serves the root "
              "(a .tmp- directory may be its snapshot in progress); the daemon collects "
              "them itself when it starts", 1)
-    removed = []
-    try:
-        now = time.time()
-        for run in runs:
-            store = RunStore(root, run)
-            young = tuple(p for p in store.tmp_dirs()
-                          if now - os.lstat(p).st_mtime < TMP_MIN_AGE_S)
-            old = [p for p in store.tmp_dirs() if p not in young]
-            store.collect_tmp(keep=young)
-            removed += old
-    finally:
-        lock.release()
-    return removed
+
+
+def report(results: Dict[str, retention.RetentionResult], dry_run: bool) -> None:
+    verb = "would delete" if dry_run else "deleted"
+    for run, r in results.items():
+        line = f"{run}: {verb} {', '.join(r.deleted) or 'nothing'}"
+        if r.deleted:
+            line += f" ({human_bytes(r.bytes)})"
+        click.echo(line + f"; keeps {', '.join(r.kept) or 'nothing'}")
+        if r.protected:
+            click.echo(f"  {run}: kept {r.protected[0]} because LATEST names it")
+        if r.refused:
+            click.echo(f"  {run}: left alone, manifest unreadable: {', '.join(r.refused)} "
+                       f"(snapd verify {run}/<name> says why)")
 
 
 @click.command()
@@ -100,7 +63,8 @@ def collect_tmp(root: str, runs: List[str]) -> List[str]:
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
 @click.option("--collect-tmp", is_flag=True,
               help="Also remove abandoned .tmp- directories older than an hour (refused "
-                   "while a daemon serves the root).")
+                   "while a daemon serves the root; runs a live client writes are "
+                   "skipped).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def gc(root: Optional[str], runs: tuple, keep_last: Optional[int], keep_every: Optional[int],
        keep_best: Optional[int], best_mode: Optional[str], dry_run: bool, collect_tmp: bool,
@@ -121,27 +85,19 @@ def gc(root: Optional[str], runs: tuple, keep_last: Optional[int], keep_every: O
     except ValueError as e:
         fail(f"{e}; fix the environment variable or pass the option", 2)
     names = list(runs) or list_runs(base)
-    results = {run: apply_run(RunStore(base, run), plan_run(RunStore(base, run), opts),
-                              opts, dry_run) for run in names}
-    tmp = collect_tmp(base, names) if collect_tmp and not dry_run else []
+    results = retention.gc(base, opts, names, dry_run=dry_run)
+    tmp = _collect(base, names) if collect_tmp and not dry_run else retention.Collected()
     no_rule = opts.keep_last is None and not opts.keep_every and not opts.keep_best
     if as_json:
-        emit_json({"root": base, "dry_run": dry_run, "no_rule": no_rule, "runs": results,
-                   "tmp_removed": tmp})
+        emit_json({"root": base, "dry_run": dry_run, "no_rule": no_rule,
+                   "runs": {run: _as_json(r) for run, r in results.items()},
+                   "tmp_removed": tmp.removed, "tmp_busy_runs": tmp.busy})
         return
     if no_rule:
         click.echo("no retention rule given (--keep-last, --keep-every, --keep-best or "
                    "SNAPD_KEEP_*): every snapshot is kept")
-    verb = "would delete" if dry_run else "deleted"
-    for run, r in results.items():
-        line = f"{run}: {verb} {', '.join(r['deleted']) or 'nothing'}"
-        if r["deleted"]:
-            line += f" ({human_bytes(r['bytes'])})"
-        click.echo(line + f"; keeps {', '.join(r['kept']) or 'nothing'}")
-        if r["protected_latest"]:
-            click.echo(f"  {run}: kept {r['protected_latest'][0]} because LATEST names it")
-        if r["refused"]:
-            click.echo(f"  {run}: left alone, manifest unreadable: {', '.join(r['refused'])} "
-                       f"(snapd verify {run}/<name> says why)")
-    for path in tmp:
+    report(results, dry_run)
+    for path in tmp.removed:
         click.echo(f"removed abandoned {path}")
+    for run in tmp.busy:
+        click.echo(f"  {run}: tmp dirs left alone, a live client writes this run")
