@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 from snapd import protocol as p
-from snapd.arena_map import Arena, HotCache
+from snapd.arena_map import HotCache, MappedArena as Arena
 from snapd.cli import main as cli
 from snapd.commit import CommitService
 from snapd.daemon import Daemon, _Background
