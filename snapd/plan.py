@@ -86,23 +86,35 @@ class SnapshotPlan:
         return sum(t.nbytes for o in self.objects for t in o.tensors)
 
 
+def plan_tensor(path: str, dtype: str, shape: Any, device: str, offset: int,
+                nbytes: int) -> Dict[str, Any]:
+    """One tensor of a descriptor: where its bytes lie in the slot, not the bytes."""
+    return {"path": path, "dtype": dtype, "shape": list(shape), "device": device,
+            "offset": offset, "nbytes": nbytes}
+
+
+def describe(plan: Any, tensors: List[List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """The descriptor of ``plan`` (a SnapshotPlan, or the client's Capture, which has
+    the same fields), with ``tensors[i]`` the :func:`plan_tensor` entries of object i."""
+    objects = [{"name": obj.name, "type": obj.type, "skeleton": obj.skeleton,
+                "metadata": obj.metadata, "tensors": entries}
+               for obj, entries in zip(plan.objects, tensors)]
+    return {"run": plan.run, "step": plan.step, "lineage": dict(plan.lineage),
+            "objects": objects, "rng": dict(plan.rng),
+            "cursor": None if plan.cursor is None else dict(plan.cursor),
+            "metric": plan.metric, "data_version": plan.data_version,
+            "rank": plan.rank, "world_size": plan.world_size,
+            "supersedes": list(plan.supersedes)}
+
+
 def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any]:
     """The plan with each tensor's bytes replaced by its offset in the slot.
 
     ``offsets[i][j]`` is where tensor j of object i starts within the slot.
     """
-    objects = []
-    for obj, obj_offsets in zip(plan.objects, offsets):
-        tensors = [{"path": t.path, "dtype": t.dtype, "shape": list(t.shape),
-                    "device": t.device, "offset": off, "nbytes": t.nbytes}
-                   for t, off in zip(obj.tensors, obj_offsets)]
-        objects.append({"name": obj.name, "type": obj.type, "skeleton": obj.skeleton,
-                        "metadata": obj.metadata, "tensors": tensors})
-    return {"run": plan.run, "step": plan.step, "lineage": plan.lineage,
-            "objects": objects, "rng": plan.rng, "cursor": plan.cursor,
-            "metric": plan.metric, "data_version": plan.data_version,
-            "rank": plan.rank, "world_size": plan.world_size,
-            "supersedes": list(plan.supersedes)}
+    return describe(plan, [[plan_tensor(t.path, t.dtype, t.shape, t.device, off, t.nbytes)
+                            for t, off in zip(obj.tensors, obj_offsets)]
+                           for obj, obj_offsets in zip(plan.objects, offsets)])
 
 
 def check_descriptor(desc: Any) -> None:

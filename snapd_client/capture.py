@@ -4,8 +4,9 @@
 each tracked object's skeleton and tensor leaves, every RNG stream, the data cursor,
 and the run's identity (run, rank, lineage, data version). It is built complete, once,
 and never changed after: the staging seam copies its leaves (snapd_client/staging.py,
-``Stager``), the hand-off describes it to the daemon, the in-process writer writes
-:meth:`Capture.plan`, and the committed log record takes its RNG states and cursor.
+``Stager``), the hand-off describes it to the daemon (:meth:`Capture.descriptor`), the in-process
+writer writes :meth:`Capture.plan_in_memory`, and the committed log record takes its
+RNG states and cursor.
 
 The leaves are the live tensors, not copies: a capture is valid until the trainer next
 changes them, which is why snapshot() stages (or writes) before it returns, and why
@@ -15,14 +16,14 @@ overlap mode defers only the leaves that nothing but ``optimizer.step()`` change
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
 from snapd.format import dtype_name
-from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
+from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, describe, plan_tensor
 from snapd.store import SnapshotId
 from snapd_client.restore import type_name
 from snapd_client.state import flatten
@@ -31,24 +32,20 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Leaf:
-    """One tensor of a tracked object's state, at its path in the skeleton."""
-
-    path: str
-    tensor: torch.Tensor
-    # Overlap mode may copy it after snapshot() returns: only optimizer.step() changes it.
-    deferrable: bool = False
-
-
-@dataclass(frozen=True)
 class CapturedObject:
-    """One tracked object: its skeleton (the state without tensors) and its leaves."""
+    """One tracked object: its skeleton (the state without tensors) and its tensor
+    leaves: ``paths[i]`` in the skeleton holds ``tensors[i]`` (the live tensor, not a
+    copy); ``deferrable[i]``: overlap mode may copy it after snapshot() returns, since
+    only optimizer.step() changes it. Tuples, not a leaf object each: a snapshot has
+    thousands of leaves, and this is built on the training path."""
 
     name: str
     type: str
     skeleton: bytes
     metadata: Optional[bytes]
-    leaves: Tuple[Leaf, ...]
+    paths: Tuple[str, ...]
+    tensors: Tuple[torch.Tensor, ...]
+    deferrable: Tuple[bool, ...]
 
 
 @dataclass(frozen=True)
@@ -67,6 +64,11 @@ class Capture:
     objects: Tuple[CapturedObject, ...]
     # Damaged snapshots restore() refused: the writer may set one aside for this name.
     supersedes: Tuple[str, ...] = ()
+    world_size: int = 1
+    # Every leaf object by object (the order of the arena slot and of the files), and
+    # which overlap mode may defer: derived once, at construction.
+    tensors: Tuple[torch.Tensor, ...] = field(init=False, repr=False, compare=False)
+    deferrable: Tuple[bool, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         frozen = {"lineage": MappingProxyType(dict(self.lineage)),
@@ -74,6 +76,8 @@ class Capture:
                   "cursor": None if self.cursor is None
                   else MappingProxyType(dict(self.cursor)),
                   "objects": tuple(self.objects), "supersedes": tuple(self.supersedes)}
+        frozen["tensors"] = tuple(t for o in frozen["objects"] for t in o.tensors)
+        frozen["deferrable"] = tuple(d for o in frozen["objects"] for d in o.deferrable)
         for name, value in frozen.items():
             object.__setattr__(self, name, value)  # the one write, at construction
 
@@ -81,39 +85,42 @@ class Capture:
     def sid(self) -> SnapshotId:
         return SnapshotId(int(self.lineage.get("id", 0)), self.step)
 
-    @property
-    def leaves(self) -> Tuple[Leaf, ...]:
-        """Every leaf, object by object: the order of the arena slot and the files."""
-        return tuple(leaf for obj in self.objects for leaf in obj.leaves)
-
     def per_object(self, flat: Sequence[T]) -> List[List[T]]:
-        """``flat`` (one item per leaf, in :attr:`leaves` order) split by object."""
+        """``flat`` (one item per leaf, in :attr:`tensors` order) split by object."""
         it = iter(flat)
-        return [[next(it) for _ in obj.leaves] for obj in self.objects]
+        return [[next(it) for _ in obj.tensors] for obj in self.objects]
 
     def record_state(self) -> Tuple[Dict[str, bytes], Optional[Dict[str, Any]]]:
         """The RNG states and cursor as plain dicts: what the committed record logs."""
         return dict(self.rng), None if self.cursor is None else dict(self.cursor)
 
     def plan(self, buffers: Sequence[memoryview]) -> SnapshotPlan:
-        """The writer's plan, complete: leaf i's bytes are ``buffers[i]`` (a staging
-        slot's, or the tensors' own for the in-process writer)."""
+        """The writer's plan, complete: leaf i's bytes are ``buffers[i]``."""
         objects = [ObjectPlan(obj.name, obj.type, obj.skeleton,
-                              [TensorSource(leaf.path, dtype_name(leaf.tensor.dtype),
-                                            list(leaf.tensor.shape), data,
-                                            str(leaf.tensor.device))
-                               for leaf, data in zip(obj.leaves, datas)],
+                              [TensorSource(path, dtype_name(t.dtype), list(t.shape), data,
+                                            str(t.device))
+                               for path, t, data in zip(obj.paths, obj.tensors, datas)],
                               obj.metadata)
                    for obj, datas in zip(self.objects, self.per_object(buffers))]
         rng, cursor = self.record_state()
         return SnapshotPlan(run=self.run, step=self.step, lineage=dict(self.lineage),
                             objects=objects, rng=rng, cursor=cursor, metric=self.metric,
                             data_version=self.data_version, rank=self.rank,
-                            supersedes=list(self.supersedes))
+                            world_size=self.world_size, supersedes=list(self.supersedes))
 
     def plan_in_memory(self) -> SnapshotPlan:
-        """The plan over the tensors' own bytes (on CPU; copied only where needed)."""
-        return self.plan([tensor_bytes(leaf.tensor) for leaf in self.leaves])
+        """The in-process writer's plan: over the tensors' own bytes (on CPU; copied
+        only where needed). It lives for the write only."""
+        return self.plan([tensor_bytes(t) for t in self.tensors])
+
+    def descriptor(self, offsets: Sequence[int]) -> Dict[str, Any]:
+        """The plan over a staging slot, as the daemon rebuilds it (snapd/plan.py):
+        leaf i at ``offsets[i]``. No buffer is made: the daemon maps the slot itself."""
+        tensors = [[plan_tensor(path, dtype_name(t.dtype), t.shape, str(t.device), off,
+                                t.numel() * t.element_size())
+                    for path, t, off in zip(obj.paths, obj.tensors, offs)]
+                   for obj, offs in zip(self.objects, self.per_object(offsets))]
+        return describe(self, tensors)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -147,7 +154,7 @@ def capture_object(name: str, obj: Any, defer: Optional[set] = None) -> Captured
     return CapturedObject(
         name, type_name(obj), flat.skeleton,
         flatten(dict(metadata), name).skeleton if metadata else None,
-        tuple(Leaf(p, t, d) for p, t, d in zip(flat.paths, flat.tensors, flags)))
+        tuple(flat.paths), tuple(flat.tensors), tuple(flags))
 
 
 def stepped_tensors(tracked: Mapping[str, Any]) -> set:

@@ -36,7 +36,6 @@ from typing import Any, Dict, List, Optional, Tuple
 from snapd import protocol as proto
 from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
 from snapd.options import SUBMIT_OPTIONS, Options
-from snapd.plan import to_descriptor
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import CommitResult
@@ -44,7 +43,7 @@ from snapd_client.capture import Capture
 from snapd_client.connection import POLL, DaemonConnection, error_from
 from snapd_client.handle import SnapshotHandle
 from snapd_client.hot import HotSource
-from snapd_client.staging import Arena, Stager, layout, nbytes_of, slot_size_for
+from snapd_client.staging import Arena, Stager, layout, slot_size_for
 
 
 def committed_on_disk(store: RunStore, sid: SnapshotId) -> Optional[CommitResult]:
@@ -127,7 +126,7 @@ class Handoff:
         that cannot be started at all (DaemonStartFailed: no snapshot can be taken).
         """
         self.stager.synchronize()
-        offsets, need = layout([leaf.tensor for leaf in capture.leaves])
+        offsets, need = layout(capture.tensors)
         stall = self._wait_for_room(capture.step, need)
         if stall is None:  # on_busy="skip" and every slot busy
             handle = self._handle(capture, None, 0.0)
@@ -148,8 +147,9 @@ class Handoff:
             handle.set_error(e)
             return handle
         try:
-            desc = self._descriptor(capture, offsets, slot)
-            self.stager.stage(self.arena, slot, capture.leaves, offsets,
+            desc = capture.descriptor(offsets)   # the plan over the slot
+            self.stager.stage(self.arena, slot, capture.tensors, offsets,
+                              capture.deferrable,
                               lambda error: self._landed(conn, slot, desc, handle, error))
         except Exception as e:  # the slot is ours again; the handle reports why
             self._release(slot, handle, e)
@@ -164,16 +164,6 @@ class Handoff:
             (lambda ev: conn.wait_for(ev, f"the commit of step {capture.step}"))
         return SnapshotHandle(capture.step, sid=capture.sid, rng=rng, cursor=cursor,
                               waiter=waiter, stall_seconds=stall)
-
-    def _descriptor(self, capture: Capture, offsets: List[int], slot: int) -> dict:
-        """The plan over the slot, as the daemon will rebuild it."""
-        views = [self.arena.buffer(slot, off, nbytes_of(leaf.tensor))
-                 for leaf, off in zip(capture.leaves, offsets)]
-        try:
-            return to_descriptor(capture.plan(views), capture.per_object(offsets))
-        finally:
-            for view in views:
-                view.release()  # the arena's mapping must not stay exported
 
     def _landed(self, conn: DaemonConnection, slot: int, desc: dict,
                 handle: SnapshotHandle, error: Optional[BaseException]) -> None:

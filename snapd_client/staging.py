@@ -57,7 +57,6 @@ import torch
 from snapd.errors import InsufficientSpace, SnapdError
 from snapd.format import CHUNK_ALIGN, align_up
 from snapd.names import SHM_DIR, arena_prefix
-from snapd_client.capture import Leaf
 
 ALIGN = 64                # every tensor
 BLOCK_ALIGN = CHUNK_ALIGN  # tensors of a block or more: direct I/O from the slot
@@ -319,7 +318,7 @@ Landed = Callable[[Optional[BaseException]], None]
 
 
 class Stager:
-    """Copies a capture's leaves into an arena slot, in the order its mode needs.
+    """Copies a capture's tensors into an arena slot, in the order its mode needs.
 
     ``stage()`` copies what must be copied before snapshot() returns and raises if
     that fails. Then ``landed(None)`` runs on the stager's one thread once every copy
@@ -338,12 +337,13 @@ class Stager:
         self._worker: Optional[ThreadPoolExecutor] = None
         self._copied: Optional[threading.Event] = None   # overlap: the copy in progress
 
-    def stage(self, arena: Arena, slot: int, leaves: Sequence[Leaf],
-              offsets: Sequence[int], landed: Landed) -> None:
+    def stage(self, arena: Arena, slot: int, tensors: Sequence[torch.Tensor],
+              offsets: Sequence[int], deferrable: Sequence[bool], landed: Landed) -> None:
+        """Copy ``tensors[i]`` to ``offsets[i]`` of ``slot``; overlap mode may copy
+        those marked ``deferrable`` later, on its thread."""
         overlap = self.mode == "overlap"
         now, device_later, later = copy_order(
-            [leaf.tensor for leaf in leaves], offsets,
-            [overlap and leaf.deferrable for leaf in leaves])
+            tensors, offsets, deferrable if overlap else [False] * len(tensors))
         _stage_pairs(arena, slot, now)
         if overlap:
             arena.fence()  # what the next forward may write is copied before it runs

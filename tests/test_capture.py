@@ -15,7 +15,7 @@ import torch
 
 from snapd import protocol as proto
 from snapd.options import Options
-from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
+from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, to_descriptor
 from snapd.store import RunStore, SnapshotId
 from snapd_client import Client
 from snapd_client.capture import Capture, tensor_bytes
@@ -49,11 +49,12 @@ def test_a_capture_is_complete_at_construction(client):
     assert set(cap.rng) == set(client.rng.capture())
     assert [o.name for o in cap.objects] == ["model", "optimizer"]
     # Every tensor leaf of each state_dict, the live tensor itself (not a copy).
-    model_leaves = {leaf.path: leaf.tensor for leaf in cap.objects[0].leaves}
+    model_leaves = dict(zip(cap.objects[0].paths, cap.objects[0].tensors))
     for key, t in model.state_dict().items():
         assert model_leaves[f".{key}"].data_ptr() == t.data_ptr()
-    assert len(cap.leaves) == len(model_leaves) + len(cap.objects[1].leaves)
-    assert any(leaf.path.startswith(".state.") for leaf in cap.objects[1].leaves)
+    assert len(cap.tensors) == len(model_leaves) + len(cap.objects[1].tensors)
+    assert len(cap.deferrable) == len(cap.tensors)
+    assert any(path.startswith(".state.") for path in cap.objects[1].paths)
 
 
 def test_a_capture_is_frozen(client):
@@ -62,12 +63,13 @@ def test_a_capture_is_frozen(client):
     with pytest.raises(dataclasses.FrozenInstanceError):
         cap.step = 2
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cap.objects[0].leaves[0].deferrable = True
+        cap.objects[0].deferrable = (True,)
     with pytest.raises(TypeError):
         cap.lineage["id"] = 9
     with pytest.raises(TypeError):
         cap.rng["torch"] = b""
-    assert isinstance(cap.objects, tuple) and isinstance(cap.objects[0].leaves, tuple)
+    assert all(isinstance(x, tuple) for x in (cap.objects, cap.tensors, cap.objects[0].paths,
+                                               cap.objects[0].tensors))
     # The client's own state moves on; the capture does not.
     client.lineage["id"] = 5
     assert cap.lineage["id"] == 0 and cap.sid.lineage == 0
@@ -79,8 +81,8 @@ def test_overlap_mode_defers_only_what_optimizer_step_changes(tmp_path, mode):
     try:
         model, _ = tracked(c)
         cap = c.capture(1)
-        deferred = {f"{o.name}{leaf.path}" for o in cap.objects for leaf in o.leaves
-                    if leaf.deferrable}
+        deferred = {f"{o.name}{path}" for o in cap.objects
+                    for path, d in zip(o.paths, o.deferrable) if d}
     finally:
         c.close()
     if mode == "wait":
@@ -90,8 +92,7 @@ def test_overlap_mode_defers_only_what_optimizer_step_changes(tmp_path, mode):
     assert params <= deferred   # weights and biases, the BatchNorm's affine pair
     assert not any(".running_" in d or "num_batches" in d for d in deferred)  # buffers
     assert {d for d in deferred if d.startswith("optimizer")} == {
-        f"optimizer{leaf.path}" for leaf in cap.objects[1].leaves
-        if leaf.path.startswith(".state.")}
+        f"optimizer{path}" for path in cap.objects[1].paths if path.startswith(".state.")}
 
 
 def test_the_plan_is_built_complete_and_frozen(client):
@@ -101,10 +102,10 @@ def test_the_plan_is_built_complete_and_frozen(client):
     assert (plan.run, plan.step, plan.metric, plan.sid) == ("r", 3, 1.5, cap.sid)
     assert plan.lineage == dict(cap.lineage) and plan.rng == dict(cap.rng)
     for obj, cobj in zip(plan.objects, cap.objects):
-        assert [t.path for t in obj.tensors] == [leaf.path for leaf in cobj.leaves]
-        for t, leaf in zip(obj.tensors, cobj.leaves):
-            assert bytes(t.data) == bytes(tensor_bytes(leaf.tensor))
-            assert t.dtype == str(leaf.tensor.dtype).removeprefix("torch.")
+        assert [t.path for t in obj.tensors] == list(cobj.paths)
+        for t, live in zip(obj.tensors, cobj.tensors):
+            assert bytes(t.data) == bytes(tensor_bytes(live))
+            assert t.dtype == str(live.dtype).removeprefix("torch.")
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.objects[0].tensors = []
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -190,10 +191,12 @@ def test_the_hand_off_stages_describes_and_submits_the_capture(client, tmp_path,
         assert (submit.run, submit.step, submit.slot) == ("r", 6, 0)
         desc = submit.plan
         assert (desc["step"], desc["metric"], desc["rng"]) == (6, 0.25, dict(cap.rng))
+        assert desc == to_descriptor(cap.plan_in_memory(), cap.per_object(
+            [t["offset"] for obj in desc["objects"] for t in obj["tensors"]]))
         for obj, cobj in zip(desc["objects"], cap.objects):
-            for t, leaf in zip(obj["tensors"], cobj.leaves):
+            for t, live in zip(obj["tensors"], cobj.tensors):
                 staged = handoff.arena.view(0, t["offset"], t["nbytes"]).numpy().tobytes()
-                assert staged == bytes(tensor_bytes(leaf.tensor)), t["path"]
+                assert staged == bytes(tensor_bytes(live)), t["path"]
         conn.during_wait = lambda: handoff._on_event(
             proto.Committed("r", 0, 6, 0, cap.sid.name, 123, 0.5))
         assert handle.wait().bytes_written == 123
@@ -221,5 +224,5 @@ def test_the_restore_lines_go_through_logging(client, capsys):
 def test_a_capture_can_be_built_directly():
     cap = Capture(run="r", step=2, rank=1, lineage={"id": 3}, data_version=None,
                   metric=None, rng={}, cursor={"epoch": 1}, objects=[])
-    assert cap.sid == SnapshotId(3, 2) and cap.leaves == () and cap.objects == ()
+    assert cap.sid == SnapshotId(3, 2) and cap.tensors == () and cap.objects == ()
     assert cap.record_state() == ({}, {"epoch": 1})

@@ -12,7 +12,6 @@ import torch
 
 from snapd.errors import SnapdError
 from snapd_client import staging
-from snapd_client.capture import Leaf
 from snapd_client.staging import ALIGN, Arena, Stager, copy_order, layout, slot_size_for
 
 
@@ -256,14 +255,14 @@ class RecordingArena:
         self.calls.append(("wait",))
 
 
-def leaves(deferred):
-    return [Leaf(f".t{i}", torch.ones(4), d) for i, d in enumerate(deferred)]
+def stage(stager, arena, slot, deferred, offsets, landed):
+    stager.stage(arena, slot, [torch.ones(4) for _ in deferred], offsets, deferred, landed)
 
 
 @pytest.mark.parametrize("mode", ["wait", "overlap"])
 def test_the_fence_sits_between_the_two_stagings_in_overlap_mode_only(mode):
     stager, arena, landed = Stager(mode), RecordingArena(), []
-    stager.stage(arena, 1, leaves([True, False]), [0, 64], landed.append)
+    stage(stager, arena, 1, [True, False], [0, 64], landed.append)
     stager.drain()
     if mode == "overlap":
         assert arena.calls == [("stage", 1, [64], True), ("fence",), ("stage", 1, [], True),
@@ -277,7 +276,7 @@ def test_the_fence_sits_between_the_two_stagings_in_overlap_mode_only(mode):
 def test_overlap_returns_before_the_deferred_copy_and_synchronize_waits_for_it():
     stager, arena, landed = Stager("overlap"), RecordingArena(), []
     arena.gate.clear()   # the background copy cannot finish yet
-    stager.stage(arena, 0, leaves([True, False]), [0, 64], landed.append)
+    stage(stager, arena, 0, [True, False], [0, 64], landed.append)
     assert ("stage", 0, [0], False) not in arena.calls and landed == []
     waiter = threading.Thread(target=stager.synchronize)
     waiter.start()
@@ -293,7 +292,7 @@ def test_overlap_returns_before_the_deferred_copy_and_synchronize_waits_for_it()
 
 def test_a_failed_background_copy_reaches_landed_and_frees_synchronize():
     stager, arena, landed = Stager("overlap"), RecordingArena(fail=True), []
-    stager.stage(arena, 0, leaves([True]), [0], landed.append)
+    stage(stager, arena, 0, [True], [0], landed.append)
     stager.synchronize()
     stager.drain()
     assert len(landed) == 1 and isinstance(landed[0], OSError)
@@ -301,8 +300,8 @@ def test_a_failed_background_copy_reaches_landed_and_frees_synchronize():
 
 def test_wait_mode_copies_before_stage_returns_and_submits_on_the_stager_thread():
     stager, arena, threads = Stager("wait"), RecordingArena(), []
-    stager.stage(arena, 0, leaves([True]), [0],
-                 lambda error: threads.append(threading.current_thread().name))
+    stage(stager, arena, 0, [True], [0],
+          lambda error: threads.append(threading.current_thread().name))
     assert arena.calls[-1] == ("wait",)   # every copy has landed when stage() returns
     stager.drain()
     assert len(threads) == 1 and threads[0].startswith("snapd-stage")
