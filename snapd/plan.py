@@ -1,4 +1,4 @@
-"""A snapshot's plan: everything it holds, frozen once handed to the writer.
+"""A snapshot's plan: everything it holds, built complete and frozen for the writer.
 
 In the training process a plan's tensors are buffers over the staging arena (or over
 CPU tensors, when written in-process). Between processes a plan travels as a
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, SnapdError
@@ -19,7 +19,7 @@ from snapd.format import ITEMSIZES
 from snapd.store import SnapshotId
 
 
-@dataclass
+@dataclass(frozen=True)
 class TensorSource:
     """One tensor's raw bytes (C order) and what is needed to rebuild it."""
 
@@ -28,27 +28,41 @@ class TensorSource:
     shape: List[int]
     data: memoryview
     device: str = "cpu"
+    # Read once, at construction: still known once the writer released ``data``.
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", len(self.data))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ObjectPlan:
     """One tracked object: its skeleton and its tensors."""
 
     name: str
     type: str
     skeleton: bytes
-    tensors: List[TensorSource] = field(default_factory=list)
+    tensors: Sequence[TensorSource] = ()
     metadata: Any = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
 
-@dataclass
+
+@dataclass(frozen=True)
 class SnapshotPlan:
-    """Everything one snapshot holds; frozen once handed to the writer."""
+    """Everything one snapshot holds, built complete and never changed after.
+
+    The client builds it from its frozen capture (snapd_client/capture.py), over the
+    tensors' own bytes or a staging slot; the daemon from a descriptor over its
+    mapping of the slot. Whoever built it drops it when the write ends: its buffers
+    are views of memory the writer does not own.
+    """
 
     run: str
     step: int
     lineage: Dict[str, Any]
-    objects: List[ObjectPlan]
+    objects: Sequence[ObjectPlan]
     rng: Dict[str, bytes]
     cursor: Optional[Dict[str, Any]] = None
     metric: Optional[float] = None
@@ -57,7 +71,11 @@ class SnapshotPlan:
     world_size: int = 1
     # Names of damaged snapshots restore() refused: the writer may move one aside
     # (never delete it) when this snapshot needs its name.
-    supersedes: List[str] = field(default_factory=list)
+    supersedes: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "objects", tuple(self.objects))
+        object.__setattr__(self, "supersedes", tuple(self.supersedes))
 
     @property
     def sid(self) -> SnapshotId:
@@ -65,8 +83,28 @@ class SnapshotPlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(t.data) for o in self.objects for t in o.tensors)
+        return sum(t.nbytes for o in self.objects for t in o.tensors)
 
+
+def plan_tensor(path: str, dtype: str, shape: Any, device: str, offset: int,
+                nbytes: int) -> Dict[str, Any]:
+    """One tensor of a descriptor: where its bytes lie in the slot, not the bytes."""
+    return {"path": path, "dtype": dtype, "shape": list(shape), "device": device,
+            "offset": offset, "nbytes": nbytes}
+
+
+def describe(plan: Any, tensors: List[List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """The descriptor of ``plan`` (a SnapshotPlan, or the client's Capture, which has
+    the same fields), with ``tensors[i]`` the :func:`plan_tensor` entries of object i."""
+    objects = [{"name": obj.name, "type": obj.type, "skeleton": obj.skeleton,
+                "metadata": obj.metadata, "tensors": entries}
+               for obj, entries in zip(plan.objects, tensors)]
+    return {"run": plan.run, "step": plan.step, "lineage": dict(plan.lineage),
+            "objects": objects, "rng": dict(plan.rng),
+            "cursor": None if plan.cursor is None else dict(plan.cursor),
+            "metric": plan.metric, "data_version": plan.data_version,
+            "rank": plan.rank, "world_size": plan.world_size,
+            "supersedes": list(plan.supersedes)}
 
 
 def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any]:
@@ -74,18 +112,9 @@ def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any
 
     ``offsets[i][j]`` is where tensor j of object i starts within the slot.
     """
-    objects = []
-    for obj, obj_offsets in zip(plan.objects, offsets):
-        tensors = [{"path": t.path, "dtype": t.dtype, "shape": list(t.shape),
-                    "device": t.device, "offset": off, "nbytes": len(t.data)}
-                   for t, off in zip(obj.tensors, obj_offsets)]
-        objects.append({"name": obj.name, "type": obj.type, "skeleton": obj.skeleton,
-                        "metadata": obj.metadata, "tensors": tensors})
-    return {"run": plan.run, "step": plan.step, "lineage": plan.lineage,
-            "objects": objects, "rng": plan.rng, "cursor": plan.cursor,
-            "metric": plan.metric, "data_version": plan.data_version,
-            "rank": plan.rank, "world_size": plan.world_size,
-            "supersedes": list(plan.supersedes)}
+    return describe(plan, [[plan_tensor(t.path, t.dtype, t.shape, t.device, off, t.nbytes)
+                            for t, off in zip(obj.tensors, obj_offsets)]
+                           for obj, obj_offsets in zip(plan.objects, offsets)])
 
 
 def check_descriptor(desc: Any) -> None:

@@ -11,20 +11,21 @@
     ckpt.close()
 
 The client captures state at the step boundary (tracked objects, every RNG stream,
-the data cursor) and hands a frozen plan to the writer: by default the daemon serving
+the data cursor) into a frozen :class:`~snapd_client.capture.Capture` and hands it to
+the writer: by default the daemon serving
 the root (started when none runs; see handoff.py), or, with ``daemon=False``, the
 writer in this process, synchronously.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-import sys
 import time
 import warnings
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
@@ -33,33 +34,21 @@ from snapd.options import Options
 from snapd.recovery import RunProgress, read_progress
 from snapd.runlock import RunLock
 from snapd.store import RunStore
-from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
+from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
 from snapd_client.handle import SnapshotHandle
-from snapd_client.handoff import Handoff, Sources, settle_writes
+from snapd_client.handoff import Handoff, settle_writes
 from snapd_client.journal import Journal
 from snapd_client.restore import Loaded, load_for_resume, load_weights, type_name
 from snapd_client.rng import RngStreams
-from snapd_client.state import flatten
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 MODES = ("resume", "warm_start")
 
 
-def _say(message: str) -> None:
-    """One line to the operator on stderr: what a restore decided."""
-    print(f"snapd: {message}", file=sys.stderr, flush=True)
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A tensor's elements as raw bytes in C order, on CPU (copied only if needed)."""
-    t = t.detach().resolve_conj().resolve_neg()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+# The operator's one-line decisions (what a restore chose); snapd/logs.py prints them
+# on stderr as "snapd: <message>".
+logger = logging.getLogger(__name__)
 
 
 class Client:
@@ -163,45 +152,33 @@ class Client:
 
     # --- snapshot ------------------------------------------------------------------
 
-    def _object_plan(self, name: str,
-                     obj: Any) -> Tuple[ObjectPlan, List[Tuple[str, torch.Tensor]]]:
-        """An object's skeleton, and its tensor leaves (the live tensors, not copies)."""
-        state = obj.state_dict()
-        flat = flatten(state, name)
-        metadata = getattr(state, "_metadata", None)
-        return (ObjectPlan(name, type_name(obj), flat.skeleton, [],
-                           flatten(dict(metadata), name).skeleton if metadata else None),
-                list(zip(flat.paths, flat.tensors)))
-
-    def _capture(self, step: int, metric: Optional[float]) -> Tuple[SnapshotPlan, Sources]:
+    def capture(self, step: int, metric: Optional[float] = None) -> Capture:
+        """The frozen capture of the tracked state at this step boundary (the live
+        tensors, not copies: valid until the trainer next changes them)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"snapshot(step={step!r}): step counts completed updates, "
                              "a non-negative int")
-        pieces = [self._object_plan(n, o) for n, o in self._tracked.items()]
-        plan = SnapshotPlan(
-            run=self.run, step=step, lineage=dict(self.lineage),
-            objects=[obj for obj, _ in pieces], rng=self.rng.capture(),
-            cursor=self._stream.state() if self._stream is not None else None,
+        # Overlap mode defers the copies only optimizer.step() changes (capture.py).
+        defer = stepped_tensors(self._tracked) \
+            if self._handoff is not None and self.options.mode == "overlap" else None
+        objects = tuple(capture_object(n, o, defer) for n, o in self._tracked.items())
+        return Capture(
+            run=self.run, step=step, rank=self.rank, lineage=self.lineage,
+            data_version=self.data_version,
             metric=None if metric is None else float(metric),
-            data_version=self.data_version, rank=self.rank,
-            supersedes=list(self.restored.refused) if self.restored else [])
-        return plan, [pairs for _, pairs in pieces]
-
-    def capture(self, step: int, metric: Optional[float] = None) -> SnapshotPlan:
-        """The frozen plan of a snapshot at this step boundary, tensor bytes copied."""
-        plan, sources = self._capture(step, metric)
-        for obj, pairs in zip(plan.objects, sources):
-            obj.tensors = [TensorSource(path, str(t.dtype).removeprefix("torch."),
-                                        list(t.shape), tensor_bytes(t), str(t.device))
-                           for path, t in pairs]
-        return plan
+            rng=self.rng.capture(),
+            cursor=self._stream.state() if self._stream is not None else None,
+            objects=objects,
+            supersedes=tuple(self.restored.refused) if self.restored else ())
 
     def snapshot(self, step: int, metric: Optional[float] = None) -> SnapshotHandle:
         """Snapshot the tracked state at this step boundary; returns a handle.
 
-        Through the daemon it returns once the tensors are staged (``mode="wait"``)
-        or at once (``mode="overlap"``: the next ``optimizer.step()`` waits for the
-        copy). ``daemon=False`` writes here, synchronously.
+        Through the daemon it returns once every tensor is copied into the staging
+        slot (``mode="wait"``), or once those the next forward may change are
+        (``mode="overlap"``: the parameters and optimizer state follow in the
+        background, and the next ``optimizer.step()`` waits for them); the daemon
+        writes after. ``daemon=False`` writes here, synchronously.
         """
         self._check_open()
         self._check_writable("snapshot()")
@@ -219,24 +196,23 @@ class Client:
         return handle
 
     def _hand_over(self, step: int, metric: Optional[float]) -> SnapshotHandle:
+        capture = self.capture(step, metric)
         if self._handoff is not None:
-            plan, sources = self._capture(step, metric)
             if self.options.mode == "overlap":
                 self._hook_optimizers()
-            handle = self._handoff.snapshot(plan, sources, self._deferrable(sources))
+            return self._handoff.snapshot(capture)
+        rng, cursor = capture.record_state()
+        handle = SnapshotHandle(step, sid=capture.sid, rng=rng, cursor=cursor)
+        # The daemon's commit path, here: space check, write, tmp cleanup, retention.
+        commits = CommitService(self.store.root, self.options.min_free_bytes)
+        try:
+            # The plan lives for the write only: its buffers are the tensors' own bytes.
+            done = commits.commit(self.store, capture.plan_in_memory(), self.options)
+        except Exception as e:  # reported through the handle, as a daemon's would be
+            handle.set_error(e)
         else:
-            handle = SnapshotHandle(step)
-            plan = self.capture(step, metric)
-            # The daemon's commit path, here: space check, write, tmp cleanup, retention.
-            commits = CommitService(self.store.root, self.options.min_free_bytes)
-            try:
-                done = commits.commit(self.store, plan, self.options)
-            except Exception as e:  # reported through the handle, as a daemon's would be
-                handle.set_error(e)
-            else:
-                done.purge()
-                handle.set_result(done.result)
-        handle.plan_state = (plan.rng, plan.cursor)
+            done.purge()
+            handle.set_result(done.result)
         return handle
 
     def _record_outcome(self, handle: SnapshotHandle) -> None:
@@ -252,36 +228,11 @@ class Client:
                                 error=str(handle.error))
         else:
             result = handle.result
-            rng, cursor = getattr(handle, "plan_state", (None, None))
             self._journal.event(
                 "snapshot", event="committed", step=handle.step,
-                name=getattr(result, "name", None) or result.sid.name,
-                bytes=getattr(result, "bytes", None) or getattr(result, "bytes_written", 0),
-                seconds=result.seconds, rng=rng, cursor=cursor,
+                name=os.path.basename(result.path), bytes=result.bytes_written,
+                seconds=result.seconds, rng=handle.rng, cursor=handle.cursor,
                 last_resume=self._journal.last_resume, last_replay=self._journal.verdict)
-
-    def _deferrable(self, sources: Sources) -> List[List[bool]]:
-        """Overlap mode: the leaves only ``optimizer.step()`` changes, copied later.
-
-        Those are the parameters of tracked optimizers and the optimizers' state.
-        Everything else (module buffers change in forward; schedulers, scalers and
-        user objects whenever they like) is copied before snapshot() returns.
-        """
-        if self.options.mode != "overlap":
-            return [[False] * len(pairs) for pairs in sources]
-        optimizers = {n for n, o in self._tracked.items()
-                      if isinstance(o, torch.optim.Optimizer)}
-        stepped = {p.data_ptr() for n in optimizers for g in self._tracked[n].param_groups
-                   for p in g["params"]}
-        flags = []
-        for (name, obj), pairs in zip(self._tracked.items(), sources):
-            if name in optimizers:
-                flags.append([path.startswith(".state.") for path, _ in pairs])
-            elif isinstance(obj, torch.nn.Module):
-                flags.append([t.numel() > 0 and t.data_ptr() in stepped for _, t in pairs])
-            else:
-                flags.append([False] * len(pairs))
-        return flags
 
     def _hook_optimizers(self) -> None:
         for obj in self._tracked.values():
@@ -291,7 +242,7 @@ class Client:
     def _before_step(self, optimizer, args, kwargs) -> None:
         """No update may start before the overlap copy of the weights is done."""
         if self._handoff is not None:
-            self._handoff.wait_copies()
+            self._handoff.stager.synchronize()
 
     def log(self, step: int, *, samples: Optional[Iterable[int]] = None,
             unchecked: Optional[Dict[str, float]] = None, **scalars: float) -> None:
@@ -341,8 +292,8 @@ class Client:
                 hot.close()
         if loaded is None:
             if self.recovery.reached:
-                _say(f"run {self.run}: no snapshot to resume from; training had reached "
-                     f"step {self.recovery.reached}; starting at step 0")
+                logger.info(f"run {self.run}: no snapshot to resume from; training had "
+                            f"reached step {self.recovery.reached}; starting at step 0")
             return 0
         self.restored_from = "hot" if hot is not None and hot.used else "disk"
         self._apply(loaded, set(_omit))
@@ -358,20 +309,20 @@ class Client:
         lose k). Bounded by Options.timeout; never starts a daemon.
         """
         if self._handoff is not None:
-            self._handoff.wait_copies()
+            self._handoff.stager.synchronize()
             waited, seconds = self._handoff.settle_writes()
         else:
             waited, seconds = settle_writes(self.store, self.rank, self.options.timeout)
         if waited:
-            _say(f"run {self.run}: waited {seconds:.1f} s for the daemon to finish "
-                 f"step(s) {', '.join(map(str, waited))} before choosing a snapshot")
+            logger.info(f"run {self.run}: waited {seconds:.1f} s for the daemon to finish "
+                        f"step(s) {', '.join(map(str, waited))} before choosing a snapshot")
 
     def _begin_resume(self, loaded: Loaded, omitted: List[str]) -> int:
         """Log the resume, arm the replay check, and say what will happen."""
         step, reached = loaded.manifest["step"], self.recovery.reached
         if self.read_only:
-            _say(f"run {self.run}: restored step {step} ({self.restored_from}), read-only: "
-                 "nothing is written to the run")
+            logger.info(f"run {self.run}: restored step {step} ({self.restored_from}), "
+                        "read-only: nothing is written to the run")
             return step
         self.journal.resume(step=step, snapshot=loaded.sid.name, mode="resume",
                             lineage=self.lineage, reached=reached,
@@ -383,7 +334,7 @@ class Client:
         if reached is not None and reached > step:
             message += (f"; training had reached {reached}; {reached - step} updates will "
                         f"be recomputed" + (" and checked" if checked else ""))
-        _say(message)
+        logger.info(message)
         return step
 
     def _apply(self, loaded: Loaded, omit: set) -> None:
@@ -408,8 +359,8 @@ class Client:
         if not self.read_only:
             self.journal.resume(step=0, snapshot=parent and parent["snapshot"],
                                 mode="warm_start", lineage=self.lineage)
-        _say(f"run {self.run}: warm start (lineage {new_id}) from "
-             f"{parent['snapshot'] if parent else 'nothing'}: weights only, step 0")
+        logger.info(f"run {self.run}: warm start (lineage {new_id}) from "
+                    f"{parent['snapshot'] if parent else 'nothing'}: weights only, step 0")
         return 0
 
     # --- shutdown ------------------------------------------------------------------

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from snapd.errors import DaemonUnavailable, SnapshotFailed
+from snapd.store import SnapshotId
+from snapd.writer import CommitResult
 
 Waiter = Callable[[threading.Event], None]
 
@@ -21,15 +23,26 @@ class SnapshotHandle:
     says how to find out (the run's LATEST). A skipped snapshot (the previous
     write was still busy and ``on_busy="skip"``) is done at once and waits to None.
     ``stall_seconds`` is how long snapshot() waited for a free staging slot.
+
+    Built complete by whoever takes the snapshot: ``sid`` (where the snapshot lands),
+    ``rng`` and ``cursor`` (the state the committed log record carries), ``waiter``
+    (a daemon's: a bounded wait that watches its liveness). ``result`` is the
+    writer's CommitResult once durable.
     """
 
-    def __init__(self, step: int, waiter: Optional[Waiter] = None) -> None:
+    def __init__(self, step: int, *, sid: Optional[SnapshotId] = None,
+                 rng: Optional[Dict[str, bytes]] = None,
+                 cursor: Optional[Dict[str, Any]] = None,
+                 waiter: Optional[Waiter] = None, stall_seconds: float = 0.0) -> None:
         self.step = step
-        self.result = None
+        self.sid = sid
+        self.rng = rng
+        self.cursor = cursor
+        self.stall_seconds = stall_seconds
+        self.result: Optional[CommitResult] = None
         self.skipped = False
         self.outcome_unknown = False
-        self.stall_seconds = 0.0
-        self._waiter = waiter  # a bounded wait that watches the daemon's liveness
+        self._waiter = waiter
         self._error: Optional[BaseException] = None
         self._reported = False
         self._event = threading.Event()
@@ -51,7 +64,7 @@ class SnapshotHandle:
         for callback in callbacks:
             callback(self)
 
-    def set_result(self, result) -> None:
+    def set_result(self, result: CommitResult) -> None:
         self.result = result
         self._finish()
 
@@ -74,10 +87,6 @@ class SnapshotHandle:
     def error(self) -> Optional[BaseException]:
         """The background failure, if any (wait() raises it once)."""
         return self._error
-
-    def mark_reported(self) -> None:
-        """The failure was reported another way (a warning); wait() stays quiet."""
-        self._reported = True
 
     def done(self) -> bool:
         return self._event.is_set()

@@ -1,4 +1,4 @@
-"""The daemon path of snapshot(): a slot, the staging copy, the hand-off, the events.
+"""The daemon path of snapshot(): a slot, the hand-off, the events.
 
 A slot of the arena is the client's until ``submit`` and the daemon's until the
 ``committed``/``failed`` event for it (docs/protocol.md). ``_inflight`` maps each slot
@@ -19,13 +19,11 @@ Restore (:func:`settle_writes`): a daemon serving the root may still be writing 
 snapshot of this run and rank that a killed trainer handed off; restore waits for
 those writes (bounded) before it chooses a snapshot.
 
-Overlap mode: tensors that only ``optimizer.step()`` changes (parameters of tracked
-optimizers, optimizer state) are copied by one background thread while the trainer
-runs the next forward and backward; the client's step pre-hook calls
-:meth:`Handoff.wait_copies` so no update starts before its copy is done. CUDA copies
-are enqueued on the arena's side stream inside snapshot() in both modes; in overlap
-mode the compute stream waits on the GPU for those of the other tensors (buffers,
-which the next forward may change), not for the parameters' (see copy_order).
+The copy into the slot is the stager's (``Stager`` in staging.py: copy order, the
+CUDA fence, overlap mode's background copy); the hand-off reserves the slot, gives it
+to the stager with the capture, and submits once the stager says every copy has
+landed. In overlap mode the client's optimizer step pre-hook calls
+``Handoff.stager.synchronize()``, so no update starts before its copy is done.
 """
 
 from __future__ import annotations
@@ -33,41 +31,19 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-import torch
+from typing import Any, Dict, List, Optional, Tuple
 
 from snapd import protocol as proto
-from snapd.format import dtype_name
 from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
 from snapd.options import SUBMIT_OPTIONS, Options
-from snapd.plan import SnapshotPlan, TensorSource, to_descriptor
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import CommitResult
+from snapd_client.capture import Capture
 from snapd_client.connection import POLL, DaemonConnection
 from snapd_client.handle import SnapshotHandle
 from snapd_client.hot import HotSource
-from snapd_client.staging import Arena, layout, nbytes_of, slot_size_for
-
-Sources = Sequence[Sequence[Tuple[str, torch.Tensor]]]
-
-
-def copy_order(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
-               deferred: Sequence[bool]) -> Tuple[list, list, list]:
-    """Split the staging copies of one snapshot into three (tensor, offset) lists.
-
-    ``now``: everything not deferred, copied (CPU) or enqueued (CUDA) first; in overlap
-    mode the compute stream is then fenced behind the CUDA ones, since the next
-    forward may change them (buffers). ``device_later``: deferred CUDA tensors,
-    enqueued after the fence; only ``optimizer.step()`` changes them, and its pre-hook
-    waits. ``later``: deferred CPU tensors, copied by the background thread.
-    """
-    now, device_later, later = [], [], []
-    for t, o, d in zip(tensors, offsets, deferred):
-        (now if not d else device_later if t.is_cuda else later).append((t, o))
-    return now, device_later, later
+from snapd_client.staging import Arena, Stager, layout, slot_size_for
 
 
 def committed_on_disk(store: RunStore, sid: SnapshotId) -> Optional[CommitResult]:
@@ -139,101 +115,63 @@ class Handoff:
         self._lost: List[int] = []            # steps lost with a daemon, not yet warned
         self._unknown: List[int] = []         # steps a hung daemon may still commit
         self._cond = threading.Condition()    # reentrant: _lose may run inside a wait
-        self._copied: Optional[threading.Event] = None
-        self._worker: Optional[ThreadPoolExecutor] = None
+        self.stager = Stager(options.mode)    # copy order, fence, overlap thread
 
     # --- snapshot ------------------------------------------------------------------
 
-    def snapshot(self, plan: SnapshotPlan, sources: Sources,
-                 deferred: Sequence[Sequence[bool]]) -> SnapshotHandle:
-        """Stage ``sources`` (per plan object, its (path, tensor) leaves); hand off.
+    def snapshot(self, capture: Capture) -> SnapshotHandle:
+        """Stage ``capture``'s leaves into a free slot; hand the slot off.
 
-        ``deferred`` marks the tensors an overlap-mode snapshot may copy after
-        returning. Daemon trouble is reported through the handle, never raised.
+        Daemon trouble is reported through the handle, never raised, except a daemon
+        that cannot be started at all (DaemonStartFailed: no snapshot can be taken).
         """
-        self.wait_copies()
-        handle = SnapshotHandle(plan.step)
-        handle.sid = plan.sid   # where to look for it should the daemon be lost
-        offsets, need = layout([t for pairs in sources for _, t in pairs])
+        self.stager.synchronize()
+        offsets, need = layout(capture.tensors)
+        stall = self._wait_for_room(capture.step, need)
+        if stall is None:  # on_busy="skip" and every slot busy
+            handle = self._handle(capture, None, 0.0)
+            handle.set_skipped()
+            return handle
         try:
-            if not self._wait_for_room(handle, need):
-                return handle
             conn = self._connect()
-            slot = self._reserve(conn, need, handle)
         except DaemonStartFailed:
             raise  # no daemon can serve the root: say so now, with its log's path
         except SnapdError as e:
+            handle = self._handle(capture, None, stall)
             handle.set_error(e)
             return handle
-        handle._waiter = lambda ev: conn.wait_for(ev, f"the commit of step {plan.step}")
+        handle = self._handle(capture, conn, stall)
         try:
-            job = self._stage(plan, sources, deferred, offsets, slot)
+            slot = self._reserve(conn, need, handle)
+        except SnapdError as e:
+            handle.set_error(e)
+            return handle
+        try:
+            desc = capture.descriptor(offsets)   # the plan over the slot
+            self.stager.stage(self.arena, slot, capture.tensors, offsets,
+                              capture.deferrable,
+                              lambda error: self._landed(conn, slot, desc, handle, error))
         except Exception as e:  # the slot is ours again; the handle reports why
             self._release(slot, handle, e)
-            return handle
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="snapd-stage")
-        if self.options.mode == "overlap":
-            self._copied = threading.Event()
-            self._worker.submit(self._complete, conn, *job, handle, self._copied)
-        elif self._finish_copy(*job[:3], handle, None):
-            # The copy is done: the trainer may change its tensors. Sending the plan
-            # is the worker's (in order, one thread), not the training loop's.
-            self._worker.submit(self._submit, conn, job[1], job[3], handle)
         return handle
 
-    def _stage(self, plan: SnapshotPlan, sources: Sources,
-               deferred: Sequence[Sequence[bool]], offsets: List[int], slot: int):
-        """Copy what must be copied now; returns what _complete needs for the rest."""
-        flat = [t for pairs in sources for _, t in pairs]
-        flags = [d for ds in deferred for d in ds]
-        now, device_later, later = copy_order(flat, offsets, flags)
-        arena = self.arena
-        arena.stage(slot, [t for t, _ in now], [o for _, o in now])
-        if self.options.mode == "overlap":
-            arena.fence()  # what the next forward may write is copied before it runs
-        arena.stage(slot, [t for t, _ in device_later], [o for _, o in device_later])
-        return arena, slot, later, self._descriptor(plan, sources, offsets, arena, slot)
+    def _handle(self, capture: Capture, conn: Optional[DaemonConnection],
+                stall: float) -> SnapshotHandle:
+        """The handle, complete: where to look should the daemon be lost, the state
+        the committed record logs, and a wait that watches the daemon's liveness."""
+        rng, cursor = capture.record_state()
+        waiter = None if conn is None else \
+            (lambda ev: conn.wait_for(ev, f"the commit of step {capture.step}"))
+        return SnapshotHandle(capture.step, sid=capture.sid, rng=rng, cursor=cursor,
+                              waiter=waiter, stall_seconds=stall)
 
-    def _descriptor(self, plan: SnapshotPlan, sources: Sources, offsets: List[int],
-                    arena: Arena, slot: int) -> dict:
-        """The plan over the slot, as the daemon will rebuild it."""
-        it = iter(offsets)
-        nested = []
-        for obj, pairs in zip(plan.objects, sources):
-            offs = [next(it) for _ in pairs]
-            nested.append(offs)
-            obj.tensors = [TensorSource(path, dtype_name(t.dtype), list(t.shape),
-                                        arena.buffer(slot, off, nbytes_of(t)), str(t.device))
-                           for (path, t), off in zip(pairs, offs)]
-        desc = to_descriptor(plan, nested)
-        for obj in plan.objects:
-            for t in obj.tensors:
-                t.data.release()  # the arena's mapping must not stay exported
-        return desc
-
-    def _complete(self, conn: DaemonConnection, arena: Arena, slot: int, later: list,
-                  desc: dict, handle: SnapshotHandle,
-                  copied: Optional[threading.Event]) -> None:
-        """Finish the copy, then submit (overlap mode, on the worker)."""
-        if self._finish_copy(arena, slot, later, handle, copied):
+    def _landed(self, conn: DaemonConnection, slot: int, desc: dict,
+                handle: SnapshotHandle, error: Optional[BaseException]) -> None:
+        """The stager's thread: every copy is in the slot (or one failed)."""
+        if error is not None:
+            self._release(slot, handle, error)
+        else:
             self._submit(conn, slot, desc, handle)
-
-    def _finish_copy(self, arena: Arena, slot: int, later: list, handle: SnapshotHandle,
-                     copied: Optional[threading.Event]) -> bool:
-        """Copy the deferred tensors and wait for every copy; False if that failed."""
-        try:
-            # share=False: in overlap mode this runs beside forward and backward,
-            # which need the cores more than this copy does.
-            arena.stage(slot, [t for t, _ in later], [o for _, o in later], share=False)
-            arena.wait()
-            return True
-        except Exception as e:
-            self._release(slot, handle, e)
-            return False
-        finally:
-            if copied is not None:
-                copied.set()
 
     def _submit(self, conn: DaemonConnection, slot: int, desc: dict,
                 handle: SnapshotHandle) -> None:
@@ -250,12 +188,6 @@ class Handoff:
         except Exception as e:  # the handle reports it; the trainer carries on
             self._release(slot, handle, e)
 
-    def wait_copies(self) -> None:
-        """Block until the overlap copy in progress has landed (the step pre-hook)."""
-        copied = self._copied
-        if copied is not None:
-            copied.wait()
-
     # --- slots -----------------------------------------------------------------------
 
     def _has_room(self, need: int) -> bool:
@@ -263,15 +195,15 @@ class Handoff:
             return not self._inflight  # a new arena replaces this one once idle
         return len(self._inflight) < self.arena.slots
 
-    def _wait_for_room(self, handle: SnapshotHandle, need: int) -> bool:
-        """Backpressure: wait for a slot (stall), or skip, by ``on_busy``."""
+    def _wait_for_room(self, step: int, need: int) -> Optional[float]:
+        """Backpressure: wait for a slot and return the seconds waited (the stall),
+        or None when ``on_busy="skip"`` skips this step."""
         with self._cond:
             if self._has_room(need):
-                return True
+                return 0.0
             if self.options.on_busy == "skip":
-                self.skipped.append(handle.step)
-                handle.set_skipped()
-                return False
+                self.skipped.append(step)
+                return None
             start = time.monotonic()
             while not self._has_room(need):
                 self._cond.wait(POLL)
@@ -280,8 +212,7 @@ class Handoff:
                         self.conn.check("a free staging slot", start)
                 except DaemonUnavailable:
                     pass  # the loss freed every slot; _connect starts a new daemon
-            handle.stall_seconds = time.monotonic() - start
-            return True
+            return time.monotonic() - start
 
     def _reserve(self, conn: DaemonConnection, need: int, handle: SnapshotHandle) -> int:
         """A free slot of an arena large enough, attached to the daemon."""
@@ -383,7 +314,7 @@ class Handoff:
     def _settle_lost(self, handle: SnapshotHandle, error: DaemonUnavailable,
                      alive: bool) -> None:
         """A snapshot in flight when the daemon was lost: committed, lost, or unknown."""
-        sid = getattr(handle, "sid", None)
+        sid = handle.sid
         result = committed_on_disk(self.store, sid) if sid is not None else None
         if result is not None:   # committed before the event could be sent
             handle.set_result(result)
@@ -423,10 +354,7 @@ class Handoff:
 
     def drain(self) -> None:
         """Finish every staging copy and submit started (submits are bounded)."""
-        self.wait_copies()
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
+        self.stager.drain()
 
     def close(self) -> None:
         """Unlink the arena and hang up (after the handles are resolved)."""

@@ -1,4 +1,6 @@
-"""The staging arena: one shared-memory file, allocated once per client and reused.
+"""Staging: the arena a snapshot is copied into, and the Stager that fills it.
+
+The *arena* is one shared-memory file, allocated once per client and reused.
 
 A snapshot's tensors are copied into a *slot* of the arena; the daemon maps the same
 file and writes the slot to disk, so the trainer's only cost is one memory copy.
@@ -30,6 +32,11 @@ refuses, a warning, and copies that are synchronous), so device-to-host copies a
 truly asynchronous; they run on a side stream that first waits for the
 compute stream (the values are those at ``stage()`` time) and end with an event that
 :meth:`Arena.wait` synchronizes on.
+
+The *stager* (:class:`Stager`, the seam torch's ``AsyncStager`` names: stage,
+synchronize) owns the order of the copies, the CUDA fence and the background copy of
+overlap mode; ``Handoff`` (handoff.py) gives it a slot and learns, through a
+callback, when the slot may be submitted.
 """
 
 from __future__ import annotations
@@ -39,9 +46,10 @@ import itertools
 import mmap
 import os
 import secrets
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -284,3 +292,98 @@ class Arena:
 
     def __repr__(self) -> str:
         return f"<Arena {self.name} {self.slots}x{self.slot_bytes}>"
+
+
+def copy_order(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+               deferred: Sequence[bool]) -> Tuple[list, list, list]:
+    """Split the staging copies of one snapshot into three (tensor, offset) lists.
+
+    ``now``: everything not deferred, copied (CPU) or enqueued (CUDA) first; in overlap
+    mode the compute stream is then fenced behind the CUDA ones, since the next
+    forward may change them (buffers). ``device_later``: deferred CUDA tensors,
+    enqueued after the fence; only ``optimizer.step()`` changes them, and its pre-hook
+    waits. ``later``: deferred CPU tensors, copied by the background thread.
+    """
+    now, device_later, later = [], [], []
+    for t, o, d in zip(tensors, offsets, deferred):
+        (now if not d else device_later if t.is_cuda else later).append((t, o))
+    return now, device_later, later
+
+
+def _stage_pairs(arena: Arena, slot: int, pairs: list, **kwargs) -> None:
+    arena.stage(slot, [t for t, _ in pairs], [o for _, o in pairs], **kwargs)
+
+
+Landed = Callable[[Optional[BaseException]], None]
+
+
+class Stager:
+    """Copies a capture's tensors into an arena slot, in the order its mode needs.
+
+    ``stage()`` copies what must be copied before snapshot() returns and raises if
+    that fails. Then ``landed(None)`` runs on the stager's one thread once every copy
+    of the slot has landed (``landed(error)`` if a background copy failed): the slot
+    may be submitted. ``synchronize()`` blocks until the copy in progress has landed;
+    the optimizer's step pre-hook calls it in overlap mode.
+
+    ``wait`` mode copies everything, and waits for the device copies, inside
+    ``stage()``. ``overlap`` mode copies inside ``stage()`` only what the next forward
+    may change (see :func:`copy_order`), fences the compute stream behind those CUDA
+    copies, and leaves the deferred CPU copies to its thread.
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._worker: Optional[ThreadPoolExecutor] = None
+        self._copied: Optional[threading.Event] = None   # overlap: the copy in progress
+
+    def stage(self, arena: Arena, slot: int, tensors: Sequence[torch.Tensor],
+              offsets: Sequence[int], deferrable: Sequence[bool], landed: Landed) -> None:
+        """Copy ``tensors[i]`` to ``offsets[i]`` of ``slot``; overlap mode may copy
+        those marked ``deferrable`` later, on its thread."""
+        overlap = self.mode == "overlap"
+        now, device_later, later = copy_order(
+            tensors, offsets, deferrable if overlap else [False] * len(tensors))
+        _stage_pairs(arena, slot, now)
+        if overlap:
+            arena.fence()  # what the next forward may write is copied before it runs
+        _stage_pairs(arena, slot, device_later)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="snapd-stage")
+        if overlap:
+            self._copied = copied = threading.Event()
+            self._worker.submit(self._finish, arena, slot, later, landed, copied)
+        else:
+            arena.wait()
+            # The copy is done: the trainer may change its tensors. What follows (the
+            # submit) is the stager thread's, in order, not the training loop's.
+            self._worker.submit(landed, None)
+
+    def _finish(self, arena: Arena, slot: int, later: list, landed: Landed,
+                copied: threading.Event) -> None:
+        """Overlap mode, on the stager's thread: the deferred copies, then landed."""
+        try:
+            # share=False: this runs beside forward and backward, which need the
+            # cores more than this copy does.
+            _stage_pairs(arena, slot, later, share=False)
+            arena.wait()
+        except Exception as e:
+            landed(e)
+            return
+        finally:
+            copied.set()
+        landed(None)
+
+    def synchronize(self) -> None:
+        """Block until the staging copy in progress has landed in its slot."""
+        copied = self._copied
+        if copied is not None:
+            copied.wait()
+
+    def drain(self) -> None:
+        """Finish every copy and ``landed`` call started; the thread ends (a next
+        stage() starts another)."""
+        self.synchronize()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None

@@ -15,8 +15,8 @@ from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.writer import write_snapshot
-from snapd_client.client import tensor_bytes
 from snapd.skeleton import unflatten
+from snapd_client.capture import tensor_bytes
 from snapd_client.state import flatten
 
 
@@ -144,7 +144,8 @@ def test_failed_write_publishes_nothing(tmp_path):
     store = RunStore(str(tmp_path), "r")
     write_snapshot(store, plan_for(STATE, step=1), Options())
     bad = plan_for(STATE, step=2)
-    bad.objects[0].tensors[0].data = None  # the writer fails midway through the file
+    # Plans are frozen; this one is broken on purpose: the writer fails midway.
+    object.__setattr__(bad.objects[0].tensors[0], "data", None)
     with pytest.raises(TypeError):
         write_snapshot(store, bad, Options())
     assert store.committed() == [SnapshotId(0, 1)]

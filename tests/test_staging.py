@@ -1,4 +1,5 @@
-"""The staging arena: layout, bit-exact copies, reuse, growth, cleanup, copy order."""
+"""Staging: the arena (layout, bit-exact copies, reuse, growth, cleanup) and the
+stager (copy order, the fence, the overlap thread, synchronize)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,8 @@ import pytest
 import torch
 
 from snapd.errors import SnapdError
-from snapd.options import Options
-from snapd.store import RunStore
 from snapd_client import staging
-from snapd_client.handoff import Handoff, copy_order
-from snapd_client.staging import ALIGN, Arena, layout, slot_size_for
+from snapd_client.staging import ALIGN, Arena, Stager, copy_order, layout, slot_size_for
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -235,30 +233,78 @@ def test_deferred_device_copies_are_enqueued_after_all_the_others():
 
 
 class RecordingArena:
-    def __init__(self) -> None:
+    """Records the stager's calls; ``gate`` holds the background copy back."""
+
+    def __init__(self, fail: bool = False) -> None:
         self.calls: list = []
+        self.fail = fail
+        self.gate = threading.Event()
+        self.gate.set()
 
     def stage(self, slot, tensors, offsets, **kwargs):
-        self.calls.append(("stage", slot, list(offsets)))
+        if kwargs.get("share") is False:  # the stager's own thread
+            self.gate.wait()
+            if self.fail:
+                raise OSError("copy failed")
+        self.calls.append(("stage", slot, list(offsets), kwargs.get("share", True)))
 
     def fence(self):
         self.calls.append(("fence",))
 
+    def wait(self):
+        self.calls.append(("wait",))
+
+
+def stage(stager, arena, slot, deferred, offsets, landed):
+    stager.stage(arena, slot, [torch.ones(4) for _ in deferred], offsets, deferred, landed)
+
 
 @pytest.mark.parametrize("mode", ["wait", "overlap"])
-def test_the_fence_sits_between_the_two_stagings_in_overlap_mode_only(tmp_path, mode):
-    handoff = Handoff(RunStore(str(tmp_path), "r"), 0, Options(mode=mode))
-    handoff.arena = arena = RecordingArena()
-    handoff._descriptor = lambda *args: {}
-    sources = [[(".a", torch.ones(4)), (".b", torch.ones(4))]]
-    deferred = [[mode == "overlap", False]]
-    _, slot, later, _ = handoff._stage(None, sources, deferred, [0, 64], 1)
+def test_the_fence_sits_between_the_two_stagings_in_overlap_mode_only(mode):
+    stager, arena, landed = Stager(mode), RecordingArena(), []
+    stage(stager, arena, 1, [True, False], [0, 64], landed.append)
+    stager.drain()
     if mode == "overlap":
-        assert arena.calls == [("stage", 1, [64]), ("fence",), ("stage", 1, [])]
-        assert [o for _, o in later] == [0]
-    else:
-        assert arena.calls == [("stage", 1, [0, 64]), ("stage", 1, [])]
-        assert later == []
+        assert arena.calls == [("stage", 1, [64], True), ("fence",), ("stage", 1, [], True),
+                               ("stage", 1, [0], False), ("wait",)]
+    else:  # nothing deferred: one copy of everything, waited for before stage() returns
+        assert arena.calls == [("stage", 1, [0, 64], True), ("stage", 1, [], True),
+                               ("wait",)]
+    assert landed == [None]
+
+
+def test_overlap_returns_before_the_deferred_copy_and_synchronize_waits_for_it():
+    stager, arena, landed = Stager("overlap"), RecordingArena(), []
+    arena.gate.clear()   # the background copy cannot finish yet
+    stage(stager, arena, 0, [True, False], [0, 64], landed.append)
+    assert ("stage", 0, [0], False) not in arena.calls and landed == []
+    waiter = threading.Thread(target=stager.synchronize)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "synchronize() returned before the copy landed"
+    arena.gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert arena.calls[-2:] == [("stage", 0, [0], False), ("wait",)]
+    stager.drain()
+    assert landed == [None]
+
+
+def test_a_failed_background_copy_reaches_landed_and_frees_synchronize():
+    stager, arena, landed = Stager("overlap"), RecordingArena(fail=True), []
+    stage(stager, arena, 0, [True], [0], landed.append)
+    stager.synchronize()
+    stager.drain()
+    assert len(landed) == 1 and isinstance(landed[0], OSError)
+
+
+def test_wait_mode_copies_before_stage_returns_and_submits_on_the_stager_thread():
+    stager, arena, threads = Stager("wait"), RecordingArena(), []
+    stage(stager, arena, 0, [True], [0],
+          lambda error: threads.append(threading.current_thread().name))
+    assert arena.calls[-1] == ("wait",)   # every copy has landed when stage() returns
+    stager.drain()
+    assert len(threads) == 1 and threads[0].startswith("snapd-stage")
 
 
 def test_a_refused_page_lock_warns_once_and_staging_goes_on(monkeypatch, arena):
