@@ -69,8 +69,7 @@ def plan(step: int, lineage: int = 0, metric=None, rank: int = 0) -> SnapshotPla
                         [ObjectPlan("model", "T", b"\x90",
                                     [TensorSource(".w", dtype_name(DATA.dtype), [8],
                                                   memoryview(bytes(32)))])],
-                        rng={}, metric=metric)
-    made.rank, made.world_size = rank, max(rank + 1, 1)
+                        rng={}, metric=metric, rank=rank, world_size=max(rank + 1, 1))
     return made
 
 
