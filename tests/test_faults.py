@@ -10,7 +10,7 @@ import pytest
 import torch
 import zstandard
 
-from conftest import flip_byte, outside_listing, read_manifest, write_manifest_raw
+from helpers import flip_byte, outside_listing, read_manifest, write_manifest_raw
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, IncompatibleState
 from snapd.reader import SnapshotReader

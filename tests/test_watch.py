@@ -164,6 +164,7 @@ def test_collect_reads_logs_pointers_and_listing(root):
     assert "00000100" in text_of(view.render(m))
 
 
+@pytest.mark.integration
 def test_collect_falls_back_to_the_lock_pid(root):
     """A daemon holding the lock but not answering: pid, CPU and RSS from psutil."""
     lock = os.path.join(root, ".snapd.lock")

@@ -31,7 +31,7 @@ from snapd.reader import SnapshotReader
 from snapd.store import RunStore
 from snapd_client import Client
 
-from conftest import flip_byte, read_manifest, write_manifest_raw
+from helpers import flip_byte, read_manifest, write_manifest_raw
 
 pytestmark = pytest.mark.integration
 UID = os.getuid()

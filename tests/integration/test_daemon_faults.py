@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import stop_daemons_under
+from helpers import stop_daemons_under
 from snapd import protocol as p
 from snapd.errors import DaemonUnavailable
 from snapd.store import RunStore, SnapshotId

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from conftest import stop_daemons_under
+from helpers import stop_daemons_under
 import torch
 
 from snapd import protocol as p

@@ -24,7 +24,7 @@ import time
 import pexpect
 import pytest
 
-from conftest import stop_daemons_under
+from helpers import stop_daemons_under
 from snapd.store import RunStore
 
 pytestmark = pytest.mark.integration
