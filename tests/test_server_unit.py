@@ -351,7 +351,7 @@ def test_write_queue_keeps_each_runs_order():
             self.run, self.step, self.started = run, step, None
 
     def work(job):
-        time.sleep(0.01 if job.step % 2 else 0.0)
+        time.sleep(0.01 if job.step % 2 else 0.0)  # the behaviour: odd steps are slow jobs
         with lock:
             done.append((job.run, job.step))
 
