@@ -1,7 +1,7 @@
 """Shared fixtures, and the rule that keeps the unit lane honest.
 
 Plain helpers live in tests/helpers.py. Tests that start a process (daemon, trainer,
-CLI in a subprocess, pty) are marked ``integration`` (everything under
+CLI in a subprocess, pty, fork) are marked ``integration`` (everything under
 tests/integration/ is); ``pytest -m "not integration"`` is the unit lane, and an
 unmarked test that starts a process fails, naming the command.
 """
@@ -30,9 +30,10 @@ def pytest_collection_modifyitems(items):
 
 
 def _started_by_project(frame) -> bool:
-    """Whether the code that called into ``subprocess`` is this project's (tests, snapd,
-    snapd_client) rather than a library's own helper (matplotlib asks fc-list for
-    fonts the first time it runs: not a process the test starts)."""
+    """Whether the code that called into ``subprocess`` (or ``os.fork``) is this
+    project's (tests, snapd, snapd_client) rather than a library's own helper:
+    matplotlib asks fc-list for fonts the first time it runs, a DataLoader forks its
+    workers through multiprocessing; neither is a process the test starts."""
     while frame is not None and frame.f_code.co_filename == subprocess.__file__:
         frame = frame.f_back
     name = os.path.abspath(frame.f_code.co_filename) if frame is not None else ""
@@ -60,8 +61,16 @@ def _no_processes(item):
             refuse(f"subprocess {args!r}")
         real_init(self, args, *rest, **kwargs)
 
+    real_fork = os.fork
+
+    def guarded_fork():
+        if _started_by_project(sys._getframe(1)):
+            refuse("os.fork")
+        return real_fork()
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(subprocess.Popen, "__init__", guarded_init)
+        mp.setattr(os, "fork", guarded_fork)
         mp.setattr(pty, "fork", lambda: refuse("pty.fork"))
         yield
 

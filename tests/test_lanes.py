@@ -25,6 +25,12 @@ def test_an_unmarked_test_cannot_fork_a_pty():
             os._exit(0)
 
 
+def test_an_unmarked_test_cannot_fork():
+    with pytest.raises(pytest.fail.Exception, match="not marked integration"):
+        if os.fork() == 0:   # unguarded, in the child: leave at once, run no test twice
+            os._exit(0)
+
+
 @pytest.mark.integration
 def test_a_marked_test_can():
     subprocess.run([sys.executable, "-c", "pass"], check=True)
