@@ -81,7 +81,7 @@ def test_peers_that_never_read_do_not_stall_other_runs(harness):
         assert good.request(p.Ping())["op"] == "pong"
     for i in range(2):   # the dropped peers' snapshots were still written
         store = RunStore(root, f"{run}h{i}")
-        assert wait_for(lambda: store.read_pointer("LATEST") == SnapshotId(0, 1), 20)
+        assert wait_for(lambda: store.read_pointer("LATEST") == SnapshotId(0, 1), 60)
     assert wait_for(lambda: daemon.text().count("read none of its replies") == 2, 10), \
         daemon.text()
     for peer in hostile:
