@@ -20,6 +20,7 @@ import xxhash
 from snapd import format as fmt
 from snapd import fsio
 from snapd.blockfile import BlockFile
+from snapd.compression import CompressionPolicy
 from snapd.errors import SnapdError, SnapshotExists
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan
@@ -38,39 +39,11 @@ class CommitResult:
     seconds: float
 
 
-class _CompressionPolicy:
-    """Decides per tensor whether zstd pays: off, a fixed level, or 'auto'.
-
-    'auto' compresses a tensor only when its first chunk, compressed at level 1,
-    shrinks enough that compressing and writing the smaller bytes beats writing the
-    raw bytes at the disk speed assumed (``disk_bytes_per_s``).
-    """
-
-    def __init__(self, setting, disk_bytes_per_s: float = 1.5e9) -> None:
-        self.setting = setting
-        self.disk = disk_bytes_per_s
-
-    def level_for(self, data: memoryview, chunk_bytes: int) -> Optional[int]:
-        if self.setting == "off" or len(data) < 4096:
-            return None
-        if isinstance(self.setting, int):
-            return self.setting
-        sample = data[:max(chunk_bytes, 1 << 20)]  # large enough to time fairly
-        fmt.encode_chunk(sample[:64], 1)  # a first call pays for the compressor's setup
-        t0 = time.perf_counter()
-        packed = fmt.encode_chunk(sample, 1)[0]
-        zstd_rate = len(sample) / max(time.perf_counter() - t0, 1e-9)
-        ratio = len(packed) / len(sample)
-        raw_time = 1 / self.disk
-        packed_time = 1 / zstd_rate + ratio / self.disk
-        return 1 if packed_time < raw_time else None
-
-
 def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
                        progress: Progress = None) -> Dict[str, Any]:
     """Write one object's tensors as chunks; returns its manifest entries."""
     name = f"{obj.name}{fmt.TENSOR_FILE_SUFFIX}"
-    policy = _CompressionPolicy(opts.compression)
+    policy = CompressionPolicy(opts.compression)
     file_digest = fmt.FileDigest(fmt.FORMAT_VERSION)
     entries = []
     out = BlockFile(os.path.join(directory, name))

@@ -1,16 +1,96 @@
-"""Shared fixtures: a scratch root with a sentinel beside it, and snapshot builders."""
+"""Shared fixtures, and the rule that keeps the unit lane honest.
+
+Plain helpers live in tests/helpers.py. Tests that start a process (daemon, trainer,
+CLI in a subprocess, pty, fork) are marked ``integration`` (everything under
+tests/integration/ is); ``pytest -m "not integration"`` is the unit lane, and an
+unmarked test that starts a process fails, naming the command.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
-import signal
+import pty
+import subprocess
+import sys
 
-import psutil
 import pytest
-import torch
 
-from snapd import format as fmt
+from helpers import stop_daemons_under
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+INTEGRATION_DIR = os.path.join(TESTS, "integration")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if str(item.path).startswith(INTEGRATION_DIR + os.sep):
+            item.add_marker(pytest.mark.integration)
+
+
+def _started_by_project(frame) -> bool:
+    """Whether the code that called into ``subprocess`` (or ``os.fork``) is this
+    project's (tests, snapd, snapd_client) rather than a library's own helper:
+    matplotlib asks fc-list for fonts the first time it runs, a DataLoader forks its
+    workers through multiprocessing; neither is a process the test starts."""
+    while frame is not None and frame.f_code.co_filename == subprocess.__file__:
+        frame = frame.f_back
+    name = os.path.abspath(frame.f_code.co_filename) if frame is not None else ""
+    return name.startswith(REPO + os.sep) and os.sep + "site-packages" + os.sep not in name
+
+
+@contextlib.contextmanager
+def _no_processes(item):
+    """Inside an unmarked test (its setup, call and teardown), starting a process
+    fails the test. ``pytest.fail`` raises a BaseException: an ``except Exception``
+    in the code under test cannot swallow it."""
+    if item.get_closest_marker("integration") is not None:
+        yield
+        return
+
+    def refuse(what):
+        pytest.fail(f"{item.nodeid} starts a process ({what}) but is not marked "
+                    "integration: mark it, or keep the unit lane free of processes",
+                    pytrace=False)
+
+    real_init = subprocess.Popen.__init__
+
+    def guarded_init(self, args, *rest, **kwargs):
+        if _started_by_project(sys._getframe(1)):
+            refuse(f"subprocess {args!r}")
+        real_init(self, args, *rest, **kwargs)
+
+    real_fork = os.fork
+
+    def guarded_fork():
+        if _started_by_project(sys._getframe(1)):
+            refuse("os.fork")
+        return real_fork()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "__init__", guarded_init)
+        mp.setattr(os, "fork", guarded_fork)
+        mp.setattr(pty, "fork", lambda: refuse("pty.fork"))
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _no_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _no_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    with _no_processes(item):
+        return (yield)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -41,26 +121,6 @@ def _daemon_for_integration(request, monkeypatch):
         monkeypatch.delenv("SNAPD_DAEMON", raising=False)
 
 
-def stop_daemons_under(base: str, timeout: float = 20.0) -> None:
-    """SIGTERM every daemon whose root lies under ``base`` (it drains, then exits);
-    SIGKILL what is still alive after ``timeout``."""
-    procs = []
-    for dirpath, _dirs, files in os.walk(base):
-        if ".snapd.lock" not in files:
-            continue
-        try:
-            with open(os.path.join(dirpath, ".snapd.lock")) as f:
-                proc = psutil.Process(int(f.read().strip() or 0))
-            if "snapd" in " ".join(proc.cmdline()):
-                proc.send_signal(signal.SIGTERM)
-                procs.append(proc)
-        except (OSError, ValueError, psutil.Error):
-            continue
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
-    for proc in alive:
-        proc.kill()
-
-
 @pytest.fixture
 def root(tmp_path):
     """A checkpoint root inside tmp_path, with a sibling folder to catch escapes."""
@@ -68,57 +128,3 @@ def root(tmp_path):
     path = tmp_path / "root"
     path.mkdir()
     return str(path)
-
-
-def trained_root(tmp_path_factory, name: str, train) -> str:
-    """A root that ``train(root)`` filled once: the pristine copy a test module shares."""
-    root = str(tmp_path_factory.mktemp(name) / "root")
-    os.mkdir(root)
-    train(root)
-    return root
-
-
-def private_copy(pristine: str, tmp_path) -> str:
-    """A private copy of a pristine root, free to damage."""
-    path = str(tmp_path / "root")
-    shutil.copytree(pristine, path)
-    return path
-
-
-def outside_listing(root: str) -> list:
-    """Everything in tmp_path outside the root: must not change under hostile input."""
-    base = os.path.dirname(root)
-    found = []
-    for dirpath, _dirs, files in os.walk(base):
-        if dirpath.startswith(root):
-            continue
-        found += [os.path.join(dirpath, f) for f in files]
-    return sorted(found)
-
-
-def flip_byte(path: str, offset: int, mask: int = 0xFF) -> None:
-    """Damage one byte of a real file in place."""
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ mask]))
-
-
-def read_manifest(snapshot_dir: str) -> dict:
-    with open(os.path.join(snapshot_dir, fmt.MANIFEST_NAME), "rb") as f:
-        return fmt.decode_manifest(f.read(), path=snapshot_dir)
-
-
-def write_manifest_raw(snapshot_dir: str, manifest: dict) -> None:
-    """Rewrite a manifest with a *valid* header and checksum: a hostile, not torn, file."""
-    with open(os.path.join(snapshot_dir, fmt.MANIFEST_NAME), "wb") as f:
-        f.write(fmt.encode_manifest(manifest))
-
-
-class Counter(torch.nn.Module):
-    """A small module plus an optimizer, enough to make real snapshots quickly."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(64, 32)

@@ -16,6 +16,7 @@ def test_each_command_has_help_with_an_example(name):
     assert "Example" in result.output
 
 
+@pytest.mark.integration
 def test_top_level_help_lists_every_command_without_importing_torch():
     code = ("import sys; from click.testing import CliRunner; from snapd.cli import main; "
             "r = CliRunner().invoke(main, ['--help']); print(r.output); "

@@ -18,7 +18,7 @@ from snapd.reader import SnapshotReader
 from snapd.cli import main
 from snapd_client import Client
 
-from conftest import flip_byte, private_copy, trained_root
+from helpers import flip_byte, private_copy, trained_root
 
 RUN = "gpt"
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import zstandard
 
-from conftest import flip_byte, outside_listing, read_manifest, write_manifest_raw
+from helpers import flip_byte, outside_listing, read_manifest, write_manifest_raw
 from snapd import format as fmt
-from snapd.errors import CorruptSnapshot, IncompatibleState
+from snapd.errors import CorruptSnapshot, IncompatibleState, SnapshotFailed
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore
 from snapd_client import Client
@@ -205,7 +205,8 @@ def test_declared_size_far_above_the_file_is_refused_without_allocating(root):
     t0 = time.perf_counter()
     with pytest.raises(CorruptSnapshot, match="points past the end"):
         SnapshotReader(path)
-    assert time.perf_counter() - t0 < 5  # refused before any 4 TiB allocation
+    # refused before any 4 TiB allocation (which would fail or swap); generous for load
+    assert time.perf_counter() - t0 < 30
 
 
 def test_file_size_differing_from_manifest_is_refused(root):
@@ -235,8 +236,7 @@ def test_warm_start_loads_weights_across_data_version_and_starts_a_lineage(root)
                               "parent": {"run": "r", "snapshot": "00000002", "step": 2}}
     client.snapshot(1).wait()
     client.close()   # one writer per run and rank: the next client writes after it
-    assert sorted(os.listdir(snaps)) == ["00000001", "00000002", "00000001.L1"] or \
-        sorted(os.listdir(snaps)) == sorted(["00000001", "00000002", "00000001.L1"])
+    assert sorted(os.listdir(snaps)) == ["00000001", "00000001.L1", "00000002"]
     again, _ = fresh(root, data_version="v2")
     assert again.restore() == 1
     assert again.lineage["mode"] == "warm_start" and again.restored.sid.name == "00000001.L1"
@@ -264,7 +264,7 @@ def test_snapshot_of_a_step_another_rank_committed_fails_through_the_handle(root
     client.track(model=model)
     handle = client.snapshot(1)
     assert handle.done() and handle.failed
-    with pytest.raises(Exception, match="already exists with fields step, lineage, rank"):
+    with pytest.raises(SnapshotFailed, match="already exists with fields step, lineage, rank"):
         client.close()
 
 

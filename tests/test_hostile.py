@@ -19,7 +19,7 @@ import msgpack
 import pytest
 import torch
 
-from conftest import flip_byte, private_copy, read_manifest, trained_root, write_manifest_raw
+from helpers import flip_byte, private_copy, read_manifest, trained_root, write_manifest_raw
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, IncompatibleState
 from snapd.reader import SnapshotReader
@@ -142,6 +142,7 @@ def hostile_results(pristine, tmp_path_factory):
     return {case: results[root] for case, root in roots.items()}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_manifest_is_refused_by_restore_and_falls_back(hostile_results, case):
     out = hostile_results[case]
@@ -157,6 +158,7 @@ def test_hostile_manifest_is_refused_by_restore_and_falls_back(hostile_results, 
 PROCESS_CHECKED = ("rng_short", "cursor_garbage")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(set(HOSTILE) - set(PROCESS_CHECKED)))
 def test_hostile_manifest_gives_every_command_an_error_not_a_traceback(hostile_results,
                                                                       case):
@@ -177,6 +179,7 @@ def plant_fifo(directory: str) -> None:
     os.mkfifo(os.path.join(directory, fmt.MANIFEST_NAME))
 
 
+@pytest.mark.integration
 def test_fifo_manifest_hangs_nothing(pristine, tmp_path):
     """A FIFO as the latest snapshot's manifest, and as an older one's (verify --all
     and ls read every snapshot): every reader refuses it at once."""
@@ -203,6 +206,7 @@ def test_fifo_manifest_hangs_nothing(pristine, tmp_path):
                 assert result["code"] == 1 and "not a regular file" in result["output"]
 
 
+@pytest.mark.integration
 def test_fifo_latest_pointer_is_ignored_not_waited_on(root):
     os.unlink(os.path.join(root, RUN, "LATEST"))
     os.mkfifo(os.path.join(root, RUN, "LATEST"))

@@ -72,6 +72,7 @@ def big_step(i: int) -> dict:
     return {"kind": "step", "step": i, "samples": list(range(i, i + 3000))}
 
 
+@pytest.mark.integration
 def test_full_disk_during_append_leaves_no_torn_record_inside_the_log(small_disk):
     run = small_disk / "run"
     w = LogWriter(run, 0, flush_interval=None)
@@ -111,6 +112,7 @@ print(json.dumps({"step": step, "reached": client.recovery.reached}))
 """
 
 
+@pytest.mark.integration
 def test_full_disk_in_a_training_loop_never_blocks_the_resume(small_disk):
     """log() on a full disk warns and counts; once space is back the run goes on, and a
     new process resumes from the newest committed snapshot; status exits 0."""
@@ -148,6 +150,7 @@ def test_full_disk_in_a_training_loop_never_blocks_the_resume(small_disk):
     assert row["reached"] == 6 and row["committed_step"] == 6 and row["log_damage"] == []
 
 
+@pytest.mark.integration
 def test_first_snapshot_on_a_full_disk_fails_through_its_handle_not_the_log(small_disk):
     root = str(small_disk / "root")
     client = Client(root, "r", daemon=False)
@@ -265,6 +268,7 @@ def test_bit_flips_in_fsynced_bytes_and_headers_never_block_the_resume(trained):
             assert any(name in str(w.message) for w in seen if w.category in LOG_WARNINGS)
 
 
+@pytest.mark.integration
 @pytest.mark.filterwarnings("ignore:.*damaged state-log frame:snapd.statelog.LogDamageWarning")
 def test_damage_is_warned_with_segment_and_offset_and_moved_aside(trained):
     """Damage before the tail of the newest segment: readers name segment and offset,

@@ -13,7 +13,9 @@ import tempfile
 
 import pytest
 
-from conftest import stop_daemons_under
+from helpers import stop_daemons_under
+
+pytestmark = pytest.mark.integration  # every test here runs trainer processes
 
 TRAINER = os.path.join(os.path.dirname(__file__), "trainer.py")
 STEPS, CUT, DIED = 12, 5, 9   # snapshot at CUT, the first process dies after DIED
@@ -76,9 +78,14 @@ CONTROLS = {  # name: (pieces left out, the cause the replay check must name)
 
 @pytest.fixture(scope="module")
 def control_base(tmp_path_factory):
+    """The continuous run to compare with, and the interrupted run's root (its
+    snapshot at CUT) that each control resumes from a copy of; no resumed run here:
+    each control makes its own."""
     tmp = tmp_path_factory.mktemp("controls")
     cfg = dict(model="momentum", workers=0, loader_generator=True)
-    whole, _, _ = continuous_and_resumed(tmp, **cfg)
+    root = str(tmp / "root")
+    whole = run_trainer(tmp, "whole", root=root, run="whole", **cfg)
+    run_trainer(tmp, "first", root=root, run="cut", stop=DIED, snapshot_at=[CUT], **cfg)
     return tmp, whole, cfg
 
 
@@ -108,7 +115,6 @@ def short_root():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("mode,model,workers", [("wait", "momentum", 2),
                                                 ("overlap", "transformer", 0)])
 def test_resumed_run_equals_continuous_run_through_the_daemon(tmp_path, short_root, mode,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import subprocess
 import threading
 import time
 
@@ -27,6 +26,7 @@ from snapd.server import (Connection, Submission, check_descriptor, peer_allowed
 from snapd.store import RunStore, SnapshotId
 
 SLOT = 4096
+PID_MAX_LIMIT = 1 << 22   # the most pids a 64-bit Linux kernel hands out
 
 
 def test_peer_allowed_only_same_uid():
@@ -113,12 +113,16 @@ def test_after_the_first_commit_its_spare_is_made_in_the_background(shm):
     """So that the second commit writes over faulted-in pages instead of new ones."""
     hot = HotCache(shm_dir=str(shm))
     first = put(hot, b"abcd", "00000001")
-    deadline = time.monotonic() + 10
-    while len(os.listdir(shm)) < 2:
-        assert time.monotonic() < deadline, "no spare was made"
-        time.sleep(0.01)
+
+    def spare_made():  # the file appears empty, then is allocated: wait for both
+        others = set(os.listdir(shm)) - {first.shm}
+        return len(others) == 1 and (shm / min(others)).stat().st_size == 4
+
+    deadline = time.monotonic() + 60   # generous: a loaded machine starts threads late
+    while not spare_made():
+        assert time.monotonic() < deadline, f"no spare was made: {os.listdir(shm)}"
+        time.sleep(0.01)   # polling: no event to wait on from outside the cache
     [spare] = set(os.listdir(shm)) - {first.shm}
-    assert (shm / spare).stat().st_size == 4
     second = put(hot, b"efgh", "00000002")  # waits for the spare if still being made
     assert second.shm == spare and (shm / spare).read_bytes() == b"efgh"
     assert sorted(os.listdir(shm)) == sorted([first.shm, spare])
@@ -127,16 +131,15 @@ def test_after_the_first_commit_its_spare_is_made_in_the_background(shm):
 
 
 def test_hot_copies_of_dead_daemons_are_reclaimed(shm):
-    dead = subprocess.Popen(["true"])
-    dead.wait()
+    dead = PID_MAX_LIMIT + 1   # above the kernel's largest pid: never a live process
     uid = os.getuid()
-    for name in (f"snapd-hot-{uid}-r-0-{dead.pid}xab12",
+    for name in (f"snapd-hot-{uid}-r-0-{dead}xab12",
                  f"snapd-hot-{uid}-r-0-{os.getpid()}xab12",      # a live daemon's
-                 f"snapd-hot-{uid + 1}-r-0-{dead.pid}xab12",     # another user's
-                 f"snapd-{uid}-{dead.pid}-ab"):                  # a client arena
+                 f"snapd-hot-{uid + 1}-r-0-{dead}xab12",         # another user's
+                 f"snapd-{uid}-{dead}-ab"):                      # a client arena
         (shm / name).write_bytes(b"x")
     assert HotCache(shm_dir=str(shm)).reclaim_orphans() == 1
-    assert not (shm / f"snapd-hot-{uid}-r-0-{dead.pid}xab12").exists()
+    assert not (shm / f"snapd-hot-{uid}-r-0-{dead}xab12").exists()
     assert len(list(shm.iterdir())) == 3
 
 
@@ -348,7 +351,7 @@ def test_write_queue_keeps_each_runs_order():
             self.run, self.step, self.started = run, step, None
 
     def work(job):
-        time.sleep(0.01 if job.step % 2 else 0.0)
+        time.sleep(0.01 if job.step % 2 else 0.0)  # the behaviour: odd steps are slow jobs
         with lock:
             done.append((job.run, job.step))
 

@@ -258,24 +258,41 @@ class CountingFsync:
         os.fsync(fd)
 
 
-def wait_for(cond, timeout=10.0):
+def wait_for(cond, timeout=60.0):  # generous: under load the flush thread runs late
     deadline = time.monotonic() + timeout
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.01)
     return cond()
 
 
+def count_flushes(w: LogWriter) -> list:
+    """The flush thread's passes, each appended when it has finished (its fsync and
+    sync mark done): what the tests wait on instead of sleeping."""
+    done, flush = [], w._sync
+
+    def counted(only_if_dirty):
+        try:
+            return flush(only_if_dirty)
+        finally:
+            done.append(only_if_dirty)
+
+    w._sync = counted
+    return done
+
+
 def test_background_flush_fsyncs_only_what_was_written(tmp_path):
     fsync = CountingFsync()
     w = LogWriter(tmp_path, 0, flush_interval=0.02, fsync=fsync)
+    flushes = count_flushes(w)
     w.append(step_record(0))  # creates the segment: file, directory fsyncs
     created = fsync.calls
     w.append(step_record(1))
     assert wait_for(lambda: fsync.calls > created)
-    time.sleep(0.1)  # let that flush write its sync mark
-    settled = fsync.calls
-    time.sleep(0.3)  # nothing written: the thread must not fsync again
-    assert fsync.calls == settled
+    passes = len(flushes)
+    assert wait_for(lambda: len(flushes) > passes)  # that flush has written its mark
+    settled, passes = fsync.calls, len(flushes)
+    assert wait_for(lambda: len(flushes) >= passes + 5)  # five passes, nothing written:
+    assert fsync.calls == settled                         # not one more fsync
     w.append(step_record(2))
     assert wait_for(lambda: fsync.calls > settled)
     w.close()
@@ -289,8 +306,7 @@ def test_no_flush_thread_means_no_fsync_per_append(tmp_path):
     created = fsync.calls
     for i in range(1, 200):
         w.append(step_record(i))
-    time.sleep(0.1)
-    assert fsync.calls == created
+    assert fsync.calls == created  # no thread: nothing runs between the appends and here
     w.sync()
     assert fsync.calls == created + 1
     w.close()
@@ -302,8 +318,8 @@ def test_failed_background_fsync_is_raised_once(tmp_path):
     w.append(step_record(0))
     fsync.fail = 1
     w.append(step_record(1))
-    assert wait_for(lambda: fsync.failed == 1)
-    time.sleep(0.05)  # the thread stores the error just after fsync raises
+    assert wait_for(lambda: w._error is not None)  # stored just after fsync raises
+    assert fsync.failed == 1
     with pytest.raises(OSError, match="Input/output"):
         w.append(step_record(2))
     w.append(step_record(3))  # reported once (2 was refused); the writer keeps going

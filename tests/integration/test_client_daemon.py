@@ -29,9 +29,10 @@ import xxhash
 from snapd.errors import CorruptSnapshot, DaemonUnavailable, SnapshotFailed
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore
+from snapd.liveview import DaemonProbe
 from snapd_client import Client
 
-from conftest import flip_byte, read_manifest, write_manifest_raw
+from helpers import flip_byte, read_manifest, write_manifest_raw
 
 pytestmark = pytest.mark.integration
 UID = os.getuid()
@@ -257,7 +258,17 @@ def test_client_starts_a_daemon_that_outlives_it(env):
     daemon = env.daemon(client)
     assert daemon.pid == env.lock_pid()
     client.close()
-    time.sleep(0.3)
+    probe = DaemonProbe(env.root)
+
+    def client_gone():  # the daemon has handled the goodbye and still answers
+        status = probe.status()
+        assert status is not None, "the daemon stopped answering when its client left"
+        return all(c["run"] != env.run for c in status["clients"])
+
+    try:
+        wait_until(client_gone, 60, "the daemon to see its client leave")
+    finally:
+        probe.close()
     assert daemon.is_running() and daemon.status() != psutil.STATUS_ZOMBIE
     assert not glob.glob(f"/dev/shm/snapd-{UID}-{os.getpid()}-*"), "arena not unlinked"
     again = Client(env.root, env.run)
@@ -417,7 +428,8 @@ def test_hung_daemon_fails_the_snapshot_within_the_timeout(env):
         handle = client.snapshot(2)
         with pytest.raises(DaemonUnavailable, match="not answered"):
             handle.wait()
-        assert time.monotonic() - start < 2.0 + 3.0
+        # within the 2 s timeout, not the 120 s default; the slack is for a loaded machine
+        assert time.monotonic() - start < 2.0 + 30.0
     finally:
         daemon.resume()
     # The daemon answers again: the next snapshot warns, reconnects and commits.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import secrets
 import socket
 import struct
 import subprocess
@@ -21,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import stop_daemons_under
+from helpers import stop_daemons_under
 from snapd import peer as peer_mod
 from snapd import protocol as p
 from snapd.errors import DaemonUnavailable
@@ -81,7 +82,7 @@ def test_peers_that_never_read_do_not_stall_other_runs(harness):
         assert good.request(p.Ping())["op"] == "pong"
     for i in range(2):   # the dropped peers' snapshots were still written
         store = RunStore(root, f"{run}h{i}")
-        assert wait_for(lambda: store.read_pointer("LATEST") == SnapshotId(0, 1), 20)
+        assert wait_for(lambda: store.read_pointer("LATEST") == SnapshotId(0, 1), 60)
     assert wait_for(lambda: daemon.text().count("read none of its replies") == 2, 10), \
         daemon.text()
     for peer in hostile:
@@ -139,7 +140,8 @@ def test_a_peer_attaches_only_arenas_it_created(harness):
         hot = peer.request(p.HotGet(run, 0))["shm"]
         assert hot and os.path.exists(f"/dev/shm/{hot}")
         size = os.path.getsize(f"/dev/shm/{hot}")
-        other = f"snapd-{UID}-1-00ff00ff"   # another process's arena name (pid 1)
+        # another process's arena name (pid 1); a fresh nonce: another suite may run
+        other = f"snapd-{UID}-1-{secrets.token_hex(4)}"
         fd = os.open(f"/dev/shm/{other}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, 1 << 20)
@@ -189,7 +191,7 @@ def test_a_daemon_that_cannot_start_fails_the_first_snapshot_naming_its_log(tmp_
     assert type(failure.value).__name__ == "DaemonStartFailed"
     assert str(root / ".snapd.log") in str(failure.value)
     assert "cannot serve" in str(failure.value)   # the log's reason, quoted
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 60   # not the 120 s timeout; generous for load
     client.close()
 
 
@@ -247,10 +249,10 @@ def test_a_clean_close_releases_the_hot_copy_and_its_memory(runs):
         client = snapshot_run(runs.root, f"{runs.run}{i}", 32 << 20)
         daemon = daemon or runs.daemon(client)
         if i == 0:
-            wait_for(lambda: len(hot_files(f"{runs.run}0")) == 2, 10)  # copy and spare
+            assert wait_for(lambda: len(hot_files(f"{runs.run}0")) == 2, 60)  # and spare
             held = daemon.memory_info().rss
         client.close()
-        assert wait_for(lambda: not hot_files(f"{runs.run}{i}"), 10), hot_files(
+        assert wait_for(lambda: not hot_files(f"{runs.run}{i}"), 60), hot_files(
             f"{runs.run}{i}")
     assert daemon.memory_info().rss < held - (48 << 20), "hot copies still mapped"
 
@@ -266,7 +268,7 @@ def test_a_crashed_clients_hot_copy_lingers_then_is_released(runs, monkeypatch):
     again.track(blob=Blob(4 << 20))
     assert again.restore() == 1 and again.restored_from == "hot"
     close_as_if_killed(again)
-    assert wait_for(lambda: not hot_files(runs.run), 15), "kept past hot_linger_seconds"
+    assert wait_for(lambda: not hot_files(runs.run), 60), "kept past hot_linger_seconds"
 
 
 def test_hot_copies_together_stay_under_hot_max_bytes(runs, monkeypatch):
@@ -292,7 +294,7 @@ def test_no_arena_is_left_when_the_daemon_dies_before_the_trainer(runs):
 def test_a_new_daemon_unlinks_arenas_of_dead_clients(harness):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    path = f"/dev/shm/snapd-{UID}-{dead.pid}-0badc0de"
+    path = f"/dev/shm/snapd-{UID}-{dead.pid}-{secrets.token_hex(4)}"
     with open(path, "wb") as f:
         f.write(b"\0" * 4096)
     try:

@@ -24,7 +24,7 @@ import time
 import pexpect
 import pytest
 
-from conftest import stop_daemons_under
+from helpers import stop_daemons_under
 from snapd.store import RunStore
 
 pytestmark = pytest.mark.integration
@@ -48,7 +48,7 @@ TRAINER = textwrap.dedent("""
         ckpt.log(step, loss=loss.item())
         if step % 10 == 0:
             ckpt.snapshot(step)
-        time.sleep(0.05)
+        time.sleep(0.05)   # the behaviour: a slow trainer, so the view sees it move
     ckpt.close()
 """)
 
