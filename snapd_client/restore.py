@@ -280,6 +280,12 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                           "(the refused snapshot is left on disk)", FallbackWarning,
                           stacklevel=3)
             continue
+        except BaseException:
+            # Any other stop (an older snapshot that does not fit, an interrupt): a
+            # newer candidate's hot read may already have landed in live tensors, and
+            # restore is all or nothing.
+            _untouched(before, tracked, rng, tensor_source)
+            raise
         return Loaded(sid, path, reader.manifest, states, refused, before)
     if refused:
         raise CorruptSnapshot(f"{store.path}: no snapshot verifies; refused: "

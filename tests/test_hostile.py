@@ -23,7 +23,7 @@ from helpers import flip_byte, private_copy, read_manifest, trained_root, write_
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, IncompatibleState
 from snapd.reader import SnapshotReader
-from snapd_client import Client
+from snapd_client import Client, FallbackWarning
 
 from hostile_worker import RUN, build
 
@@ -287,16 +287,25 @@ def test_apply_failing_half_way_puts_everything_back(root):
     assert torch.equal(torch.get_rng_state(), rng_before)
 
 
-def test_hot_copy_and_file_both_damaged_leave_every_object_untouched(root):
+@pytest.mark.parametrize("older", ["absent", "incompatible"])
+def test_hot_copy_and_file_both_damaged_leave_every_object_untouched(root, older):
     """The daemon's copy (a real /dev/shm segment laid out as the daemon lays it out)
     fails its checksum in the optimizer's region, and the optimizer file on disk is
-    damaged too: the model, read in place from the hot copy, must be put back."""
+    damaged too: the model, read in place from the hot copy, must be put back, whether
+    restore then finds no older snapshot or an older one that does not fit."""
     from snapd_client.hot import HotSource
     from snapd_client.restore import load_for_resume
     from snapd_client.rng import RngStreams
     from snapd.store import RunStore
 
-    shutil.rmtree(snap(root, "00000001"))
+    if older == "absent":
+        shutil.rmtree(snap(root, "00000001"))
+        stops = pytest.raises(CorruptSnapshot, match="untouched")
+    else:
+        manifest = read_manifest(snap(root, "00000001"))
+        manifest["data_version"] = "other-data"
+        write_manifest_raw(snap(root, "00000001"), manifest)
+        stops = pytest.raises(IncompatibleState, match="data_version")
     reader = SnapshotReader(snap(root))
     segment = f"snapd-test-{os.getpid()}-hot"
     objects, blob = [], bytearray()
@@ -320,7 +329,7 @@ def test_hot_copy_and_file_both_damaged_leave_every_object_untouched(root):
         before = {k: v.clone() for k, v in model.state_dict().items()}
         opt_before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
         hot = HotSource(segment, "00000002", {"objects": objects})
-        with pytest.raises(CorruptSnapshot, match="untouched"):
+        with stops, pytest.warns(FallbackWarning, match="00000002 refused"):
             load_for_resume(RunStore(root, RUN), {"model": model, "optimizer": opt},
                             RngStreams(), data_version="v1", need_cursor=False,
                             tensor_source=hot)
