@@ -243,18 +243,26 @@ def snapshot_run(root: str, run: str, nbytes: int) -> Client:
     return client
 
 
+def hot_mappings(daemon: psutil.Process, run: str) -> list:
+    """The daemon's mappings of this run's hot segments (unlinked ones included: a
+    mapping, not a name, is what holds the memory)."""
+    return [m.path for m in daemon.memory_maps(grouped=False)
+            if f"snapd-hot-{UID}-{run}-" in m.path]
+
+
 def test_a_clean_close_releases_the_hot_copy_and_its_memory(runs):
+    # Mappings, not RSS: how much of a spare segment is resident depends on how far
+    # its background fault-in got, which a loaded machine makes a race.
     daemon = None
     for i in range(3):
-        client = snapshot_run(runs.root, f"{runs.run}{i}", 32 << 20)
+        run = f"{runs.run}{i}"
+        client = snapshot_run(runs.root, run, 32 << 20)
         daemon = daemon or runs.daemon(client)
-        if i == 0:
-            assert wait_for(lambda: len(hot_files(f"{runs.run}0")) == 2, 60)  # and spare
-            held = daemon.memory_info().rss
+        assert wait_for(lambda: len(hot_files(run)) == 2, 60)  # the copy and its spare
+        assert hot_mappings(daemon, run), "the committed snapshot has no hot copy"
         client.close()
-        assert wait_for(lambda: not hot_files(f"{runs.run}{i}"), 60), hot_files(
-            f"{runs.run}{i}")
-    assert daemon.memory_info().rss < held - (48 << 20), "hot copies still mapped"
+        assert wait_for(lambda: not hot_files(run), 60), hot_files(run)
+        assert wait_for(lambda: not hot_mappings(daemon, run), 60), hot_mappings(daemon, run)
 
 
 def test_a_crashed_clients_hot_copy_lingers_then_is_released(runs, monkeypatch):
