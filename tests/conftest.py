@@ -1,9 +1,11 @@
 """Shared fixtures, and the rule that keeps the unit lane honest.
 
-Plain helpers live in tests/helpers.py. Tests that start a process (daemon, trainer,
-CLI in a subprocess, pty, fork) are marked ``integration`` (everything under
-tests/integration/ is); ``pytest -m "not integration"`` is the unit lane, and an
-unmarked test that starts a process fails, naming the command.
+Plain helpers live in tests/helpers.py; the daemon-process harness of the
+integration tests and its fixtures in tests/integration/ (harness.py, conftest.py).
+No test module imports another (tests/test_layering.py checks). Tests that start a
+process (daemon, trainer, CLI in a subprocess, pty, fork) are marked ``integration``
+(everything under tests/integration/ is); ``pytest -m "not integration"`` is the
+unit lane, and an unmarked test that starts a process fails, naming the command.
 """
 
 from __future__ import annotations

@@ -1,17 +1,41 @@
-"""Helpers the tests import: stopping the daemons a test started, shared trained
-roots, damaging files on purpose. Fixtures live in conftest.py; these are plain
-functions, imported by name (``from helpers import flip_byte``)."""
+"""Helpers the tests import: waiting on a condition, stopping the daemons a test
+started, shared trained roots, plans for the writer, damaging files on purpose.
+Fixtures live in conftest.py; these are plain functions, imported by name
+(``from helpers import flip_byte``). The daemon-process harness of the integration
+tests is tests/integration/harness.py. No test module imports another: what two of
+them share lives here (tests/test_layering.py checks)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import time
 
 import psutil
 
 from snapd import format as fmt
 from snapd.names import ROOT_LOCK_NAME
+from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
+from snapd_client.capture import tensor_bytes
+from snapd_client.state import flatten
+
+
+def wait_for(cond, timeout: float = 60.0, interval: float = 0.01) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` seconds pass: whether it held. For
+    what has no event to wait on from outside (a file appearing, a thread's pass).
+    Generous by default: on a loaded machine threads and processes start late."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval)
+    return bool(cond())   # a last look: the deadline may have passed while asleep
+
+
+def wait_until(cond, timeout: float, what: str, interval: float = 0.05) -> None:
+    """``wait_for``, failing the test with ``what`` it waited for."""
+    assert wait_for(cond, timeout, interval), f"timed out waiting for {what}"
 
 
 def stop_daemons_under(base: str, timeout: float = 20.0) -> None:
@@ -78,3 +102,12 @@ def write_manifest_raw(snapshot_dir: str, manifest: dict) -> None:
     """Rewrite a manifest with a *valid* header and checksum: a hostile, not torn, file."""
     with open(os.path.join(snapshot_dir, fmt.MANIFEST_NAME), "wb") as f:
         f.write(fmt.encode_manifest(manifest))
+
+
+def plan_for(state, step: int = 1, name: str = "model") -> SnapshotPlan:
+    """A one-object plan of ``state`` for ``write_snapshot``, as a client would make it."""
+    flat = flatten(state, name)
+    tensors = [TensorSource(p, str(t.dtype)[6:], list(t.shape), tensor_bytes(t))
+               for p, t in zip(flat.paths, flat.tensors)]
+    return SnapshotPlan("r", step, {"id": 0, "mode": "fresh", "parent": None},
+                        [ObjectPlan(name, "x.Y", flat.skeleton, tensors)], {"python": b"s"})

@@ -15,7 +15,7 @@ from snapd.reader import SnapshotReader
 from snapd.store import RunStore
 from snapd.writer import write_snapshot
 
-from test_format import plan_for
+from helpers import plan_for
 
 CHUNK = 64 << 10
 DISK = 1.5e9

@@ -13,19 +13,10 @@ import xxhash
 from snapd.options import Options
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
-from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.writer import write_snapshot
 from snapd.skeleton import unflatten
-from snapd_client.capture import tensor_bytes
-from snapd_client.state import flatten
 
-
-def plan_for(state, step=1, name="model"):
-    flat = flatten(state, name)
-    tensors = [TensorSource(p, str(t.dtype)[6:], list(t.shape), tensor_bytes(t))
-               for p, t in zip(flat.paths, flat.tensors)]
-    return SnapshotPlan("r", step, {"id": 0, "mode": "fresh", "parent": None},
-                        [ObjectPlan(name, "x.Y", flat.skeleton, tensors)], {"python": b"s"})
+from helpers import plan_for
 
 
 STATE = {

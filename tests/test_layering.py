@@ -3,6 +3,7 @@
 ``snapd`` (format, daemon, operator commands) never imports ``snapd_client`` (the
 training side), and the library modules of ``snapd`` never import the commands:
 the commands sit on top. Imports inside functions count too (ast sees them all).
+In tests/, no module imports a test module: shared helpers have their own modules.
 """
 
 from __future__ import annotations
@@ -80,3 +81,43 @@ def test_no_module_imports_a_private_name_of_another():
                           for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__")]
     assert found == []
+
+
+
+TESTS = Path(__file__).parent
+
+
+def imported_test_modules(path: Path, top: Path = TESTS) -> List[str]:
+    """The test modules (and conftests) a file under tests/ imports. pytest puts each
+    test folder on sys.path, so ``from test_format import plan_for`` works, and ties
+    one module's collection, fixtures and edits to another's."""
+    found = {(line, name.split(".")[0]) for line, name in imported_modules(path, top)}
+    return [f"{path.relative_to(top)}:{line} imports {module}" for line, module in sorted(found)
+            if module.startswith("test_") or module == "conftest"]
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in tests/helpers.py, the daemon harness in
+    tests/integration/harness.py, fixtures in a conftest.py."""
+    found = [hit for path in sorted(TESTS.rglob("*.py")) for hit in imported_test_modules(path)]
+    assert found == []
+
+
+@pytest.mark.parametrize("source", [
+    "from test_format import plan_for\n",
+    "import test_client_daemon\n",
+    "def f():\n    from test_daemon_protocol import Peer\n",
+    "from conftest import root\n",
+])
+def test_the_test_module_check_sees_each_form_of_import(tmp_path, source):
+    module = tmp_path / "integration" / "test_probe.py"   # parsed, never imported
+    module.parent.mkdir()
+    module.write_text(source)
+    assert imported_test_modules(module, top=tmp_path) != []
+
+
+def test_the_test_module_check_lets_helpers_through(tmp_path):
+    module = tmp_path / "test_probe.py"
+    module.write_text("from helpers import plan_for\nfrom harness import Peer\n"
+                      "from hostile_worker import RUN\n")
+    assert imported_test_modules(module, top=tmp_path) == []

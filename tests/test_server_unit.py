@@ -25,6 +25,8 @@ from snapd.server import (Connection, Submission, check_descriptor, peer_allowed
                           plan_over_slot, submit_options)
 from snapd.store import RunStore, SnapshotId
 
+from helpers import wait_until
+
 SLOT = 4096
 PID_MAX_LIMIT = 1 << 22   # the most pids a 64-bit Linux kernel hands out
 
@@ -118,10 +120,7 @@ def test_after_the_first_commit_its_spare_is_made_in_the_background(shm):
         others = set(os.listdir(shm)) - {first.shm}
         return len(others) == 1 and (shm / min(others)).stat().st_size == 4
 
-    deadline = time.monotonic() + 60   # generous: a loaded machine starts threads late
-    while not spare_made():
-        assert time.monotonic() < deadline, f"no spare was made: {os.listdir(shm)}"
-        time.sleep(0.01)   # polling: no event to wait on from outside the cache
+    wait_until(spare_made, 60, "the spare", interval=0.01)   # no event from outside
     [spare] = set(os.listdir(shm)) - {first.shm}
     second = put(hot, b"efgh", "00000002")  # waits for the spare if still being made
     assert second.shm == spare and (shm / spare).read_bytes() == b"efgh"

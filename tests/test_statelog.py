@@ -7,7 +7,6 @@ import os
 import random
 import shutil
 import threading
-import time
 import warnings
 
 import msgpack
@@ -31,6 +30,8 @@ from snapd.statelog import (
     scan_segment,
     tail_report,
 )
+
+from helpers import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore::snapd.statelog.TornTailWarning")
 
@@ -256,13 +257,6 @@ class CountingFsync:
         if failing:
             raise OSError(5, "Input/output error")
         os.fsync(fd)
-
-
-def wait_for(cond, timeout=60.0):  # generous: under load the flush thread runs late
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
 
 
 def count_flushes(w: LogWriter) -> list:

@@ -11,13 +11,9 @@ from __future__ import annotations
 import glob
 import json
 import os
-import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -32,72 +28,10 @@ from snapd.store import RunStore
 from snapd.liveview import DaemonProbe
 from snapd_client import Client
 
-from helpers import flip_byte, read_manifest, write_manifest_raw
+from harness import UID, Env, close_as_if_killed, stop
+from helpers import flip_byte, read_manifest, wait_until, write_manifest_raw
 
 pytestmark = pytest.mark.integration
-UID = os.getuid()
-
-
-# --- harness ------------------------------------------------------------------------
-
-class Env:
-    """A root, a run name, and everything to clean up after the test."""
-
-    def __init__(self) -> None:
-        self.root = tempfile.mkdtemp(prefix="sd-", dir="/tmp")
-        self.run = f"r{secrets.token_hex(3)}"
-        self.pids = {os.getpid()}   # processes whose arenas this test may leave
-        self.daemons = set()
-
-    def lock_pid(self):
-        try:
-            with open(os.path.join(self.root, ".snapd.lock")) as f:
-                text = f.read().strip()
-        except FileNotFoundError:
-            return None
-        return int(text) if text else None
-
-    def daemon(self, client: Client) -> psutil.Process:
-        pid = client.daemon_pid
-        assert pid is not None and pid != os.getpid()
-        self.daemons.add(pid)
-        return psutil.Process(pid)
-
-    def stop_daemons(self) -> None:
-        pids = set(self.daemons) | ({self.lock_pid()} - {None})
-        for pid in pids:
-            stop(pid)
-
-    def segments(self):
-        mine = [p for pid in self.pids for p in glob.glob(f"/dev/shm/snapd-{UID}-{pid}-*")]
-        return mine + glob.glob(f"/dev/shm/snapd-hot-{UID}-{self.run}-*")
-
-    def cleanup(self) -> None:
-        self.stop_daemons()
-        for path in self.segments():
-            os.unlink(path)
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-def stop(pid: int, grace: float = 10.0) -> None:
-    """Stop a daemon: wake it (it may be SIGSTOPped), ask, then insist; reap it."""
-    try:
-        proc = psutil.Process(pid)
-        proc.send_signal(signal.SIGCONT)
-        proc.terminate()
-        proc.wait(grace)
-    except psutil.TimeoutExpired:
-        proc.kill()
-        proc.wait(grace)
-    except psutil.NoSuchProcess:
-        pass
-
-
-@pytest.fixture
-def env():
-    e = Env()
-    yield e
-    e.cleanup()
 
 
 class Blob:
@@ -149,20 +83,6 @@ def restored_state(env: Env, build=make_model, close=Client.close, **kw):
     step = client.restore()
     close(client)
     return step, state_of(model, opt), client
-
-
-def close_as_if_killed(client: Client) -> None:
-    """Hang up without ``bye``, as a killed trainer's connection drops: the daemon
-    keeps the run's hot copy for a restart (a clean close releases it)."""
-    client._handoff.conn._sock.shutdown(socket.SHUT_RDWR)
-    client.close()
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 # --- tests --------------------------------------------------------------------------

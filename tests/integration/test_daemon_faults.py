@@ -22,18 +22,16 @@ import psutil
 import pytest
 import torch
 
-from helpers import stop_daemons_under
 from snapd import peer as peer_mod
 from snapd import protocol as p
 from snapd.errors import DaemonUnavailable
 from snapd.store import RunStore, SnapshotId
 from snapd_client import Client
-from test_client_daemon import Env, close_as_if_killed
-from test_daemon_protocol import (Peer, big_states, env, harness, sample_states,  # noqa: F401
-                                  submit, wait_for)
+
+from harness import UID, Env, Peer, big_states, close_as_if_killed, sample_states, submit
+from helpers import stop_daemons_under, wait_for
 
 pytestmark = pytest.mark.integration
-UID = os.getuid()
 
 
 def flood_pings(peer: Peer) -> int:

@@ -10,210 +10,25 @@ from __future__ import annotations
 
 import glob
 import os
-import secrets
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import time
-from typing import Any, Dict, List, Optional
 
 import pytest
-
-from helpers import stop_daemons_under
 import torch
 
 from snapd import peer as peer_mod
 from snapd import protocol as p
-from snapd.format import dtype_name
-from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, from_descriptor, to_descriptor
-from snapd.reader import SnapshotReader
+from snapd.plan import from_descriptor
 from snapd.store import RunStore, SnapshotId
 from snapd_client.state import flatten
 
+from harness import Peer, assert_snapshot_equals, big_states, sample_states, submit
+from helpers import stop_daemons_under, wait_for
+
 pytestmark = pytest.mark.integration
-ALIGN = 64
-
-
-# --- harness ------------------------------------------------------------------------
-
-class DaemonProc:
-    def __init__(self, root: str, log: str, env: Dict[str, str]) -> None:
-        self.root, self.log = root, log
-        with open(log, "ab") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "snapd", "serve", "--root", root],
-                stdout=f, stderr=f, env=env, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 30.0) -> "DaemonProc":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited {self.proc.returncode}: {self.text()}")
-            try:
-                with Peer(self.root) as peer:
-                    assert peer.request(p.Ping())["op"] == "pong"
-                return self
-            except (OSError, EOFError):
-                time.sleep(0.05)
-        raise AssertionError(f"daemon not ready: {self.text()}")
-
-    def text(self) -> str:
-        with open(self.log, "r", errors="replace") as f:
-            return f.read()
-
-    def kill(self, sig=signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-
-class Peer(peer_mod.Peer):
-    """snapd's protocol client, connected and past hello (a request needs one first,
-    ping too); ``hello=True`` also asserts that the daemon welcomed it."""
-
-    def __init__(self, root: str, hello: bool = False, run: str = "", rank: int = 0):
-        sock = peer_mod.connect(root, timeout=60)
-        if sock is None:   # an OSError, which wait_ready() waits out
-            raise ConnectionRefusedError(f"no daemon listens under {root}")
-        super().__init__(sock)
-        reply = self.request(peer_mod.hello(run, rank))
-        if hello:
-            assert reply["op"] == "welcome", reply
-
-
-class Arena:
-    """A staging segment the test owns, like a client's."""
-
-    def __init__(self, size: int, slots: int = 1) -> None:
-        # The prefix of a client's arenas: the daemon maps only the peer's own.
-        self.name = f"snapd-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.path = f"/dev/shm/{self.name}"
-        # Kept open, like a client's mapping: the daemon unlinks the name at attach.
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(self.fd, size)
-        self.size, self.slots = size, slots
-        self.slot_bytes = size // slots
-
-    def stage(self, slot: int, run: str, step: int, states: Dict[str, Dict],
-              metric: Optional[float] = None) -> Dict[str, Any]:
-        """Copy the states' tensors into a slot; return the plan descriptor."""
-        objects, offsets, pos = [], [], 0
-        with open(self.fd, "r+b", closefd=False) as f:
-            for name, state in states.items():
-                flat = flatten(state, name)
-                tensors, offs = [], []
-                for path, t in zip(flat.paths, flat.tensors):
-                    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                    f.seek(slot * self.slot_bytes + pos)
-                    f.write(raw)
-                    tensors.append(TensorSource(path, dtype_name(t.dtype), list(t.shape),
-                                                memoryview(raw)))
-                    offs.append(pos)
-                    pos += -(-len(raw) // ALIGN) * ALIGN
-                objects.append(ObjectPlan(name, "test.State", flat.skeleton, tensors))
-                offsets.append(offs)
-        assert pos <= self.slot_bytes
-        plan = SnapshotPlan(run, step, {"id": 0, "mode": "fresh", "parent": None},
-                            objects, rng={"python": b"\x01\x02"}, metric=metric)
-        return to_descriptor(plan, offsets)
-
-    def attach(self, peer: Peer, run: str) -> None:
-        reply = peer.request(p.Attach(run, 0, self.name, self.size, self.slots))
-        assert reply["op"] == "ok", reply
-
-    def remove(self) -> None:
-        os.close(self.fd)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-@pytest.fixture
-def env():
-    return {**os.environ, "SNAPD_MIN_FREE_BYTES": "0", "PYTHONUNBUFFERED": "1"}
-
-
-@pytest.fixture
-def harness(env, tmp_path):
-    """start(root) -> a ready daemon; arena(size) -> a segment; all cleaned up."""
-    daemons: List[DaemonProc] = []
-    arenas: List[Arena] = []
-    run = f"it{secrets.token_hex(3)}"
-    roots: List[str] = []
-
-    class H:
-        def root(self) -> str:   # short: Unix socket paths are limited to 107 bytes
-            roots.append(tempfile.mkdtemp(prefix="snapd-it-", dir="/tmp"))
-            return roots[-1]
-
-        def start(self, root, ready=True, extra_env=None) -> DaemonProc:
-            d = DaemonProc(root, str(tmp_path / f"daemon-{len(daemons)}.log"),
-                           {**env, **(extra_env or {})})
-            daemons.append(d)
-            return d.wait_ready() if ready else d
-
-        def arena(self, size, slots=1) -> Arena:
-            arenas.append(Arena(size, slots))
-            return arenas[-1]
-
-    h = H()
-    h.run = run
-    yield h
-    for d in daemons:
-        d.kill()
-        d.proc.wait(10)
-    for a in arenas:
-        a.remove()
-    for path in glob.glob(f"/dev/shm/snapd-hot-{os.getuid()}-{run}-*"):
-        os.unlink(path)
-    for r in roots:
-        shutil.rmtree(r, ignore_errors=True)
-
-
-def sample_states(seed: int = 0, scale: int = 1) -> Dict[str, Dict]:
-    g = torch.Generator().manual_seed(seed)
-    return {"model": {"w": torch.randn(64 * scale, 33, generator=g),
-                      "b": torch.randn(7, generator=g).to(torch.bfloat16),
-                      "n": torch.tensor(seed)},
-            "optimizer": {"state": {0: {"m": torch.randn(5, 5, generator=g).double()}},
-                          "mask": torch.rand(9, generator=g) > 0.5, "lr": 0.1}}
-
-
-def big_states(megabytes: int, seed: int = 1) -> Dict[str, Dict]:
-    g = torch.Generator().manual_seed(seed)
-    n = megabytes * (1 << 20) // 4 // 4
-    return {"model": {f"t{i}": torch.randn(n, generator=g) for i in range(4)}}
-
-
-def submit(peer, arena, run, step, states, slot=0, metric=None, **options):
-    desc = arena.stage(slot, run, step, states, metric)
-    reply = peer.request(p.Submit(run, 0, step, slot, desc, options))
-    assert reply["op"] == "accepted" and reply["step"] == step, reply
-    return desc
-
-
-def assert_snapshot_equals(path: str, states: Dict[str, Dict]) -> None:
-    reader = SnapshotReader(path)
-    for name, state in states.items():
-        flat = flatten(state, name)
-        loaded = reader.load_object(name)
-        assert len(loaded) == len(flat.tensors)
-        for want, got in zip(flat.tensors, loaded):
-            assert got.dtype == want.dtype and got.shape == want.shape
-            assert torch.equal(got.reshape(-1).view(torch.uint8),
-                               want.contiguous().reshape(-1).view(torch.uint8))
-
-
-def wait_for(cond, timeout=30.0, interval=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval)
-    return False
 
 
 # --- the protocol, end to end ----------------------------------------------------------

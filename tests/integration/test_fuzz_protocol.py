@@ -17,7 +17,8 @@ import pytest
 
 from snapd import peer as peer_mod
 from snapd import protocol as p
-from test_daemon_protocol import Peer, env, harness, sample_states, submit  # noqa: F401
+
+from harness import Peer, sample_states, submit
 
 pytestmark = pytest.mark.integration
 SEED = int(os.environ.get("SNAPD_FUZZ_SEED", "1104"))

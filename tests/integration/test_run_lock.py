@@ -22,7 +22,8 @@ from snapd.recovery import read_progress
 from snapd.store import RunStore
 from snapd_client import Client
 
-from test_client_daemon import Env, wait_until
+from harness import Env
+from helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -120,13 +121,6 @@ RESTARTED_TRAINER = HEADER + textwrap.dedent("""\
 """)
 
 SLOW = 8 << 20   # float32 elements: 32 MB, several seconds at zstd level 19
-
-
-@pytest.fixture
-def env():
-    e = Env()
-    yield e
-    e.cleanup()
 
 
 def script(tmp_path, name: str, text: str) -> str:
