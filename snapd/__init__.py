@@ -6,45 +6,9 @@ error of :mod:`snapd.errors` is exported here.
 """
 
 from snapd import logs as _logs  # noqa: F401  (the stderr handler of snapd's loggers)
-from snapd.errors import (
-    AlreadyServing,
-    CorruptLog,
-    CorruptSnapshot,
-    DaemonStartFailed,
-    DaemonUnavailable,
-    IncompatibleState,
-    InsufficientSpace,
-    InvalidOption,
-    MissingRngStream,
-    ProtocolError,
-    ReplayDivergence,
-    RunInUse,
-    SnapdError,
-    SnapshotExists,
-    SnapshotFailed,
-    UnknownOption,
-    UnsupportedState,
-)
+from snapd import errors as _errors
+from snapd.errors import *  # noqa: F401,F403  (the whole tree: snapd.errors.__all__)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AlreadyServing",
-    "CorruptLog",
-    "CorruptSnapshot",
-    "DaemonStartFailed",
-    "DaemonUnavailable",
-    "IncompatibleState",
-    "InsufficientSpace",
-    "InvalidOption",
-    "MissingRngStream",
-    "ProtocolError",
-    "ReplayDivergence",
-    "RunInUse",
-    "SnapdError",
-    "SnapshotExists",
-    "SnapshotFailed",
-    "UnknownOption",
-    "UnsupportedState",
-    "__version__",
-]
+__all__ = sorted([*_errors.__all__, "__version__"])

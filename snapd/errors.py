@@ -34,6 +34,13 @@ import builtins
 import os
 from typing import Any, Dict, Optional
 
+__all__ = [
+    "AlreadyServing", "CorruptLog", "CorruptSnapshot", "DaemonStartFailed",
+    "DaemonUnavailable", "IncompatibleState", "InsufficientSpace", "InvalidOption",
+    "MissingRngStream", "ProtocolError", "ReplayDivergence", "RunInUse", "SnapdError",
+    "SnapshotExists", "SnapshotFailed", "UnknownOption", "UnsupportedState",
+]
+
 
 class SnapdError(Exception):
     """Base of every error snapd raises on purpose.

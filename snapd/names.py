@@ -18,6 +18,9 @@ def writer_lock_name(rank: int) -> str:
     return f".writer-{rank:05d}.lock"
 
 
+WRITER_LOCK_GLOB = ".writer-*.lock"   # every rank's writer lock of a run
+
+
 # --- shared memory -----------------------------------------------------------------
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "snapd-"             # every segment snapd makes starts with this

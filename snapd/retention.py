@@ -41,6 +41,7 @@ from typing import Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from snapd import fsio
 from snapd.errors import CorruptSnapshot
+from snapd.names import WRITER_LOCK_GLOB
 from snapd.options import Options
 from snapd.reader import SnapshotReader
 from snapd.rootlock import RootLock
@@ -206,7 +207,7 @@ def writer_active(store: RunStore) -> bool:
     A shared flock is refused while anyone holds the exclusive one; it is dropped at
     once, so probing never blocks the writer.
     """
-    for path in glob.glob(os.path.join(glob.escape(store.path), ".writer-*.lock")):
+    for path in glob.glob(os.path.join(glob.escape(store.path), WRITER_LOCK_GLOB)):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
