@@ -302,14 +302,12 @@ class Daemon:
                 f"{event.name}: {event.bytes} bytes in {event.seconds:.2f}s")
 
     def _note_commit(self, sub: Submission, done: Commit) -> None:
-        """The status lines for a commit, and what retention did after it."""
+        """The status lines for a commit (the commit service logs retention's deletes)."""
         result = done.result
         self.runs[sub.run] = {"last_committed": result.sid.name, "step": sub.step,
                               "bytes": result.bytes_written,
                               "seconds": round(result.seconds, 3),
                               "committed_at": time.time()}
-        if done.deleted:
-            log(f"run {sub.run!r}: retention deleted {', '.join(done.deleted)}")
 
     def _failure(self, sub: Submission, error: BaseException) -> p.Failed:
         """The ``failed`` event for an error, with its path, field and extras."""
