@@ -34,7 +34,7 @@ from snapd.peer import Peer
 from snapd.recovery import RunProgress, read_progress
 from snapd.names import ROOT_LOCK_NAME as LOCK_NAME, SOCKET_NAME
 from snapd.store import RunStore, list_runs
-from snapd.text import age, number, si_bytes
+from snapd.text import age, count, number, si_bytes
 
 TAIL_BUDGET = 1024     # records read per rank and refresh, newest first
 SPARK_POINTS = 24      # losses in the sparkline
@@ -156,11 +156,16 @@ def _retention(store: RunStore) -> Dict[str, Any]:
 def _progress(prog: RunProgress, committed: Optional[Dict[str, Any]], now: float
               ) -> Dict[str, Any]:
     last = _pick(committed, "name", "step", "bytes", "seconds", "time")
-    committed_step = last["step"] if last else prog.committed_step
+    truth = prog.committed
+    if truth is not None and (last is None or last.get("name") != truth.name):
+        # The directories and LATEST win: a client killed right after a commit never
+        # logged it. What only the log knew (bytes, seconds) is unknown then.
+        last = {"name": truth.name, "step": truth.step, "bytes": None, "seconds": None,
+                "time": prog.committed_time}
     return {
         "step": prog.reached, "steps_per_s": prog.steps_per_s,
         "step_age_s": None if prog.reached_time is None else now - prog.reached_time,
-        "at_risk": None if prog.reached is None else prog.reached - (committed_step or 0),
+        "at_risk": prog.at_risk,
         "last_committed": last,
         "committed_age_s": now - last["time"] if last and last.get("time") else None,
         "last_resume": _pick(prog.last_resume, "snapshot", "step", "mode", "recompute",
@@ -236,7 +241,7 @@ def _header(model: Dict[str, Any]) -> Text:
                 f"rss {si_bytes(d.get('rss'))}")
     if not d["answering"]:
         return text.append("  (not answering on .snapd.sock)", style="red")
-    text.append(f"  {d.get('clients') or 0} client(s)")
+    text.append(f"  {count(d.get('clients') or 0, 'client')}")
     return text.append("  stopping" if d.get("stopping") else "", style="yellow")
 
 

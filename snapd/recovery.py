@@ -3,8 +3,10 @@
 A restarting trainer, ``snapd status`` and ``snapd watch`` all ask the same questions:
 how far did training get, what is the last committed snapshot, how many updates are
 at risk, what happened at the last resume. The answers come from the tail of each
-rank's log (bounded reads, see statelog) and from LATEST plus one manifest, so they
-cost milliseconds whatever the length of the run.
+rank's log (bounded reads, see statelog), from LATEST and from the names of the
+committed snapshot directories, so they cost milliseconds whatever the length of the
+run. What is committed is the directories' and LATEST's answer, not the log's: a
+client killed right after a commit never logged it.
 
 Why reading progress never fails on the log: resuming needs a snapshot, and the
 snapshot is chosen from the snapshot directories and LATEST. The log only adds how far
@@ -15,6 +17,8 @@ about by the readers), never an error. It is a report, not a plan: restore decid
 
 from __future__ import annotations
 
+import os
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -38,6 +42,8 @@ class RunProgress:
     steps_per_s: Optional[float] = None
     last_committed: Optional[Dict[str, Any]] = None   # the log's last committed record
     latest: Optional[str] = None              # the LATEST pointer
+    newest_dir: Optional[str] = None          # the newest committed snapshot directory
+    newest_dir_time: Optional[float] = None   # (not refused at the last resume), its mtime
     last_resume: Optional[Dict[str, Any]] = None
     last_replay: Optional[Dict[str, Any]] = None
     last_scalars: Dict[str, Any] = field(default_factory=dict)
@@ -45,28 +51,59 @@ class RunProgress:
     log_damage: List[str] = field(default_factory=list)  # what the readers skipped
 
     @property
+    def committed(self) -> Optional[SnapshotId]:
+        """The newest committed snapshot: the directories and LATEST win over the log,
+        whose record of a commit is lost when the client dies right after it (and a
+        damaged log may have lost it too); the log's record counts when retention has
+        deleted the directory since. Ordered as snapshots are, by (lineage, step)."""
+        logged = (self.last_committed or {}).get("name")
+        found = [SnapshotId.parse(n) for n in (self.newest_dir, self.latest, logged)
+                 if isinstance(n, str) and n not in self.refused]
+        return max((sid for sid in found if sid is not None), default=None)
+
+    @property
+    def refused(self) -> set:
+        """Snapshots the last resume refused as damaged: they stay on disk until a
+        new snapshot needs the name, and are not what a restore would load."""
+        refused = (self.last_resume or {}).get("refused")
+        return {n for n in refused if isinstance(n, str)} \
+            if isinstance(refused, (dict, list)) else set()
+
+    @property
     def committed_step(self) -> Optional[int]:
-        """The newer of the log's last commit and LATEST: a damaged log may have lost
-        the record of a commit that LATEST still names."""
-        sid = SnapshotId.parse(self.latest) if self.latest else None
-        steps = [sid.step] if sid else []
-        if self.last_committed is not None and type(self.last_committed.get("step")) is int:
-            steps.append(self.last_committed["step"])
-        return max(steps, default=None)
+        committed = self.committed
+        if committed is not None:
+            return committed.step
+        step = (self.last_committed or {}).get("step")   # a record without a name
+        return step if type(step) is int else None
+
+    @property
+    def committed_time(self) -> Optional[float]:
+        """When the newest committed snapshot was committed: the log's record of it,
+        else its directory's modification time (its manifest was written last)."""
+        record = self.last_committed or {}
+        if self.committed is not None and record.get("name") == self.committed.name:
+            return _number(record.get("time"))
+        if self.committed is not None and self.committed.name == self.newest_dir:
+            return self.newest_dir_time
+        return _number(record.get("time"))
 
     @property
     def at_risk(self) -> Optional[int]:
-        """Updates done since the last committed snapshot: lost if the run died now."""
+        """Updates done since the newest committed snapshot: lost if the run died now."""
         if self.reached is None:
             return None
-        return self.reached - (self.committed_step or 0)
+        return max(0, self.reached - (self.committed_step or 0))
 
     def to_json(self) -> Dict[str, Any]:
         out = asdict(self)
         if out["last_committed"]:
             out["last_committed"] = {k: v for k, v in out["last_committed"].items()
                                      if k not in ("rng", "cursor")}
-        out.update(committed_step=self.committed_step, at_risk=self.at_risk)
+        committed = self.committed
+        out.update(committed=committed.name if committed else None,
+                   committed_step=self.committed_step, committed_time=self.committed_time,
+                   at_risk=self.at_risk)
         return out
 
 
@@ -108,8 +145,21 @@ def read_progress(store: RunStore, rank: int = 0) -> RunProgress:
         progress.reached, progress.reached_time = steps[0]["step"], _number(steps[0].get("time"))
         progress.last_scalars = _map(steps[0].get("scalars")) or {}
     progress.steps_per_s = _rate(steps[::-1])
+    _newest_dir(store, progress)
     progress.bytes_read, progress.log_damage = stats.bytes_read, list(stats.damage)
     return progress
+
+
+def _newest_dir(store: RunStore, progress: RunProgress) -> None:
+    """The newest committed directory the last resume did not refuse, and its mtime."""
+    refused = progress.refused
+    for sid in reversed(store.committed()):
+        if sid.name in refused:
+            continue
+        progress.newest_dir = sid.name
+        with suppress(OSError):   # deleted by retention meanwhile: the name still counts
+            progress.newest_dir_time = os.stat(store.snapshot_path(sid)).st_mtime
+        return
 
 
 def _map(value: Any) -> Optional[Dict[str, Any]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Dict, Optional
 
-__all__ = ["age", "human_bytes", "iso_time", "lineage_text", "number", "si_bytes"]
+__all__ = ["age", "count", "human_bytes", "iso_time", "lineage_text", "number", "si_bytes"]
 
 
 def age(seconds: Optional[float]) -> str:
@@ -22,6 +22,12 @@ def age(seconds: Optional[float]) -> str:
         if seconds >= size:
             return f"{seconds / size:.1f}{unit}"
     return f"{seconds:.0f}s"
+
+
+def count(n: Any, word: str, many: Optional[str] = None) -> str:
+    """``1 update``, ``2 updates``, ``0 updates``: a count with its noun agreeing;
+    ``many`` spells an irregular plural (``count(n, "batch", "batches")``)."""
+    return f"{n} {word if n == 1 else many or word + 's'}"
 
 
 def human_bytes(n: Optional[int]) -> str:

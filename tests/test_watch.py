@@ -95,7 +95,7 @@ def test_render_queued_snapshot_and_running_daemon():
               "rss": 85 * 10**6, "started": T0 - 60, "clients": 2, "stopping": False}
     text = text_of(view.render(model(daemon=daemon, in_flight=[queued]), 100))
     assert "gpt r1 step 1500  queued 4s" in text
-    assert "daemon pid 4242  cpu 3.5%  rss 85.0 MB  2 client(s)" in text
+    assert "daemon pid 4242  cpu 3.5%  rss 85.0 MB  2 clients" in text
 
 
 def test_render_daemon_not_answering_resume_and_empty_root():

@@ -6,6 +6,7 @@ import click
 
 from snapd import statelog
 from snapd.commands.common import ROOT_HELP, emit_json, fail, resolve_root, run_dir
+from snapd.text import count
 
 
 def consumed(path: str, rank: int, step: int) -> dict:
@@ -16,7 +17,8 @@ def consumed(path: str, rank: int, step: int) -> dict:
     before = statelog.find_step(path, rank, step - 1) if step > 1 else None
     after = record.get("cursor")
     start = (before or {}).get("cursor") or ([after[0], 0] if after else None)
-    out = {"step": step, "rank": rank, "cursor_before": start, "cursor_after": after,
+    out = {"step": step, "rank": rank, "counted_from": 0,
+           "cursor_before": start, "cursor_after": after,
            "samples": record.get("samples"), "scalars": record.get("scalars")}
     if after and start:
         if start[0] == after[0]:
@@ -35,6 +37,8 @@ def consumed(path: str, rank: int, step: int) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 def batch(run: str, step: int, root: str | None, rank: int, as_json: bool) -> None:
     """Which batches (epoch, index) and samples STEP of RUN consumed, from the log.
+    Epochs and batches count from 0, as Client.batches() does: a script that prints
+    epoch + 1 calls epoch 0 its epoch 1.
 
     Example: snapd batch gpt-small 1357 --root checkpoints
     """
@@ -42,11 +46,11 @@ def batch(run: str, step: int, root: str | None, rank: int, as_json: bool) -> No
     if as_json:
         emit_json(info)
         return
-    click.echo(f"step {step} (rank {rank}) consumed:")
+    click.echo(f"step {step} (rank {rank}) consumed (epochs and batches count from 0):")
     if "previous_epoch_from" in info:
         epoch, index = info["previous_epoch_from"]
         click.echo(f"  epoch {epoch} from batch {index} to its end (none if it had "
-                   f"{index} batches)")
+                   f"{count(index, 'batch', 'batches')})")
     for epoch, index in info.get("batches", []):
         click.echo(f"  epoch {epoch} batch {index}")
     if info["samples"] is not None:

@@ -10,12 +10,17 @@ import sys
 from typing import Any, Dict, List, NoReturn
 
 import click
+from rich.console import Console
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader, check_real_directories, read_manifest_bytes
 
 ROOT_HELP = "The checkpoint root (default: $SNAPD_ROOT, else the current directory)."
+
+# Piped or redirected output is read by programs and people's pagers: rows are never
+# cut to a guessed terminal width (rich assumes 80 columns without a terminal).
+PIPE_WIDTH = 1 << 16
 
 
 def resolve_root(root: str | None) -> str:
@@ -38,6 +43,14 @@ def run_dir(root: str, run: str) -> str:
 def emit_json(data: Any) -> None:
     json.dump(data, sys.stdout, indent=2, sort_keys=True, default=str)
     sys.stdout.write("\n")
+
+
+def console(**kwargs: Any) -> Console:
+    """The console a command prints tables to: the terminal's width on a terminal,
+    else wide enough that no row is cut or wrapped."""
+    if not sys.stdout.isatty():
+        kwargs.setdefault("width", PIPE_WIDTH)
+    return Console(**kwargs)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -7,7 +7,13 @@ Integers and bools are compared exactly. A tensor is *equal* only when its bytes
 identical (so -0.0 against 0.0, or two NaN payloads, count as different even with a
 difference of 0). Shape or dtype mismatches, tensors and objects on one side only,
 plain state values (an optimizer's lr, a scheduler's epoch), RNG streams and the data
-cursor are reported too. Exit code 0: identical state; 1: any difference.
+cursor are reported too.
+
+Then a verdict per part (snapd/commands/diffparts.py): weights (every tracked object
+but the optimizers: weights, buffers, schedulers, values), optimizer, RNG (streams
+only seeded differently and never drawn from are said to be so, not a difference),
+cursor (the differing field named). Exit code 0 when weights and optimizer are equal,
+1 when either differs; with ``--strict``, 1 on any difference at all.
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from snapd.commands.common import ROOT_HELP, emit_json, fail, open_reader, state_leaves
+from snapd.commands import diffparts as parts
+from snapd.commands.common import (ROOT_HELP, console as out_console, emit_json, fail,
+                                   open_reader, state_leaves)
 from snapd.commands.locate import locate
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
 from snapd.skeleton import unflatten
+from snapd.text import count
 
 _SLICE = 1 << 22  # elements compared at a time: bounds the float64 copies
 
@@ -91,14 +100,17 @@ def compare_tensor(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Any]:
     return row
 
 
-def _load(reader: SnapshotReader, name: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """An object's tensors by path, and its plain (non-tensor) leaves by path."""
+def _load(reader: SnapshotReader, name: str
+          ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], bool]:
+    """An object's tensors by path, its plain (non-tensor) leaves by path, and
+    whether it is an optimizer's state."""
     entry = reader.objects[name]
     tensors = reader.load_object(name)
     tree = unflatten(entry["skeleton"], tensors, source=f"{reader.path}/{entry.get('file')}")
     plain = {p: v for p, v in state_leaves(tree)
              if not isinstance(v, (torch.Tensor, np.ndarray))}
-    return {t["path"]: x for t, x in zip(entry["tensors"], tensors)}, plain
+    return ({t["path"]: x for t, x in zip(entry["tensors"], tensors)}, plain,
+            parts.is_optimizer(entry, tree))
 
 
 def _same_value(x: Any, y: Any) -> bool:
@@ -118,9 +130,13 @@ def compare(a: SnapshotReader, b: SnapshotReader, objects: Optional[List[str]]) 
         names_b &= set(objects)
     out: Dict[str, Any] = {"objects": {}, "only_in_a": sorted(names_a - names_b),
                            "only_in_b": sorted(names_b - names_a)}
+    optimizers = {n for n in names_a ^ names_b
+                  if parts.is_optimizer((a.objects.get(n) or b.objects.get(n)))}
     for name in sorted(names_a & names_b):
-        ta, pa = _load(a, name)
-        tb, pb = _load(b, name)
+        ta, pa, opt_a = _load(a, name)
+        tb, pb, opt_b = _load(b, name)
+        if opt_a or opt_b:
+            optimizers.add(name)
         rows = {p: compare_tensor(ta[p], tb[p]) for p in ta if p in tb}
         values = {p: {"a": pa.get(p), "b": pb.get(p)}
                   for p in sorted(set(pa) | set(pb))
@@ -134,7 +150,38 @@ def compare(a: SnapshotReader, b: SnapshotReader, objects: Optional[List[str]]) 
     out["cursor_equal"] = ma.get("cursor") == mb.get("cursor")
     out["steps"] = [ma["step"], mb["step"]]
     out["equal"] = _all_equal(out)
+    out["parts"] = _parts(out, optimizers, ma, mb)
     return out
+
+
+def _object_equal(out: Dict[str, Any], name: str) -> bool:
+    o = out["objects"].get(name)
+    return o is not None and not o["only_in_a"] and not o["only_in_b"] \
+        and not o["values_different"] and all(r["status"] == "equal"
+                                              for r in o["tensors"].values())
+
+
+def _parts(out: Dict[str, Any], optimizers: set, ma: Dict[str, Any], mb: Dict[str, Any]
+           ) -> Dict[str, Any]:
+    """The verdict of each part: weights, optimizer, rng, cursor (diffparts)."""
+    names = sorted(set(out["objects"]) | set(out["only_in_a"]) | set(out["only_in_b"]))
+    result = {}
+    for part, members in (("weights", [n for n in names if n not in optimizers]),
+                          ("optimizer", [n for n in names if n in optimizers])):
+        differ = [n for n in members if not _object_equal(out, n)]
+        verdict = parts.NONE if not members else parts.DIFFERENT if differ else parts.EQUAL
+        result[part] = {"verdict": verdict, "objects": members, "different": differ}
+    result["rng"] = parts.rng_part(ma["rng"], mb["rng"])
+    result["cursor"] = parts.cursor_part(ma.get("cursor"), mb.get("cursor"))
+    return result
+
+
+def exit_code(out: Dict[str, Any], strict: bool) -> int:
+    """1 when the weights or the optimizer differ; with ``strict``, on any difference."""
+    if strict:
+        return 0 if out["equal"] else 1
+    return int(any(out["parts"][p]["verdict"] == parts.DIFFERENT
+                   for p in ("weights", "optimizer")))
 
 
 def _all_equal(out: Dict[str, Any]) -> bool:
@@ -149,7 +196,8 @@ def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def render(out: Dict[str, Any], show_equal: bool, console: Console) -> None:
+def render(out: Dict[str, Any], show_equal: bool, console: Console,
+           strict: bool = False) -> None:
     counts = {"equal": 0, "different": 0, "mismatch": 0}
     for name, obj in out["objects"].items():
         table = Table(title=f"object {name}", title_justify="left", box=box.SIMPLE_HEAD,
@@ -183,13 +231,64 @@ def render(out: Dict[str, Any], show_equal: bool, console: Console) -> None:
     for side in ("only_in_a", "only_in_b"):
         if out[side]:
             console.print(f"objects only in {side[-1].upper()}: {', '.join(out[side])}")
-    rng = ", ".join(out["rng_different"]) + " differ" if out["rng_different"] else "equal"
     console.print(
-        f"{sum(counts.values())} tensors compared: {counts['equal']} equal, "
-        f"{counts['different']} different, {counts['mismatch']} shape/dtype mismatches; "
-        f"rng streams: {rng}; "
-        f"cursor: {'equal' if out['cursor_equal'] else 'different'}", highlight=False)
-    console.print("[green]EQUAL[/green]" if out["equal"] else "[red]DIFFERENT[/red]")
+        f"{count(sum(counts.values()), 'tensor')} compared: {counts['equal']} equal, "
+        f"{counts['different']} different, {counts['mismatch']} shape/dtype "
+        f"{'mismatch' if counts['mismatch'] == 1 else 'mismatches'}", highlight=False)
+    for line in part_lines(out["parts"]):
+        console.print(escape(line), highlight=False)
+    console.print(verdict_line(out, strict))
+
+
+def part_lines(result: Dict[str, Any]) -> List[str]:
+    """One line per part: its verdict, and what differs in it, by name."""
+    lines = []
+    for part in ("weights", "optimizer"):
+        r = result[part]
+        shown = r["different"] or r["objects"]
+        lines.append(f"{part}: {parts.WORDING[r['verdict']]}"
+                     + (f" ({', '.join(shown)})" if shown else ""))
+    rng = result["rng"]
+    lines.append("rng: " + _grouped({n: v for n, v in rng["streams"].items()
+                                     if v != parts.EQUAL}) if rng["verdict"] != parts.EQUAL
+                 else "rng: equal")
+    cursor = result["cursor"]
+    changed = {n: f["verdict"] for n, f in cursor["fields"].items()}
+    values = {n: f"{f['a']!r} -> {f['b']!r}" for n, f in cursor["fields"].items()
+              if not n.startswith(("epoch_rng.", "iter_rng."))}   # bytes: the name says it
+    if cursor["verdict"] in (parts.EQUAL, parts.NONE):
+        lines.append(f"cursor: {parts.WORDING[cursor['verdict']]}")
+    elif cursor["verdict"] == parts.NEVER_DRAWN:
+        lines.append("cursor: equal but for its RNG streams " + _grouped(changed))
+    else:
+        lines.append("cursor: " + _grouped(changed, values))
+    return lines
+
+
+def _grouped(verdicts: Dict[str, str], values: Optional[Dict[str, str]] = None) -> str:
+    """``different: index (3 -> 4); seeded differently, never drawn from: python``."""
+    groups: Dict[str, List[str]] = {}
+    for name, verdict in verdicts.items():
+        shown = f"{name} ({values[name]})" if name in (values or {}) \
+            and verdict == parts.DIFFERENT else name
+        groups.setdefault(verdict, []).append(shown)
+    return "; ".join(f"{parts.WORDING[v]}: {', '.join(names)}"
+                     for v, names in sorted(groups.items()))
+
+
+def verdict_line(out: Dict[str, Any], strict: bool) -> str:
+    if out["equal"]:
+        return "[green]EQUAL[/green]"
+    if exit_code(out, strict):
+        return "[red]DIFFERENT[/red]" + (" (--strict: any difference)" if strict and
+                                         not exit_code(out, False) else "")
+    others = {p: out["parts"][p]["verdict"] for p in ("rng", "cursor")
+              if out["parts"][p]["verdict"] not in (parts.EQUAL, parts.NONE)}
+    if others and set(others.values()) == {parts.NEVER_DRAWN}:
+        what = "only RNG seeds never drawn from differ"
+    else:
+        what = f"{' and '.join(others) or 'other state'} differ"
+    return f"[green]EQUAL weights and optimizer[/green]; {what} (--strict: exit 1 on that)"
 
 
 @click.command()
@@ -200,12 +299,16 @@ def render(out: Dict[str, Any], show_equal: bool, console: Console) -> None:
               help="Compare only this object (repeatable), e.g. --object model.")
 @click.option("--show-equal", is_flag=True, help="List equal tensors too.")
 @click.option("--json", "as_json", is_flag=True, help="Print every comparison as JSON.")
+@click.option("--strict", is_flag=True,
+              help="Exit 1 on any difference (RNG, cursor, unused seeds included).")
 def diff(a: str, b: str, root: Optional[str], objects: Tuple[str, ...], show_equal: bool,
-         as_json: bool) -> None:
+         as_json: bool, strict: bool) -> None:
     """Compare snapshots A and B tensor by tensor: max absolute and relative
     difference (float64; integers and bools exactly), shape/dtype mismatches, tensors
-    on one side only, plain values, RNG streams, data cursor. Exit code 0 when the
-    states are identical, 1 when anything differs.
+    on one side only, plain values; then a verdict per part: weights, optimizer, RNG
+    streams (those seeded differently but never drawn from are said to be so), data
+    cursor (the differing field named). Exit code 0 when weights and optimizer are
+    equal, 1 when either differs; --strict: 1 on any difference.
 
     A and B are snapshot directories, RUN/NAME (gpt/00001200), RUN or RUN@latest, or
     RUN@best, relative to --root.
@@ -218,13 +321,15 @@ def diff(a: str, b: str, root: Optional[str], objects: Tuple[str, ...], show_equ
         out = compare(reader_a, reader_b, list(objects) or None)
     except CorruptSnapshot as e:
         fail(f"{e}\n  hint: snapd verify {e.path or ''} names every damaged chunk", 1)
-    out.update(a=loc_a.label, b=loc_b.label)
+    out.update(a=loc_a.label, b=loc_b.label, strict=strict)
+    code = exit_code(out, strict)
+    out["exit_code"] = code
     if as_json:
         emit_json(out)
     else:
-        console = Console()
+        console = out_console()
         console.print(f"A = {escape(out['a'])} (step {out['steps'][0]})\n"
                       f"B = {escape(out['b'])} (step {out['steps'][1]})", highlight=False)
-        render(out, show_equal, console)
-    if not out["equal"]:
-        raise SystemExit(1)
+        render(out, show_equal, console, strict)
+    if code:
+        raise SystemExit(code)

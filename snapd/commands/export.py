@@ -30,7 +30,7 @@ from snapd.commands.locate import locate
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
 from snapd.skeleton import unflatten
-from snapd.text import human_bytes
+from snapd.text import count, human_bytes
 
 
 def _torch_class(type_name: str) -> Optional[type]:
@@ -149,7 +149,7 @@ def export(snapshot: str, fmt: str, output: str, wanted: Optional[str],
             os.unlink(tmp)
         fail(f"{output}: safetensors could not write objects.{name}: {e}", 1)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    click.echo(f"wrote {output}: {len(tensors)} tensors of {name} ({human_bytes(total)}) "
+    click.echo(f"wrote {output}: {count(len(tensors), 'tensor')} of {name} ({human_bytes(total)}) "
                f"from {loc.label}, step {reader.step}")
     if skipped:
         click.echo(f"skipped {len(skipped)} non-tensor value(s): {', '.join(skipped[:5])}"

@@ -17,11 +17,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from snapd.commands.common import ROOT_HELP, emit_json, files_bytes, read_manifest
+from snapd.commands.common import ROOT_HELP, console, emit_json, files_bytes, read_manifest
 from snapd.commands.locate import locate
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
-from snapd.text import age, human_bytes, iso_time, lineage_text
+from snapd.text import age, count, human_bytes, iso_time, lineage_text
 
 
 def cursor_info(cursor: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -109,7 +109,8 @@ def render(info: Dict[str, Any], console: Console) -> None:
     if cursor is None:
         console.print("cursor: none (the run does not use Client.batches)", highlight=False)
     else:
-        console.print(f"cursor: epoch {cursor['epoch']}, {cursor['index']} batches consumed"
+        console.print(f"cursor: epoch {cursor['epoch']}, "
+                      f"{count(cursor['index'], 'batch', 'batches')} consumed"
                       f"{'' if cursor['epoch_opened'] else ' (epoch not opened yet)'}; "
                       f"positioning: {cursor['positioning']}"
                       f"{'; persistent workers' if cursor['persistent_workers'] else ''}",
@@ -135,4 +136,4 @@ def inspect(snapshot: str, root: Optional[str], as_json: bool) -> None:
     if as_json:
         emit_json(info)
     else:
-        render(info, Console())
+        render(info, console())

@@ -109,7 +109,7 @@ def _by_pointer(store: RunStore, which: str) -> Located:
     pointer = os.path.join(store.path, which)
     if sid is None:
         hint = (" BEST is written by retention (the daemon after each commit, or snapd "
-                f"gc --run {store.run}) when snapshots carry a metric" if which == "BEST"
+                f"gc --run {store.run}) when snapshots carry a metric." if which == "BEST"
                 else "")
         fail(f"{pointer}: missing or not a snapshot name.{hint} Use RUN/NAME instead "
              f"(snapd ls {store.run})", 2)

@@ -12,11 +12,11 @@ from typing import Any, Dict, List, Optional
 
 import click
 from rich import box
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from snapd.commands.common import ROOT_HELP, emit_json, files_bytes, resolve_root, run_dir
+from snapd.commands.common import (ROOT_HELP, console as out_console, emit_json, files_bytes,
+                                   resolve_root, run_dir)
 from snapd.commands.locate import Located
 from snapd.commands.verify import check
 from snapd.errors import CorruptSnapshot
@@ -105,7 +105,7 @@ def ls(run: Optional[str], root: Optional[str], verify: bool, as_json: bool) -> 
     elif not rows:
         click.echo(f"no committed snapshot under {base}" + (f" for run {run!r}" if run else ""))
     else:
-        console = Console()
+        console = out_console()
         console.print(render(rows, time.time(), with_run=run is None))
         for r in rows:
             if r["error"]:

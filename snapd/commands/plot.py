@@ -19,6 +19,7 @@ from snapd.commands.common import (ROOT_HELP, emit_json, fail, optional_import,
                                    resolve_root, run_dir)
 from snapd.errors import CorruptLog
 from snapd.store import SnapshotId
+from snapd.text import count
 
 
 def series(path: str, rank: int, scalar: str) -> Dict[str, Any]:
@@ -124,6 +125,5 @@ def plot(run: str, output: str, scalar: str, rank: int, root: Optional[str],
     else:
         points = sum(len(p) for p in data["lines"].values())
         snaps, resumes = len(data["snapshots"]), len(data["resumes"])
-        click.echo(f"wrote {output}: {points} steps of {scalar}, {snaps} snapshot"
-                   f"{'' if snaps == 1 else 's'} committed, {resumes} resume"
-                   f"{'' if resumes == 1 else 's'}")
+        click.echo(f"wrote {output}: {count(points, 'step')} of {scalar}, "
+                   f"{count(snaps, 'snapshot')} committed, {count(resumes, 'resume')}")

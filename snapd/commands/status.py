@@ -1,5 +1,9 @@
 """``snapd status [ROOT]``: every run's progress and risk, from logs and manifests only.
 
+The last snapshot is the newest committed directory (or LATEST, or the log's record,
+whichever is newest; snapd.recovery.RunProgress.committed): a client killed right after
+a commit never logged it, and "at risk" counts from that snapshot.
+
 A damaged log never stops it: each row is planned from the valid records, the damage
 the readers skipped is listed in the row's ``log_damage`` (and, in the table view,
 printed once to stderr), and a run that cannot be read at all gets an ``error``.
@@ -13,14 +17,13 @@ import warnings
 from typing import Any, Dict, List
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from snapd import statelog
-from snapd.commands.common import emit_json, resolve_root
+from snapd.commands.common import console, emit_json, resolve_root
 from snapd.recovery import RunProgress, read_progress
 from snapd.store import RunStore, list_runs
-from snapd.text import age
+from snapd.text import age, count
 
 
 def collect(root: str) -> List[Dict[str, Any]]:
@@ -42,9 +45,8 @@ def _row(store: RunStore, rank: int) -> Dict[str, Any]:
         except (OSError, ValueError) as e:  # unreadable (permissions): say so, go on
             progress, error = RunProgress(store.run, rank), f"{type(e).__name__}: {e}"
     row = progress.to_json()
-    committed_at = (progress.last_committed or {}).get("time")
-    row["committed_age_s"] = time.time() - committed_at \
-        if isinstance(committed_at, (int, float)) else None
+    committed_at = progress.committed_time
+    row["committed_age_s"] = None if committed_at is None else time.time() - committed_at
     row["error"] = error
     return row
 
@@ -61,7 +63,7 @@ def _verdict(row: Dict[str, Any]) -> str:
     if not replay:
         return "-"
     if replay.get("verdict") == "match":
-        return f"match ({replay.get('checked')} steps)"
+        return f"match ({count(replay.get('checked'), 'step')})"
     return f"DIVERGED at {replay.get('step')}: {replay.get('cause')}"
 
 
@@ -76,7 +78,7 @@ def render(rows: List[Dict[str, Any]]) -> Table:
         table.add_row(
             r["run"], str(r["rank"]), "-" if r["reached"] is None else str(r["reached"]),
             "-" if r["steps_per_s"] is None else f"{r['steps_per_s']:.2f}",
-            r["latest"] or "-", age(r["committed_age_s"]),
+            r["committed"] or "-", age(r["committed_age_s"]),
             "-" if r["at_risk"] is None else str(r["at_risk"]),
             f"from {resume.get('snapshot')} ({resume.get('mode')})" if resume else "-",
             _verdict(r))
@@ -100,4 +102,4 @@ def status(root: str | None, as_json: bool) -> None:
     if not rows:
         click.echo("no runs under this root")
     else:
-        Console().print(render(rows))
+        console().print(render(rows))

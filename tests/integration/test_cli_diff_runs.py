@@ -1,0 +1,50 @@
+"""Two real trainer processes of a script that never seeds python or numpy, writing
+through the real daemon: `snapd diff` says weights and optimizer equal, the python
+and numpy streams seeded differently and never drawn from, and exits 0."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from helpers import stop_daemons_under
+
+SCRIPT = """
+import sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+from snapd_client import Client
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(torch.randn(12, 4)), batch_size=2, shuffle=True)
+c = Client(sys.argv[1], sys.argv[2])
+c.track(model=model, optimizer=opt)
+batches = c.batches(loader)
+for step in range(1, 5):
+    (x,) = next(batches)
+    model(x).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+    c.log(step)
+c.snapshot(4).wait()
+c.close()
+"""
+
+
+def test_two_processes_that_never_seed_python_or_numpy_diff_equal(tmp_path):
+    root = str(tmp_path / "root")
+    try:
+        for run in ("a", "b"):
+            subprocess.run([sys.executable, "-c", SCRIPT, root, run], check=True,
+                           timeout=120)
+        result = subprocess.run([sys.executable, "-m", "snapd", "diff", "a", "b", "--root",
+                                 root, "--json"], capture_output=True, text=True, timeout=120)
+    finally:
+        stop_daemons_under(str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout)
+    assert {p: r["verdict"] for p, r in out["parts"].items()} == {
+        "weights": "equal", "optimizer": "equal", "rng": "never-drawn",
+        "cursor": "never-drawn"}
+    strict = subprocess.run([sys.executable, "-m", "snapd", "diff", "a", "b", "--root", root,
+                             "--strict"], capture_output=True, text=True, timeout=120)
+    assert strict.returncode == 1 and "never drawn from: numpy, python" in strict.stdout
