@@ -22,6 +22,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "inspect": ("inspect", "Objects, tensors, RNG streams, cursor and lineage of one."),
     "verify": ("verify", "Read every file and check every checksum (exit 1 on damage)."),
     "diff": ("diff", "Compare two snapshots by part (exit 1 if weights or optimizer differ)."),
+    "gc": ("gc", "Apply retention; never deletes the last verified snapshot."),
     "export": ("export", "Model weights only, as safetensors, with lineage metadata."),
     "plot": ("plot", "Loss over steps from the log, snapshots and resumes marked."),
 }
