@@ -56,6 +56,8 @@ class Options:
     log_flush_interval: float = 1.0
     log_segment_bytes: int = 64 << 20
     replay_check: str = "raise"   # "raise", "warn" or "off"
+    verify_steps: int = 0         # k > 0: a resume with nothing to recompute starts from
+    #                               a snapshot at most k steps older, to check the steps
     # Daemon liveness.
     timeout: float = 120.0        # longest wait for any daemon reply
     root_check_seconds: float = 5.0  # how often the daemon checks its socket is there
@@ -102,6 +104,7 @@ class Options:
             if getattr(self, name) < 0:
                 raise InvalidOption(f"{name}={getattr(self, name)}: zero or more",
                                     field=name)
+        _check_verify_steps(self.verify_steps, self.keep_last)
         if self.slots not in (1, 2):
             raise InvalidOption(f"slots={self.slots}: the staging arena has 1 or 2 slots",
                                 field="slots")
@@ -147,6 +150,16 @@ def _check_choice(name: str, value: str, allowed: tuple) -> None:
     if value not in allowed:
         raise InvalidOption(f"{name}={value!r}: choose one of "
                             f"{', '.join(map(repr, allowed))}", field=name)
+
+
+def _check_verify_steps(k: int, keep_last: Optional[int]) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise InvalidOption(f"verify_steps={k!r}: 0 (off) or the most steps a resume may "
+                            "recompute to check them", field="verify_steps")
+    if k and keep_last == 1:  # the snapshot before the newest is the one it resumes from
+        raise InvalidOption(f"verify_steps={k} with keep_last=1: retention would delete "
+                            "the older snapshot it resumes from; use keep_last=2 or more",
+                            field="verify_steps")
 
 
 # SNAPD_* variables that are not options (scripts and tests read them).

@@ -37,7 +37,7 @@ class RunProgress:
 
     run: str
     rank: int
-    reached: Optional[int] = None             # last step logged
+    reached: Optional[int] = None             # last step logged (see ``furthest``)
     reached_time: Optional[float] = None
     steps_per_s: Optional[float] = None
     last_committed: Optional[Dict[str, Any]] = None   # the log's last committed record
@@ -87,6 +87,22 @@ class RunProgress:
         if self.committed is not None and self.committed.name == self.newest_dir:
             return self.newest_dir_time
         return _number(record.get("time"))
+
+    @property
+    def furthest(self) -> Optional[int]:
+        """The furthest step this run has logged: what a resume recomputes up to and
+        checks against, and what its resume line says training had reached.
+
+        ``reached`` (the last step logged) is less after a resume that was itself
+        killed during its recompute: the log then ends at a recomputed step, while
+        the run had got further before the first kill. The resume record keeps that
+        step (its ``reached``, computed the same way, so it holds across any number
+        of kills); a warm start begins a new lineage at step 0 and carries none.
+        """
+        resume = self.last_resume or {}
+        carried = resume.get("reached") if resume.get("mode") == "resume" else None
+        steps = [s for s in (self.reached, carried) if type(s) is int]
+        return max(steps, default=None)
 
     @property
     def at_risk(self) -> Optional[int]:

@@ -286,14 +286,15 @@ class Client:
             loaded = load_for_resume(self.store, self._tracked, self.rng,
                                      data_version=self.data_version,
                                      need_cursor=self._stream is not None, tensor_source=hot,
-                                     omit=set(_omit))
+                                     omit=set(_omit), reached=self.recovery.furthest,
+                                     verify_steps=self.options.verify_steps)
         finally:
             if hot is not None:
                 hot.close()
         if loaded is None:
-            if self.recovery.reached:
+            if self.recovery.furthest:
                 logger.info(f"run {self.run}: no snapshot to resume from; training had "
-                            f"reached step {self.recovery.reached}; starting at step 0")
+                            f"reached step {self.recovery.furthest}; starting at step 0")
             return 0
         self.restored_from = "hot" if hot is not None and hot.used else "disk"
         self._apply(loaded, set(_omit))
@@ -319,7 +320,9 @@ class Client:
 
     def _begin_resume(self, loaded: Loaded, omitted: List[str]) -> int:
         """Log the resume, arm the replay check, and say what will happen."""
-        step, reached = loaded.manifest["step"], self.recovery.reached
+        # The furthest step, not the last logged: a resume killed during its
+        # recompute logged less than the run had reached (RunProgress.furthest).
+        step, reached = loaded.manifest["step"], self.recovery.furthest
         if self.read_only:
             logger.info(f"run {self.run}: restored step {step} ({self.restored_from}), "
                         "read-only: nothing is written to the run")
@@ -328,14 +331,39 @@ class Client:
                             lineage=self.lineage, reached=reached,
                             recompute=max(0, (reached or step) - step),
                             restored_from=self.restored_from, refused=loaded.refused,
-                            omitted=omitted)
+                            omitted=omitted,
+                            **({"passed_over": loaded.passed_over}
+                               if loaded.passed_over else {}))
         checked = self.journal.begin_replay(step, reached)
-        message = f"run {self.run}: resuming from step {step} ({self.restored_from})"
-        if reached is not None and reached > step:
-            message += (f"; training had reached {reached}; {reached - step} updates will "
-                        f"be recomputed" + (" and checked" if checked else ""))
-        logger.info(message)
+        logger.info(f"run {self.run}: resuming from step {step} ({self.restored_from})"
+                    + self._resume_outlook(loaded, step, reached, checked))
         return step
+
+    def _resume_outlook(self, loaded: Loaded, step: int, reached: Optional[int],
+                        checked: int) -> str:
+        """The resume line's second half: what will be recomputed and checked, and,
+        when nothing will be, why and the fix (a run killed right after its newest
+        snapshot has no step to recompute, so a forgotten value goes unnoticed)."""
+        k = self.options.verify_steps
+        if reached is not None and reached > step:
+            text = (f"; training had reached {reached}; {reached - step} "
+                    f"{'update' if reached - step == 1 else 'updates'} will be recomputed"
+                    + (" and checked" if checked else ""))
+            if loaded.passed_over:
+                text += (f" (verify_steps={k}: resumed before the newest snapshot, "
+                         f"{loaded.passed_over}, to check them)")
+            return text
+        if self.options.replay_check == "off":
+            return ""
+        text = ("; nothing will be checked: the log has no step after this snapshot "
+                "(the run stopped right at it), so none is recomputed")
+        if k:
+            return (f"{text}, and no snapshot of the run lies at most {k} steps before "
+                    f"it (verify_steps={k}). Fix: snapshots at most {k} steps apart "
+                    "with keep_last of 2 or more, or a larger verify_steps")
+        return (f"{text}. Fix: snapshot() more often than the run is killed, or "
+                "Client(..., verify_steps=k) to resume from the snapshot before and "
+                "check up to k steps")
 
     def _apply(self, loaded: Loaded, omit: set) -> None:
         from snapd_client.restore import apply  # all or nothing: puts back on failure

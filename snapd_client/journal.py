@@ -12,7 +12,12 @@ cause, checked in this order, because an earlier piece perturbs the later ones:
 2. ``rng:<stream>``: that stream's digest differs (it was not restored, or the step
    drew a different number of values from it);
 3. ``scalar:<name>``: the RNG streams and cursor match but a logged scalar (the loss)
-   differs: numerical nondeterminism with identical inputs.
+   differs. The first suspect named is untracked state: a value the loop keeps
+   outside every tracked object (a prefetched batch, a hidden state carried across
+   batches, a learning rate set by hand, a best score), restored by nothing, so that
+   the same batch and the same random draws meet another state. Numerical
+   nondeterminism with identical inputs comes second: it is rarer on CPU, and the
+   message must not send the user after kernels when a line of tracking fixes it.
 
 Steps whose old record is damaged or missing cannot be compared; the verdict counts
 them as ``missing`` rather than failing the replay.
@@ -57,9 +62,21 @@ def compare(old: Dict[str, Any], new: Dict[str, Any]) -> Optional[tuple]:
     for name in sorted(set(old_s) | set(new_s)):
         if old_s.get(name) != new_s.get(name):
             return (f"scalar:{name}", f"{name} was {old_s.get(name)!r}, now "
-                    f"{new_s.get(name)!r} with identical RNG streams and cursor "
-                    "(numerical nondeterminism)")
+                    f"{new_s.get(name)!r} with identical RNG streams and cursor. "
+                    + UNTRACKED_HINT)
     return None
+
+
+# What a scalar difference with equal inputs most likely means, and the fix; then the
+# rarer cause. The names are Client's ways to track what has no state_dict().
+UNTRACKED_HINT = (
+    "First suspect: untracked state, a value the loop keeps outside every tracked "
+    "object (a prefetched batch, a hidden state carried across batches, a learning "
+    "rate set by hand, a best score), which the resume did not restore. Track it: "
+    "ckpt.values(name=...) for loop variables, ckpt.track_globals('X', ...) for a "
+    "module-level script's globals, ckpt.track(name=tensor) for a tensor. If every "
+    "such value is tracked: numerical nondeterminism (nondeterministic kernels, "
+    "another thread or device count)")
 
 
 class Journal:

@@ -61,6 +61,7 @@ class Loaded:
     states: Dict[str, Any]
     refused: Dict[str, str] = field(default_factory=dict)  # newer, damaged: name -> why
     before: Optional["Before"] = None  # the tracked state as it was, to put back
+    passed_over: Optional[str] = None  # the newer snapshot verify_steps resumed before
 
 
 def _copy_tree(value: Any) -> Any:
@@ -122,6 +123,25 @@ def candidates(store: RunStore) -> List[SnapshotId]:
         order.remove(latest)
         order.insert(0, latest)
     return order
+
+
+def verify_pick(order: List[SnapshotId], reached: Optional[int],
+                verify_steps: int) -> Optional[SnapshotId]:
+    """Option ``verify_steps=k``: the snapshot to resume from instead of ``order[0]``
+    (the one a resume would take) so that the replay check has steps to compare.
+
+    Only when ``order[0]`` has no logged step after it (``reached`` is not past it: the
+    trainer died right after that snapshot): then the newest snapshot of its lineage
+    whose step S has ``order[0].step - k <= S < reached``, so that at least one logged
+    step and at most k steps are recomputed. None when there is no such snapshot (they
+    are further apart than k, or retention kept none), or nothing to do.
+    """
+    if verify_steps <= 0 or not order or reached is None or reached > order[0].step:
+        return None
+    newest = order[0]
+    older = [sid for sid in order[1:] if sid.lineage == newest.lineage
+             and newest.step - verify_steps <= sid.step < reached]
+    return max(older, default=None)
 
 
 def _expected_meta(obj: Any, name: str):
@@ -256,15 +276,22 @@ def _check_candidate(reader: SnapshotReader, tracked: Dict[str, Any], rng: RngSt
 def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *,
                     data_version: Optional[str], need_cursor: bool,
                     tensor_source: Optional[TensorProvider] = None,
-                    omit: Iterable[str] = ()) -> Optional[Loaded]:
+                    omit: Iterable[str] = (), reached: Optional[int] = None,
+                    verify_steps: int = 0) -> Optional[Loaded]:
     """The newest snapshot that verifies and fits, fully read; None if the run is new.
     Objects named in ``omit`` are checked but not read (their states are absent);
     ``rng:<stream>`` in it is neither checked nor (by :func:`apply`) restored.
     The returned ``before`` is the tracked state as it was: :func:`apply` puts it back
-    if applying fails."""
+    if applying fails. With ``verify_steps`` (see :func:`verify_pick`) an older
+    snapshot is tried first; if it is refused, the usual order follows."""
     refused: Dict[str, str] = {}
     before: Optional[Before] = None
-    for sid in candidates(store):
+    order = candidates(store)
+    pick = verify_pick(order, reached, verify_steps)
+    if pick is not None:
+        order.remove(pick)
+        order.insert(0, pick)
+    for sid in order:
         path = store.snapshot_path(sid)
         try:
             reader = SnapshotReader(path)
@@ -286,7 +313,8 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
             # restore is all or nothing.
             _untouched(before, tracked, rng, tensor_source)
             raise
-        return Loaded(sid, path, reader.manifest, states, refused, before)
+        return Loaded(sid, path, reader.manifest, states, refused, before,
+                      passed_over=order[1].name if sid == pick else None)
     if refused:
         raise CorruptSnapshot(f"{store.path}: no snapshot verifies; refused: "
                               + "; ".join(f"{n}: {why}" for n, why in refused.items())
