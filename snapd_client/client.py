@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import time
 import warnings
 import weakref
@@ -41,6 +42,7 @@ from snapd_client.handoff import Handoff, settle_writes
 from snapd_client.journal import Journal
 from snapd_client.restore import Loaded, load_for_resume, load_weights, type_name
 from snapd_client.rng import RngStreams
+from snapd_client.values import Names, Values, adapt
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 MODES = ("resume", "warm_start")
@@ -123,7 +125,10 @@ class Client:
     # --- what is tracked -----------------------------------------------------------
 
     def track(self, **objects: Any) -> "Client":
-        """Track objects with state_dict()/load_state_dict(), or torch.Generators.
+        """Track objects with state_dict()/load_state_dict(), torch.Generators, tensors
+        (restored in place, shape and dtype checked) and lists/dicts of plain values
+        (restored in place). A number or string cannot be restored in place: keep it in
+        :meth:`values` or name it with :meth:`track_globals`.
 
         ``None`` values are ignored, so optional objects need no ``if``.
         """
@@ -138,10 +143,67 @@ class Client:
                     callable(getattr(obj, "load_state_dict", None)):
                 self._tracked[name] = obj
             else:
-                raise TypeError(f"track({name}=...): a {type_name(obj)} has no "
-                                "state_dict()/load_state_dict(); wrap it in an object "
-                                "that has both")
+                self._tracked[name] = adapt(name, obj)
         return self
+
+    def values(self, *, name: str = "values", **initial: Any) -> Values:
+        """Loop values with a home: ``loop = ckpt.values(best_val_loss=1e9, lr=0.1)``,
+        then ``loop.lr /= 4``. Tracked under ``name``; restore() assigns the saved
+        values back (see snapd_client/values.py for keys added or removed since). A
+        second call with the same name adds its new keys to the same object."""
+        home = self._tracked.get(name)
+        if home is None:
+            self._check_name(name, "values")
+            home = self._tracked[name] = Values()
+        elif not isinstance(home, Values):
+            raise ValueError(f"values(name={name!r}): {name!r} already tracks a "
+                             f"{type_name(home)}; choose another name")
+        home.set_defaults(initial)
+        return home
+
+    def track_globals(self, *names: str, name: str = "globals") -> "Client":
+        """Track the caller's module-level variables by name: ``X``, ``best_val_loss``.
+
+        Each name is tracked as what it holds now: an object with state_dict() (a
+        model, an optimizer) or a Generator as :meth:`track` would, under that name;
+        anything else (numbers, tensors, None, lists, or no value yet) is read at each
+        snapshot and assigned back by restore(), under ``name``.
+        """
+        return self._track_names(sys._getframe(1).f_globals, names, name, "track_globals")
+
+    def track_attrs(self, obj: Any, *names: str, name: Optional[str] = None) -> "Client":
+        """Like :meth:`track_globals`, for attributes of ``obj`` (a trainer's
+        ``top_score``); tracked under ``name``, by default its class name, lower case."""
+        return self._track_names(vars(obj), names, name or type(obj).__name__.lower(),
+                                 "track_attrs")
+
+    def _track_names(self, namespace: Dict[str, Any], names: Iterable[str], home_name: str,
+                     caller: str) -> "Client":
+        plain = []
+        for n in names:
+            self._check_name(n, caller)
+            value = namespace.get(n)
+            if isinstance(value, torch.Generator) or (
+                    callable(getattr(value, "state_dict", None))
+                    and callable(getattr(value, "load_state_dict", None))):
+                self.track(**{n: value})
+            else:
+                plain.append(n)
+        home = self._tracked.get(home_name)
+        if home is None:
+            self._check_name(home_name, caller)
+            self._tracked[home_name] = Names(namespace, plain)
+        elif type(home) is Names and home.namespace is namespace:
+            home.add(plain)
+        else:
+            raise ValueError(f"{caller}(name={home_name!r}): {home_name!r} already tracks "
+                             "something else; pass another name=")
+        return self
+
+    @staticmethod
+    def _check_name(name: str, caller: str) -> None:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"{caller}: {name!r} is not an identifier")
 
     def batches(self, loader: Iterable, *, fast_forward: str = "skip") -> BatchStream:
         """The resumable batch stream over ``loader`` (see docs/cursor.md)."""

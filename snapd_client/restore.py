@@ -13,7 +13,10 @@ its files' types and sizes, its name against its step and lineage (the reader);
 (2) every RNG stream against a scratch generator of its kind, the cursor's shape;
 (3) the fit with the tracked objects; all before a tracked object, RNG stream or
 the cursor is touched. Then (4) the tensors are read and verified, and only then
-(5) applied. Before the first step that can write into a live object (a hot read
+(5) applied: objects with their own load_state_dict() first, in track order, then
+tracked tensors (copied in place), then value homes (values(), track_globals()) last
+(:func:`restore_order`). A value home's contents are never checked against the
+live ones (its values may not exist yet, or change shape), only its type. Before the first step that can write into a live object (a hot read
 lands in place, an apply), a copy of every tracked object's state, the RNG streams
 and the cursor is taken; a restore that fails after that puts the copy back and
 says so, so that every object ends restored from one snapshot or untouched.
@@ -31,12 +34,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 
 from snapd.errors import CorruptSnapshot, IncompatibleState, SnapdError
+from snapd.format import dtype_name
 from snapd.reader import SnapshotReader, check_name_matches
 from snapd.skeleton import unflatten
 from snapd.store import RunStore, SnapshotId
 from snapd_client.cursor import check_cursor
 from snapd_client.rng import RngStreams
 from snapd_client.state import flatten, tensor_meta
+from snapd_client.values import TrackedTensor, ValueHome
 
 
 # Tensors of one object from elsewhere than the files (the daemon's hot copy), or
@@ -177,7 +182,12 @@ def _check_object_fit(name: str, saved: Dict[str, Any], obj: Any, source: str) -
                                 f"but {name!r} is now a {type_name(obj)}; use "
                                 "mode='warm_start' to load weights only",
                                 path=source, field=f"objects.{name}.type")
+    if isinstance(obj, ValueHome):
+        return  # values may not exist yet or change shape: only the type must fit
     have = {t["path"]: (t["dtype"], t["shape"]) for t in saved["tensors"]}
+    if isinstance(obj, TrackedTensor):
+        _check_tensor_fit(name, have, obj.tensor, source)
+        return
     want = _expected_meta(obj, name)
     for path, (dtype, shape) in want.items():
         if path not in have:
@@ -193,6 +203,28 @@ def _check_object_fit(name: str, saved: Dict[str, Any], obj: Any, source: str) -
         extra = sorted(set(have) - set(want))[:3]
         raise IncompatibleState(f"{source}: objects.{name} holds tensors the module "
                                 f"lacks: {extra}", path=source, field=f"objects.{name}")
+
+
+def _check_tensor_fit(name: str, have: Dict[str, Any], tensor: torch.Tensor,
+                      source: str) -> None:
+    """A tracked tensor is restored in place: the saved one must have its shape."""
+    then = have.get(".tensor")
+    now = (dtype_name(tensor.dtype), list(tensor.shape))
+    if then is None or (then[0], list(then[1])) != now:
+        saved = "nothing" if then is None else f"{then[0]}{list(then[1])}"
+        raise IncompatibleState(
+            f"{source}: objects.{name} is {saved} in the snapshot but {now[0]}{now[1]} "
+            f"now; a tracked tensor is restored in place, so track {name!r} with the "
+            "saved shape and dtype, or use mode='warm_start'", path=source,
+            field=f"objects.{name}")
+
+
+def restore_order(tracked: Dict[str, Any]) -> List[str]:
+    """The order objects are loaded in: objects with their own load_state_dict() as
+    tracked, then tracked tensors (in place), then value homes last."""
+    rank = {name: 2 if isinstance(obj, ValueHome) else 1 if isinstance(obj, TrackedTensor)
+            else 0 for name, obj in tracked.items()}
+    return sorted(tracked, key=rank.__getitem__)  # stable: track order within a rank
 
 
 def _live_tensors(obj: Any, name: str) -> Dict[str, torch.Tensor]:
@@ -350,9 +382,9 @@ def apply(loaded: Loaded, tracked: Dict[str, Any], rng: RngStreams, stream: Any,
     if stream is not None:
         before.cursor = stream.state()
     try:
-        for name, obj in tracked.items():
+        for name in restore_order(tracked):
             if name not in omit:
-                obj.load_state_dict(loaded.states[name])
+                tracked[name].load_state_dict(loaded.states[name])
         rng.restore(loaded.manifest["rng"],
                     omit=rng_omitted(omit))
         if stream is not None and "cursor" not in omit:
