@@ -15,6 +15,7 @@ from snapd.errors import SnapdError
 # name: (module under snapd.commands, one-line summary for `snapd --help`)
 COMMANDS: Dict[str, Tuple[str, str]] = {
     "serve": ("serve", "Run the daemon for a root (clients start one themselves)."),
+    "stop": ("stop", "Stop the daemon serving a root, once its snapshots are written."),
     "status": ("status", "Runs, progress, last snapshot, updates at risk, last resume."),
     "watch": ("watch", "Live view of a root: steps, snapshots in flight, stalls, disk."),
     "batch": ("batch", "Which batches and samples a step consumed, from the log."),

@@ -14,6 +14,13 @@ Lifecycle of :meth:`Daemon.serve_forever`:
    ``root_check_seconds``): the root was deleted or the socket removed, so no new
    client can reach this daemon, and a daemon nobody can reach would hold its hot
    copies in memory forever. A socket another daemon bound since is left alone.
+6. The same on a ``stop`` request (``snapd stop ROOT``), and when idle: no trainer
+   connected (tools such as ``status`` and ``watch`` do not count) and nothing in
+   flight for ``idle_exit_seconds`` (0: never), counted from the last trainer's
+   disconnect or the last write's end, whichever is later. A daemon is cheap to start
+   again (a client starts one when none answers), while one per root kept forever
+   costs 40-60 MB each. The default outlasts ``hot_linger_seconds``, so a crashed
+   trainer restarted within it still finds its hot copy.
 
 One snapshot (after ``accepted``): the commit service (snapd/commit.py: space check,
 write, error mapping, tmp cleanup, retention), then the hot copy published, then, in
@@ -126,7 +133,7 @@ def log(message: str) -> None:
 
 
 class Daemon:
-    """Serves one root until SIGTERM/SIGINT (or :meth:`stop`)."""
+    """Serves one root until SIGTERM/SIGINT, a ``stop`` request, or idle (see above)."""
 
     def __init__(self, root: str, options: Optional[Options] = None, *,
                  writer: Callable[..., CommitResult] = write_snapshot,
@@ -147,6 +154,7 @@ class Daemon:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._stopping = False
+        self._last_busy = time.monotonic()   # a trainer left or a write ended (idle exit)
 
     log = staticmethod(log)
 
@@ -161,8 +169,8 @@ class Daemon:
             self.server.bind()
             self._install_signals()
             log(f"serving {self.root} (protocol {p.PROTOCOL_VERSION})")
-            self.server.serve(self._wake_r, check_every=self.options.root_check_seconds,
-                              keep_serving=self._reachable)
+            self.server.serve(self._wake_r, check_every=self._check_every(),
+                              keep_serving=self._keep_serving)
             self.server.stop_accepting()
             pending = len(self.writes.snapshot())
             log(f"stopping: finishing {pending} accepted snapshot(s)")
@@ -185,14 +193,35 @@ class Daemon:
         except BlockingIOError:
             pass   # already woken
 
-    def _reachable(self) -> bool:
-        """Asked every root_check_seconds: also the time to let go of old hot copies."""
+    def _check_every(self) -> float:
+        """How often _keep_serving is asked: root_check_seconds, or more often when
+        the idle exit is shorter, so that it is not late by more than a fifth."""
+        idle = self.options.idle_exit_seconds
+        every = self.options.root_check_seconds
+        return min(every, max(0.05, idle / 5)) if idle > 0 else every
+
+    def _keep_serving(self) -> bool:
+        """Asked every _check_every(): also the time to let go of old hot copies."""
         self._expire_hot()
-        if self.server.owns_socket():
-            return True
-        log(f"{self.server.path} was removed or replaced (root deleted?); no new "
-            "client can reach this daemon: stopping")
-        return False
+        if not self.server.owns_socket():
+            log(f"{self.server.path} was removed or replaced (root deleted?); no new "
+                "client can reach this daemon: stopping")
+            return False
+        return not self._idle_too_long()
+
+    def _idle_too_long(self) -> bool:
+        """No trainer connected and nothing in flight for idle_exit_seconds."""
+        limit = self.options.idle_exit_seconds
+        if limit <= 0:
+            return False
+        if self.writes.snapshot() or any(c.run for c in self.server.live_connections()):
+            self._last_busy = time.monotonic()
+            return False
+        if time.monotonic() - self._last_busy < limit:
+            return False
+        log(f"no client and nothing in flight for {limit:g} s (idle_exit_seconds): "
+            "stopping")
+        return True
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -231,6 +260,7 @@ class Daemon:
     def client_left(self, run: str, rank: int, clean: bool) -> None:
         """A client crashed (or hung up without bye): a restart on this node within
         hot_linger_seconds restores from memory; then the copy is released."""
+        self._last_busy = time.monotonic()   # the idle exit counts from here
         if not clean:
             self.hot_cache.touch(run, rank)
 
@@ -272,6 +302,7 @@ class Daemon:
                                "the commit failed: %r", sub.run, sub.step, event.name, e)
         finally:
             self._finish(sub, hot, event)
+            self._last_busy = time.monotonic()
         if done is not None:
             done.purge()   # the slow part of retention's deletes, after the client knows
 
@@ -414,7 +445,8 @@ def _pid_alive(pid: Any) -> bool:
     return isinstance(pid, int) and pid > 0 and psutil.pid_exists(pid)
 
 
-def detached(root: str, timeout: float = 120.0) -> int:
+def detached(root: str, options: Optional[Options] = None,
+             timeout: float = 120.0) -> int:
     """``snapd serve --detach``: fork the daemon, wait until it serves (or exits), and
     return its verdict as this process's exit code: 0 serving, 2 another daemon
     serves the root, else the daemon's own failure code (its log says why).
@@ -426,7 +458,7 @@ def detached(root: str, timeout: float = 120.0) -> int:
     if pid == 0:   # the daemon; never returns into the caller's code
         code = 1
         try:
-            code = main(root)
+            code = main(root, options)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -68,6 +68,8 @@ class Options:
     #                               hello) for this long is dropped; its snapshots finish
     hot_linger_seconds: float = 300.0  # a crashed client's hot copy is kept this long
     hot_max_bytes: int = 0        # all hot copies together; 0: a quarter of the RAM
+    idle_exit_seconds: float = 600.0  # a client-started daemon exits after this long
+    #                               with no client and nothing in flight; 0: never
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Options":
         # Before the generated __init__, whose TypeError would not name the options.
@@ -100,7 +102,7 @@ class Options:
             if not getattr(self, name) > 0:
                 raise InvalidOption(f"{name}={getattr(self, name)}: a positive number",
                                     field=name)
-        for name in ("hot_linger_seconds", "hot_max_bytes"):
+        for name in ("hot_linger_seconds", "hot_max_bytes", "idle_exit_seconds"):
             if getattr(self, name) < 0:
                 raise InvalidOption(f"{name}={getattr(self, name)}: zero or more",
                                     field=name)

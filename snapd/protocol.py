@@ -109,6 +109,13 @@ class Ping:
 
 
 @dataclass
+class Stop:
+    """Ask the daemon to stop: it replies ``ok``, stops accepting, finishes every
+    accepted snapshot (their events still go out), then exits (``snapd stop``)."""
+    op = "stop"
+
+
+@dataclass
 class Bye:
     """The client is done (every snapshot resolved): its hot copy may be released."""
     op = "bye"
@@ -221,7 +228,7 @@ class Pong:
 
 
 MESSAGES: Dict[str, Type] = {cls.op: cls for cls in (
-    Hello, Attach, Submit, Status, HotGet, Ping, Bye, Welcome, Ok, Error, Accepted,
+    Hello, Attach, Submit, Status, HotGet, Ping, Stop, Bye, Welcome, Ok, Error, Accepted,
     Committed, Failed, StatusReply, HotReply, Pong)}
 
 

@@ -154,6 +154,7 @@ class Handler(Protocol):
     def hot(self, run: str, rank: int) -> p.HotReply: ...
     def client_done(self, run: str, rank: int) -> None: ...
     def client_left(self, run: str, rank: int, clean: bool) -> None: ...
+    def stop(self) -> None: ...
     def log(self, message: str) -> None: ...
 
 
@@ -184,7 +185,7 @@ class Connection:
         self._requests: Dict[type, Callable[[Any, int], Optional[Any]]] = {
             p.Hello: self._on_hello, p.Attach: self._on_attach, p.Submit: self._on_submit,
             p.Status: lambda m, r: p.StatusReply(self.handler.status()),
-            p.HotGet: self._on_hot, p.Bye: self._on_bye,
+            p.HotGet: self._on_hot, p.Bye: self._on_bye, p.Stop: self._on_stop,
             p.Ping: lambda m, r: p.Pong(os.getpid())}
         _set_timeout(sock, socket.SO_SNDTIMEO, self._timeout)
         _set_timeout(sock, socket.SO_RCVTIMEO, self._timeout)
@@ -378,6 +379,14 @@ class Connection:
         if self.run:
             self.handler.client_done(self.run, self.rank)
         return p.Ok()
+
+    def _on_stop(self, m: p.Stop, rid: int) -> Any:
+        # The ok is queued before the daemon is woken: the drain's close of every
+        # connection flushes what is queued, so the asker always hears it.
+        self.reply(p.Ok(), rid)
+        self.handler.log(f"pid {self.pid} asked the daemon to stop (snapd stop)")
+        self.handler.stop()
+        return None
 
     def close(self) -> None:
         """Stop talking; arenas unmap once their submitted slots are done."""

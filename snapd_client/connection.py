@@ -54,8 +54,32 @@ def daemon_command(root: str) -> List[str]:
     return [sys.executable, *safe_path, "-m", "snapd", "serve", "--root", root, "--detach"]
 
 
-def spawn_daemon(root: str, timeout: float = SPAWN_TIMEOUT) -> socket.socket:
-    """Start the root's daemon detached (it outlives us) and connect to it.
+def connect_or_spawn(root: str, timeout: float = SPAWN_TIMEOUT) -> socket.socket:
+    """A socket connected to the root's daemon, starting one when none answers.
+
+    A daemon that is stopping (idle, ``snapd stop``, SIGTERM) still holds the root's
+    lock while it finishes, with nobody answering: the one we start exits 2, and we
+    try again until the old one is gone, for ``timeout`` seconds at most.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = try_connect(root)
+        if sock is None:
+            sock = spawn_daemon(root, max(1.0, deadline - time.monotonic()))
+        if sock is not None:
+            return sock
+        if time.monotonic() >= deadline:
+            raise DaemonStartFailed(
+                f"the daemon holding {root}/.snapd.lock has not answered on "
+                f"{root}/{SOCKET_NAME} for {timeout:.0f} s (still stopping, or hung); "
+                f"see {os.path.join(root, LOG_NAME)}, or stop it: kill the pid in "
+                f"{root}/.snapd.lock")
+        time.sleep(POLL)
+
+
+def spawn_daemon(root: str, timeout: float = SPAWN_TIMEOUT) -> Optional[socket.socket]:
+    """Start the root's daemon detached (it outlives us) and connect to it; None when
+    another daemon holds the root but nobody answers (it is stopping).
 
     ``serve --detach`` forks the daemon and exits once it serves, so there is no
     child of ours left running, and a daemon that cannot start is known at once.
@@ -77,6 +101,8 @@ def spawn_daemon(root: str, timeout: float = SPAWN_TIMEOUT) -> socket.socket:
         raise DaemonStartFailed(f"the daemon for {root} exited with code {code} while "
                                 f"starting; see {log_path}:\n{log_tail(log_path)}")
     sock = try_connect(root)
+    if sock is None and code == EXIT_ALREADY_RUNNING:
+        return None   # the holder is stopping (or just died): the caller tries again
     if sock is None:
         raise DaemonStartFailed(f"a daemon started for {root} but nothing answers on "
                                 f"{root}/{SOCKET_NAME}; see {log_path}")
@@ -91,6 +117,10 @@ def log_tail(path: str, nbytes: int = 2000) -> str:
             return f.read().decode("utf-8", "replace").strip()
     except OSError as e:
         return f"({path} unreadable: {e})"
+
+
+class _HungUp(Exception):
+    """The daemon closed the connection before answering hello (it was stopping)."""
 
 
 class _Pending:
@@ -110,12 +140,6 @@ class DaemonConnection:
         self.root = os.path.abspath(root)
         self.run, self.rank, self.timeout = run, rank, timeout
         self.on_event, self.on_lost = on_event, on_lost
-        sock = try_connect(self.root)
-        if sock is None:
-            if not spawn:
-                raise DaemonUnavailable(f"no daemon is serving {self.root}")
-            sock = spawn_daemon(self.root, max(SPAWN_TIMEOUT, timeout))
-        self._sock = sock
         self._ids = itertools.count(1)
         self._pending: Dict[int, _Pending] = {}
         self._lock = threading.Lock()       # pending table and lost state
@@ -123,17 +147,38 @@ class DaemonConnection:
         self.lost: Optional[DaemonUnavailable] = None
         self.last_heard = time.monotonic()
         self._last_ping = 0.0
-        self.daemon_pid = self._hello()
+        self.daemon_pid = self._connect(spawn)
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"snapd-conn-{self.daemon_pid}")
         self._reader.start()
+
+    def _connect(self, spawn: bool, attempts: int = 3) -> int:
+        """Connect (or start a daemon) and say hello; the daemon's pid. A daemon that
+        hangs up at hello was stopping as we connected: the next one is asked."""
+        for attempt in itertools.count(1):
+            sock = try_connect(self.root)
+            if sock is None:
+                if not spawn:
+                    raise DaemonUnavailable(f"no daemon is serving {self.root}")
+                sock = connect_or_spawn(self.root, max(SPAWN_TIMEOUT, self.timeout))
+            self._sock = sock
+            try:
+                return self._hello()
+            except _HungUp:
+                if attempt == attempts:
+                    raise DaemonUnavailable(f"the daemon for {self.root} hung up at "
+                                            f"hello {attempts} times; see "
+                                            f"{os.path.join(self.root, LOG_NAME)}")
 
     def _hello(self) -> int:
         self._sock.settimeout(self.timeout)
         try:
             proto.send(self._sock, peer.hello(self.run, self.rank), id=0)
             reply = proto.from_wire(proto.recv(self._sock))
-        except (OSError, EOFError, proto.ProtocolError) as e:
+        except (EOFError, ConnectionResetError, BrokenPipeError) as e:
+            self._sock.close()
+            raise _HungUp() from e
+        except (OSError, proto.ProtocolError) as e:
             self._sock.close()
             raise DaemonUnavailable(f"the daemon for {self.root} did not answer hello "
                                     f"within {self.timeout} s ({e})") from e

@@ -194,7 +194,7 @@ def test_cli_once_json_help_and_missing_root(root):
     out = runner.invoke(main, ["watch", root, "--once"])
     assert out.exit_code == 0 and "00000100" in out.output and "daemon: not running" \
         in out.output
-    missing = runner.invoke(main, ["watch", os.path.join(root, "nope")])
+    missing = runner.invoke(main, ["watch", os.path.join(root, "nope"), "--once"])
     assert missing.exit_code == 2 and "no such directory" in missing.output
     helptext = runner.invoke(main, ["watch", "--help"]).output
     assert "Examples:" in helptext and "snapd watch /data/ckpt" in helptext

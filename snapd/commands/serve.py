@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import click
 
@@ -14,14 +15,28 @@ import click
               help="Fork the daemon and exit once it serves: 0 when it does, 2 when "
                    "another daemon already serves the root, else its failure code "
                    "(its stderr says why). Clients start the daemon this way.")
-def serve(root: str, detach: bool) -> None:
+@click.option("--idle-exit", "idle_exit", type=click.FloatRange(min=0), default=None,
+              metavar="SECONDS",
+              help="Exit once no trainer has been connected and nothing has been in "
+                   "flight for SECONDS; 0: never. Default: never in the foreground; "
+                   "with --detach, idle_exit_seconds ($SNAPD_IDLE_EXIT_SECONDS, 600).")
+def serve(root: str, detach: bool, idle_exit: Optional[float]) -> None:
     """Serve ROOT: write the snapshots clients hand over, apply retention. Runs in
     this process, logging to stderr, unless --detach.
 
-    Exit code 0 after a clean stop (SIGTERM/SIGINT drain accepted snapshots first),
-    2 when another daemon already serves the root.
+    A daemon a client started (--detach) exits by itself when idle (--idle-exit); one
+    started by hand in the foreground serves until it is stopped, unless asked.
+
+    Exit code 0 after a clean stop (SIGTERM/SIGINT, `snapd stop`, or idle: accepted
+    snapshots are finished first), 2 when another daemon already serves the root.
 
     Example: snapd serve --root checkpoints
     """
-    from snapd.daemon import detached, main  # here, so that `snapd --help` stays fast
-    sys.exit(detached(root) if detach else main(root))
+    # Here, so that `snapd --help` stays fast.
+    from snapd.daemon import detached, main
+    from snapd.options import Options
+
+    if idle_exit is None and not detach:
+        idle_exit = 0.0   # an operator's daemon: never exits unasked
+    options = Options.resolve({"idle_exit_seconds": idle_exit})
+    sys.exit(detached(root, options) if detach else main(root, options))

@@ -218,7 +218,8 @@ def watch(root: Optional[str], interval: float, once: bool, as_json: bool) -> No
 
     With stdout piped, prints one line per event instead, like tail -f. Reads only
     logs, pointers and the daemon's status; never starts a daemon. ROOT: the checkpoint
-    root (default: $SNAPD_ROOT, else the current directory).
+    root (default: $SNAPD_ROOT, else the current directory); one that does not exist
+    yet is waited for (with --once or --json it is an error, exit 2).
 
     \b
     Examples:
@@ -226,22 +227,35 @@ def watch(root: Optional[str], interval: float, once: bool, as_json: bool) -> No
       snapd watch /data/ckpt | grep committed
       snapd watch /data/ckpt --once --json   the status model, for scripts
     """
-    root = resolve_root(root)
-    if as_json:
-        emit_json(view.collect(root))
-        return
-    console = Console()
-    if once:
+    if as_json or once:   # a snapshot of now: a root that is not there is an error
+        root = resolve_root(root)
+        if as_json:
+            emit_json(view.collect(root))
+            return
+        console = Console()
         console.print(view.render(view.collect(root), console.width))
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logging.getLogger("watchdog").addHandler(logging.NullHandler())   # its stop warnings
     try:
+        root = await_root(root, interval)
         if sys.stdout.isatty():
-            live_view(root, interval, console)
+            live_view(root, interval, Console())
         else:
             follow_lines(root, interval)
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:   # `snapd watch | head`: the reader left; exit quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def await_root(root: Optional[str], interval: float) -> str:
+    """The root, once it is there: a watch started before the trainer that creates
+    the root waits for it, saying so once on stderr (stdout stays the event lines)."""
+    path = root or os.environ.get("SNAPD_ROOT") or "."
+    if not os.path.exists(path):
+        click.echo(f"snapd: waiting for {path} to appear (Ctrl-C to quit)", err=True)
+        while not os.path.exists(path):
+            time.sleep(interval)
+    return resolve_root(path)   # a file, not a directory: still an error
+
