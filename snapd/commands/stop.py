@@ -9,6 +9,7 @@ unconditionally.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 from typing import Any, Dict, Optional
@@ -91,15 +92,23 @@ def _hung(root: str, error: BaseException) -> None:
 
 
 def _stopping_holder(root: str) -> Optional[int]:
-    """The pid in ``.snapd.lock`` when it is a live ``snapd serve`` that no longer
-    accepts (it stops, draining): None when no daemon holds the root."""
+    """The pid in ``.snapd.lock`` while a daemon still holds that lock but no longer
+    accepts (it stops, draining): None when no daemon holds the root. The lock, not
+    the pid, is the proof: a pid left in the file by a dead daemon may be reused."""
+    path = os.path.join(root, ROOT_LOCK_NAME)
     try:
-        with open(os.path.join(root, ROOT_LOCK_NAME), encoding="ascii") as f:
-            pid = int(f.read(32).strip() or 0)
-        cmd = psutil.Process(pid).cmdline() if pid > 0 else []
-    except (OSError, ValueError, UnicodeDecodeError, psutil.Error):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
         return None
-    return pid if "serve" in cmd and not _wait_exited(pid, 0) else None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:   # held: a daemon is still there
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            return int(text) if text.isdigit() and int(text) > 0 else None
+        return None   # free: nobody serves the root
+    finally:
+        os.close(fd)   # also drops the shared lock we may have taken
 
 
 def _wait_exited(pid: int, timeout: float) -> bool:

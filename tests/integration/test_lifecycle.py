@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 
-from harness import Peer, big_states, close_as_if_killed, submit
+from harness import Peer, close_as_if_killed, sample_states, submit
 from helpers import stop_daemons_under, wait_for, wait_until
 from snapd import protocol as p
 from snapd.names import ROOT_LOCK_NAME, SOCKET_NAME
@@ -77,15 +77,20 @@ def idle_linger(monkeypatch):
     monkeypatch.setenv("SNAPD_IDLE_EXIT_SECONDS", str(LINGER))
 
 
-class Served:
-    """A foreground ``snapd serve --root ROOT ARGS`` and its log file."""
+GATED = os.path.join(os.path.dirname(__file__), "gated_daemon.py")
 
-    def __init__(self, root: str, log: str, env: dict, args) -> None:
-        self.log = log
+
+class Served:
+    """A foreground daemon of ROOT and its log file: ``snapd serve --root ROOT ARGS``,
+    or (``gate``) the gated daemon, whose writes wait until ``open_gate()``."""
+
+    def __init__(self, root: str, log: str, env: dict, args, gate: str = "") -> None:
+        self.log, self.gate = log, gate
+        argv = [GATED, root, gate, *args] if gate else ["-m", "snapd", "serve",
+                                                         "--root", root, *args]
         with open(log, "ab") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "snapd", "serve", "--root", root, *args],
-                stdout=f, stderr=f, env=env, start_new_session=True)
+            self.proc = subprocess.Popen([sys.executable, *argv], stdout=f, stderr=f,
+                                         env=env, start_new_session=True)
         wait_until(lambda: os.path.exists(os.path.join(root, SOCKET_NAME)), 60,
                    "the daemon's socket")
 
@@ -93,19 +98,30 @@ class Served:
         with open(self.log, errors="replace") as f:
             return f.read()
 
+    def wait_writing(self) -> None:
+        """Until a write is in flight (it waits at the gate)."""
+        wait_until(lambda: os.path.exists(self.gate + ".waiting"), 60, "a write to start")
+
+    def open_gate(self) -> None:
+        open(self.gate, "w").close()
+
 
 @pytest.fixture
 def serve(tmp_path, daemon_env):
-    """serve(root, *args) -> a Served daemon; killed after the test if still running."""
+    """serve(root, *args) -> a Served daemon; serve(root, *args, gated=True) -> one whose
+    writes wait for its gate. Killed after the test if still running."""
     started = []
 
-    def start(root: str, *args: str) -> Served:
-        started.append(Served(root, str(tmp_path / f"serve-{len(started)}.log"),
-                              daemon_env, args))
+    def start(root: str, *args: str, gated: bool = False) -> Served:
+        n = len(started)
+        started.append(Served(root, str(tmp_path / f"serve-{n}.log"), daemon_env, args,
+                              gate=str(tmp_path / f"gate-{n}") if gated else ""))
         return started[-1]
 
     yield start
     for served in started:
+        if served.gate:
+            served.open_gate()
         if served.proc.poll() is None:
             served.proc.kill()
         served.proc.wait(10)
@@ -144,17 +160,17 @@ def test_client_started_daemon_exits_once_idle_and_not_before(env, idle_linger):
 
 def test_idle_exit_waits_for_a_snapshot_in_flight(harness, serve):
     root, run = harness.root(), harness.run
-    daemon = serve(root, "--idle-exit", str(LINGER))
-    arena = harness.arena(40 << 20)
+    daemon = serve(root, str(LINGER), gated=True)   # exits after LINGER idle seconds
+    arena = harness.arena(1 << 20)
     with Peer(root, hello=True, run=run) as peer:
         arena.attach(peer, run)
-        submit(peer, arena, run, 1, big_states(32), compression=19)   # seconds to write
-    left = time.monotonic()   # no client from here on; the write still runs
-    store = RunStore(root, run)
-    wait_until(lambda: store.read_pointer("LATEST") == SnapshotId(0, 1), 300,
-               "the slow snapshot to commit")
-    assert time.monotonic() - left > 2 * LINGER, "the write was too quick to show it"
+        submit(peer, arena, run, 1, sample_states())
+        daemon.wait_writing()
+    # No client from here on, and the write is held at the gate: the daemon stays.
+    assert _stays_up(daemon.proc.pid, 3 * LINGER), "exited with a write in flight"
+    daemon.open_gate()
     assert daemon.proc.wait(60) == 0
+    assert RunStore(root, run).read_pointer("LATEST") == SnapshotId(0, 1)
     log = daemon.text()   # idle only once the write was done
     assert log.index("committed run") < log.index("idle_exit_seconds")
     _assert_released(root)
@@ -164,14 +180,17 @@ def test_idle_exit_waits_for_a_snapshot_in_flight(harness, serve):
 
 def test_stop_drains_the_snapshot_in_flight_then_the_daemon_exits(harness, serve):
     root, run = harness.root(), harness.run
-    daemon = serve(root)   # by hand, in the foreground: it never exits on idle
-    arena = harness.arena(40 << 20)
+    daemon = serve(root, gated=True)   # by hand: it never exits on idle
+    arena = harness.arena(1 << 20)
     store = RunStore(root, run)
     with Peer(root, hello=True, run=run) as peer:
         arena.attach(peer, run)
-        submit(peer, arena, run, 1, big_states(32), compression=19)   # seconds to write
+        submit(peer, arena, run, 1, sample_states())
+        daemon.wait_writing()
         stop = subprocess.Popen([sys.executable, "-m", "snapd", "stop", root],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: "asked the daemon to stop" in daemon.text(), 60, "the stop")
+        daemon.open_gate()
         event = peer.event()   # the drain still tells the connected trainer
         assert event["op"] == "committed" and event["step"] == 1, event
     out, err = stop.communicate(timeout=180)
@@ -182,22 +201,26 @@ def test_stop_drains_the_snapshot_in_flight_then_the_daemon_exits(harness, serve
     assert daemon.proc.wait(10) == 0
     assert store.read_pointer("LATEST") == SnapshotId(0, 1)
     _assert_released(root)
-    assert "asked the daemon to stop" in daemon.text()
 
 
 def test_stop_waits_for_a_daemon_already_stopping(harness, serve):
     root, run = harness.root(), harness.run
-    daemon = serve(root)
-    arena = harness.arena(40 << 20)
+    daemon = serve(root, gated=True)
+    arena = harness.arena(1 << 20)
     with Peer(root, hello=True, run=run) as peer:
         arena.attach(peer, run)
-        submit(peer, arena, run, 1, big_states(32), compression=19)   # seconds to write
+        submit(peer, arena, run, 1, sample_states())
+        daemon.wait_writing()
     daemon.proc.send_signal(signal.SIGTERM)   # drains: no longer accepts, lock held
     wait_until(lambda: "stopping: finishing 1" in daemon.text(), 60, "the drain")
-    done = _snapd("stop", root)
-    assert done.returncode == 0, done.stderr
+    stop = subprocess.Popen([sys.executable, "-m", "snapd", "stop", root],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = _first_line(stop, 60)   # it has met the stopping daemon, and now waits
+    daemon.open_gate()
+    out, err = stop.communicate(timeout=180)
+    assert stop.returncode == 0, err
     assert f"the daemon (pid {daemon.proc.pid}) serving {root} is already stopping" \
-        in done.stdout and f"stopped (pid {daemon.proc.pid})" in done.stdout
+        in first and f"stopped (pid {daemon.proc.pid})" in out
     assert RunStore(root, run).read_pointer("LATEST") == SnapshotId(0, 1)
     assert daemon.proc.wait(10) == 0
 
@@ -206,13 +229,18 @@ def test_a_trainer_arriving_while_the_daemon_stops_gets_the_next_one(harness, se
     """The old daemon holds the lock while it drains and accepts no one: the daemon
     the client starts exits 2, and the client tries again until one serves."""
     root, run = harness.root(), harness.run
-    daemon = serve(root)
-    arena = harness.arena(40 << 20)
+    daemon = serve(root, gated=True)
+    arena = harness.arena(1 << 20)
     with Peer(root, hello=True, run=run) as peer:
         arena.attach(peer, run)
-        submit(peer, arena, run, 1, big_states(32), compression=19)   # seconds to write
+        submit(peer, arena, run, 1, sample_states())
+        daemon.wait_writing()
     daemon.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: "stopping: finishing 1" in daemon.text(), 60, "the drain")
+    # The gate opens once the client has met the stopping daemon (its own daemon was
+    # refused the root), so the retry is what gets it served.
+    refused = threading.Thread(target=_open_when_refused, args=(root, daemon), daemon=True)
+    refused.start()
     client = Client(root, "next")
     try:
         client.track(model=torch.nn.Linear(4, 4))
@@ -221,7 +249,21 @@ def test_a_trainer_arriving_while_the_daemon_stops_gets_the_next_one(harness, se
         assert daemon.proc.poll() == 0   # the new one served only once the old had gone
         client.close()
     finally:
+        refused.join(60)
         stop_daemons_under(root)
+
+
+def _first_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The first line ``proc`` prints (click.echo flushes each line), within timeout."""
+    lines: "queue.Queue[str]" = queue.Queue()
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+    return lines.get(timeout=timeout)
+
+
+def _open_when_refused(root: str, daemon: Served) -> None:
+    log = os.path.join(root, ".snapd.log")
+    wait_for(lambda: os.path.exists(log) and "already serves root" in open(log).read(), 60)
+    daemon.open_gate()
 
 
 def test_stop_without_a_daemon_says_so(harness, serve):

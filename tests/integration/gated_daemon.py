@@ -1,0 +1,33 @@
+"""`snapd serve --root ROOT [--idle-exit S]` whose writes wait for a gate file.
+
+Usage: python gated_daemon.py ROOT GATE [IDLE_EXIT_SECONDS]
+
+A snapshot stays in flight exactly until the test creates GATE, on any machine: the
+tests that need a write in flight (drain on stop, no idle exit while writing) then
+do not depend on how long a large compressed write happens to take. The substitution
+is the daemon's own seam (``Daemon(writer=...)``); the product path is unchanged.
+"""
+
+import os
+import sys
+import time
+
+from snapd import daemon as snapd_daemon, logs
+from snapd.options import Options
+from snapd.writer import write_snapshot
+
+root, gate = sys.argv[1], sys.argv[2]
+idle = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+
+
+def gated_writer(store, plan, opts, **kwargs):
+    with open(gate + ".waiting", "w"):
+        pass   # tells the test a write is in flight
+    while not os.path.exists(gate):
+        time.sleep(0.02)   # no event to wait on across processes: poll the gate file
+    return write_snapshot(store, plan, opts, **kwargs)
+
+
+logs.set_format("snapd", snapd_daemon.LINE_FORMAT, snapd_daemon.DATE_FORMAT)
+options = Options.resolve({"idle_exit_seconds": idle})
+sys.exit(snapd_daemon.Daemon(root, options, writer=gated_writer).serve_forever())
