@@ -24,13 +24,14 @@ from snapd.errors import (
 from snapd.options import Options
 from snapd_client.client import Client
 from snapd_client.cursor import BatchStream
-from snapd_client.handle import SnapshotHandle
+from snapd_client.handle import CloseSummary, SnapshotHandle, SnapshotWarning
 from snapd_client.journal import ReplayWarning
 from snapd_client.restore import FallbackWarning
 
 __all__ = [
     "BatchStream",
     "Client",
+    "CloseSummary",
     "CorruptSnapshot",
     "DaemonStartFailed",
     "DaemonUnavailable",
@@ -47,6 +48,7 @@ __all__ = [
     "SnapshotExists",
     "SnapshotFailed",
     "SnapshotHandle",
+    "SnapshotWarning",
     "UnknownOption",
     "UnsupportedState",
 ]

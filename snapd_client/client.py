@@ -26,7 +26,8 @@ import sys
 import time
 import warnings
 import weakref
-from typing import Any, Dict, Iterable, List, Optional
+from collections import deque
+from typing import Any, Deque, Dict, Iterable, List, Optional
 
 import torch
 
@@ -37,7 +38,7 @@ from snapd.runlock import RunLock
 from snapd.store import RunStore
 from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
-from snapd_client.handle import SnapshotHandle
+from snapd_client.handle import CloseSummary, SnapshotHandle, SnapshotWarning
 from snapd_client.handoff import Handoff, settle_writes
 from snapd_client.journal import Journal
 from snapd_client.restore import Loaded, load_for_resume, load_weights, type_name
@@ -88,6 +89,10 @@ class Client:
         self._tracked: Dict[str, Any] = {}
         self._stream: Optional[BatchStream] = None
         self._handles: List[SnapshotHandle] = []
+        self._newest: Optional[SnapshotHandle] = None  # the newest not skipped
+        self._failures: Deque[SnapshotHandle] = deque()  # failed, to be warned of
+        self._outcomes: Dict[int, str] = {}   # step -> committed/failed/skipped
+        self._summary: Optional[CloseSummary] = None
         self.lineage: Dict[str, Any] = {"id": 0, "mode": "fresh", "parent": None}
         self.restored: Optional[Loaded] = None
         self.restored_from: Optional[str] = None  # "hot" (daemon memory) or "disk"
@@ -240,10 +245,13 @@ class Client:
         slot (``mode="wait"``), or once those the next forward may change are
         (``mode="overlap"``: the parameters and optimizer state follow in the
         background, and the next ``optimizer.step()`` waits for them); the daemon
-        writes after. ``daemon=False`` writes here, synchronously.
+        writes after. ``daemon=False`` writes here, synchronously. A snapshot that
+        failed in the background since the last call is warned of first
+        (``SnapshotWarning``), and one a lost daemon left staged is retried.
         """
         self._check_open()
         self._check_writable("snapshot()")
+        self._report_failures()
         started = time.perf_counter()
         handle = self._hand_over(step, metric)
         # The stall: how long this call kept the loop from its next update.
@@ -253,9 +261,26 @@ class Client:
                            if self._handoff is not None else "in-process")
         self.journal.sync_soon()  # flushed now by the log's thread: no fsync here
         handle.add_done_callback(self._record_outcome)
-        # Only handles close() may still have to wait for or raise are kept.
-        self._handles = [h for h in self._handles if h.pending] + [handle]
+        # Only handles close() may still have to wait for are kept; failed ones are
+        # warned of from _failures.
+        self._handles = [h for h in self._handles if not h.done()] + [handle]
+        if not handle.skipped:
+            self._newest = handle
         return handle
+
+    def _report_failures(self, stacklevel: int = 3) -> None:
+        """Warn, at the trainer's own line (``stacklevel``: this function's caller's
+        caller), of what failed in the background since its last call: a daemon lost
+        (what it lost, what is retried on a new one), a snapshot that did not commit.
+        Once per snapshot: a failure wait() already raised is not warned of."""
+        notes = self._handoff.take_notes() if self._handoff is not None else []
+        while self._failures:
+            handle = self._failures.popleft()
+            if handle.failed and not handle.warned and not handle.raised:
+                handle.warned = True
+                notes.append(str(handle.failure()))
+        for note in notes:
+            warnings.warn(note, SnapshotWarning, stacklevel=stacklevel)
 
     def _hand_over(self, step: int, metric: Optional[float]) -> SnapshotHandle:
         capture = self.capture(step, metric)
@@ -280,12 +305,16 @@ class Client:
     def _record_outcome(self, handle: SnapshotHandle) -> None:
         """The lifecycle record of a snapshot; a committed one carries the full RNG
         states and cursor, and the last resume and replay verdict (recovery reads back
-        no further than the last commit)."""
+        no further than the last commit). A failure is queued to be warned of."""
+        state = "skipped" if handle.skipped else "failed" if handle.failed else "committed"
+        self._outcomes[handle.step] = state
+        if state == "failed":
+            self._failures.append(handle)
         if self._journal is None or self._journal.closed:
             return
-        if handle.skipped:
+        if state == "skipped":
             self._journal.event("snapshot", event="skipped", step=handle.step)
-        elif handle.failed:
+        elif state == "failed":
             self._journal.event("snapshot", event="failed", step=handle.step,
                                 error=str(handle.error))
         else:
@@ -320,6 +349,7 @@ class Client:
         """
         self._check_open()
         self._check_writable("log()")
+        self._report_failures()
         cursor = [self._stream.epoch, self._stream.index] if self._stream else None
         self.journal.step(step, cursor, scalars,
                           None if samples is None else [int(i) for i in samples],
@@ -455,20 +485,26 @@ class Client:
 
     # --- shutdown ------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Wait for every snapshot handed off; raise the first failure not yet seen."""
-        if self._closed:
-            return
+    def close(self) -> CloseSummary:
+        """Wait for every snapshot handed off (retrying those a lost daemon left
+        staged); returns what became of them, and logs it in one line.
+
+        Raises only when the newest snapshot asked for (not skipped) did not commit,
+        unless its wait() already raised that; older failures are warned of
+        (``SnapshotWarning``), a later commit superseding them.
+        """
+        return self._close(stacklevel=4)
+
+    def _close(self, stacklevel: int) -> CloseSummary:
+        if self._summary is not None or self._closed:
+            return self._summary or CloseSummary()
         self._closed = True
-        first: Optional[BaseException] = None
+        newest = self._newest
         try:
-            if self._handoff is not None:
-                self._handoff.drain()
-            for handle in self._handles:
-                try:
-                    handle.wait()  # a daemon's: bounded by its liveness and the timeout
-                except BaseException as e:  # keep waiting on the rest, raise the first
-                    first = first or e
+            self._settle_all()
+            if newest is not None and newest.failed:
+                newest.warned = True   # raised below instead
+            self._report_failures(stacklevel)
         finally:
             for hook in self._hooks.values():
                 hook.remove()
@@ -478,8 +514,30 @@ class Client:
                 self._journal.close()
             if self._lock is not None:
                 self._lock.release()   # last: the log is closed, the handles resolved
-        if first is not None:
-            raise first
+        self._summary = summary = self._summarize()
+        if self._outcomes:
+            logger.info(f"run {self.run}: closed; snapshots: {summary}")
+        if newest is not None and newest.failed and not newest.raised:
+            raise newest.failure()
+        return summary
+
+    def _settle_all(self) -> None:
+        """Every outcome known: the handles waited for, and what a daemon lost on the
+        way retried on a new one (the notes are warned of by _report_failures)."""
+        for _ in range(3):   # a retry's daemon lost too: once more, then give up
+            if self._handoff is not None:
+                self._handoff.drain()
+            in_flight = self._handoff.in_flight() if self._handoff is not None else []
+            for handle in self._handles + in_flight:
+                handle.settle()   # a daemon's: bounded by its liveness and the timeout
+            if self._handoff is None or not self._handoff.recover():
+                return
+
+    def _summarize(self) -> CloseSummary:
+        outcomes = list(self._outcomes.items())   # callbacks may still add (other threads)
+        by = {state: tuple(sorted(s for s, st in outcomes if st == state))
+              for state in ("committed", "failed", "skipped")}
+        return CloseSummary(**by)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -497,4 +555,4 @@ class Client:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self._close(stacklevel=4)

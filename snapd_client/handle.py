@@ -1,9 +1,11 @@
-"""The handle snapshot() returns: done(), wait(), and a failure re-raised once."""
+"""The handle snapshot() returns: done(), wait(), and a failure re-raised once; the
+warning a background failure is reported with, and what close() returns."""
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from snapd.errors import DaemonUnavailable, SnapshotFailed
 from snapd.store import SnapshotId
@@ -11,18 +13,59 @@ from snapd.writer import CommitResult
 
 Waiter = Callable[[threading.Event], None]
 
+# How long wait() gives the hand-off, once the daemon is known lost, to settle the
+# snapshot (committed on disk, lost, or unknown) before it calls it lost itself.
+SETTLE_SECONDS = 10.0
+
+
+class SnapshotWarning(RuntimeWarning):
+    """A snapshot failed in the background (a lost daemon, a failed write): warned at
+    the trainer's next ``log()``/``snapshot()`` (or ``close()``), at the trainer's own
+    line, once per snapshot; and what snapd did about it (a retry on a new daemon)."""
+
+
+@dataclass(frozen=True)
+class CloseSummary:
+    """What ``Client.close()`` returns: the steps of this client's snapshots by
+    outcome (a snapshot retried after a lost daemon counts by its retry's outcome;
+    an outcome still unknown counts as failed)."""
+
+    committed: Tuple[int, ...] = ()
+    failed: Tuple[int, ...] = ()
+    skipped: Tuple[int, ...] = ()
+
+    @property
+    def newest_committed(self) -> Optional[int]:
+        return max(self.committed, default=None)
+
+    def __str__(self) -> str:
+        def steps(xs: Tuple[int, ...]) -> str:   # the last five at most
+            if not xs:
+                return ""
+            shown = ("…, " if len(xs) > 5 else "") + ", ".join(map(str, xs[-5:]))
+            return f" (step{'s' if len(xs) > 1 else ''} {shown})"
+        return (f"{len(self.committed)} committed{steps(self.committed)}, "
+                f"{len(self.failed)} failed{steps(self.failed)}, "
+                f"{len(self.skipped)} skipped{steps(self.skipped)}")
+
 
 class SnapshotHandle:
     """One snapshot in flight. ``wait()`` returns its result or raises its failure.
 
-    A background failure is raised by the first ``wait()`` (or by ``Client.close()``),
-    then considered reported: a training loop that checks once is not re-raised at.
+    A background failure is raised by the first ``wait()`` (or by ``Client.close()``
+    when this is the newest snapshot), then considered reported: a training loop
+    that checks once is not re-raised at. Unwaited, it is warned about
+    (``SnapshotWarning``) at the trainer's next ``log()``/``snapshot()``.
     A write that failed is raised as SnapshotFailed from its cause; a daemon that
     died or stopped answering as DaemonUnavailable; when the daemon still runs and
     the snapshot is not on disk yet, ``outcome_unknown`` is True and the message
     says how to find out (the run's LATEST). A skipped snapshot (the previous
     write was still busy and ``on_busy="skip"``) is done at once and waits to None.
     ``stall_seconds`` is how long snapshot() waited for a free staging slot.
+
+    A snapshot lost with a dead daemon whose bytes are still staged is retried on a
+    new daemon (handoff.py): ``reopen()`` puts the handle back in flight, and the
+    retry's outcome replaces the loss (done callbacks run again with it).
 
     Built complete by whoever takes the snapshot: ``sid`` (where the snapshot lands),
     ``rng`` and ``cursor`` (the state the committed log record carries), ``waiter``
@@ -42,46 +85,80 @@ class SnapshotHandle:
         self.result: Optional[CommitResult] = None
         self.skipped = False
         self.outcome_unknown = False
+        self.warned = False        # a SnapshotWarning told the trainer of this failure
+        self.retries = 0           # times resubmitted to a new daemon after a loss
         self._waiter = waiter
         self._error: Optional[BaseException] = None
-        self._reported = False
-        self._event = threading.Event()
+        self._reported = False     # wait() raised this failure
+        self._settled = False      # an outcome is set (its callbacks may still run)
+        self._event = threading.Event()   # set once the outcome's callbacks have run
         self._lock = threading.Lock()
         self._callbacks: List[Callable[["SnapshotHandle"], None]] = []
 
     def add_done_callback(self, callback: Callable[["SnapshotHandle"], None]) -> None:
-        """Call ``callback(handle)`` once the outcome is known (at once if it is)."""
+        """Call ``callback(handle)`` on each outcome (at once if one is known): once,
+        or again after a retry."""
         with self._lock:
+            self._callbacks.append(callback)
             if not self._event.is_set():
-                self._callbacks.append(callback)
-                return
+                return   # _finish runs it
         callback(self)
 
-    def _finish(self) -> None:
+    def _settle_once(self) -> bool:
+        """Claim the outcome: False when one is already set (later ones are echoes)."""
         with self._lock:
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback(self)
+            if self._settled:
+                return False
+            self._settled = True
+            return True
+
+    def _finish(self) -> None:
+        """Run the callbacks (the log's record of the outcome), then wake the waiters:
+        whoever wait() returns to finds the outcome recorded."""
+        ran = 0
+        while True:
+            with self._lock:
+                callbacks = self._callbacks[ran:]
+                if not callbacks:
+                    self._event.set()
+                    return
+            for callback in callbacks:
+                callback(self)
+            ran += len(callbacks)
 
     def set_result(self, result: CommitResult) -> None:
-        self.result = result
+        """Durable. Wins over a loss already set: the disk is the truth."""
+        with self._lock:
+            self._settled = True
+            self.result, self._error, self.outcome_unknown = result, None, False
         self._finish()
 
     def set_skipped(self) -> None:
-        self.skipped = True
-        self._finish()
+        if self._settle_once():
+            self.skipped = True
+            self._finish()
 
     def set_error(self, error: BaseException) -> None:
-        if not self._event.is_set():  # the first outcome wins; later ones are echoes
+        if self._settle_once():
             self._error = error
             self._finish()
 
     def set_unknown(self, error: DaemonUnavailable) -> None:
         """The daemon was lost but may still commit: not known to have failed."""
-        if not self._event.is_set():
+        if self._settle_once():
             self.outcome_unknown = True
-            self.set_error(error)
+            self._error = error
+            self._finish()
+
+    def reopen(self, waiter: Optional[Waiter]) -> None:
+        """In flight again: a retry of this lost snapshot (its staged bytes, resubmitted
+        to a new daemon, whose ``waiter`` watches it). Its outcome replaces the loss."""
+        with self._lock:
+            self._error, self.result, self.outcome_unknown = None, None, False
+            self._reported = self.warned = self._settled = False
+            self._waiter = waiter
+            self.retries += 1
+            self._event.clear()
 
     @property
     def error(self) -> Optional[BaseException]:
@@ -100,33 +177,52 @@ class SnapshotHandle:
         """Still in flight, or failed without the failure having been reported."""
         return not self.done() or (self.failed and not self._reported)
 
+    @property
+    def raised(self) -> bool:
+        """wait() has raised this failure to the trainer."""
+        return self._reported
+
+    def settle(self, timeout: Optional[float] = None) -> bool:
+        """Block as wait() does, raising nothing; whether the outcome is known."""
+        if timeout is None and self._waiter is not None and not self._event.is_set():
+            try:
+                self._waiter(self._event)
+            except DaemonUnavailable as e:
+                # The hand-off settles every snapshot in flight when the daemon is
+                # lost (committed on disk, lost, unknown, retried later): let it.
+                if not self._event.wait(SETTLE_SECONDS):
+                    self.set_error(e)
+        return self._event.wait(timeout)
+
     def wait(self, timeout: Optional[float] = None):
         """Block until durable (or failed). Raises SnapshotFailed from the cause.
 
         Without ``timeout`` a daemon snapshot is waited for as long as the daemon
         lives and answers (bounded by ``Options.timeout`` of silence).
         """
-        if timeout is None and self._waiter is not None and not self._event.is_set():
-            try:
-                self._waiter(self._event)
-            except DaemonUnavailable as e:
-                self.set_error(e)
-        if not self._event.wait(timeout):
+        if not self.settle(timeout):
             raise TimeoutError(f"snapshot of step {self.step} not durable after "
                                f"{timeout} s")
         if self._error is not None and not self._reported:
             self._reported = True
-            if self.outcome_unknown:
-                raise DaemonUnavailable(f"snapshot of step {self.step}: outcome unknown: "
-                                        f"{self._error}") from self._error
-            if isinstance(self._error, DaemonUnavailable):
-                raise DaemonUnavailable(f"snapshot of step {self.step} was lost: "
-                                        f"{self._error}") from self._error
-            raise SnapshotFailed(f"snapshot of step {self.step} failed: "
-                                 f"{self._error}") from self._error
+            raise self.failure()
         return self.result
 
+    def failure(self) -> BaseException:
+        """The exception wait() raises for this snapshot's failure (its cause chained)."""
+        error = self._error
+        if self.outcome_unknown:
+            e: BaseException = DaemonUnavailable(
+                f"snapshot of step {self.step}: outcome unknown: {error}")
+        elif isinstance(error, DaemonUnavailable):
+            e = DaemonUnavailable(f"snapshot of step {self.step} was lost: {error}")
+        else:
+            e = SnapshotFailed(f"snapshot of step {self.step} failed: {error}")
+        e.__cause__ = error
+        return e
+
     def __repr__(self) -> str:
-        state = ("outcome unknown" if self.outcome_unknown else "failed" if self.failed else "skipped" if self.skipped
-                 else "durable" if self.done() else "in flight")
+        state = ("outcome unknown" if self.outcome_unknown else "failed" if self.failed
+                 else "skipped" if self.skipped else "durable" if self.done()
+                 else "in flight")
         return f"<SnapshotHandle step={self.step} {state}>"

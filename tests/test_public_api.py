@@ -78,6 +78,11 @@ def test_the_client_exports_the_errors_and_warnings_a_trainer_meets():
         assert issubclass(getattr(snapd_client, name), UserWarning)
         assert name in snapd_client.__all__
     # The very classes restore and the replay check warn with.
-    from snapd_client import journal, restore
+    from snapd_client import handle, journal, restore
     assert snapd_client.ReplayWarning is journal.ReplayWarning
     assert snapd_client.FallbackWarning is restore.FallbackWarning
+    # A snapshot failed in the background; what close() returns.
+    assert snapd_client.SnapshotWarning is handle.SnapshotWarning
+    assert issubclass(snapd_client.SnapshotWarning, RuntimeWarning)
+    assert snapd_client.CloseSummary is handle.CloseSummary
+    assert {"SnapshotWarning", "CloseSummary"} <= set(snapd_client.__all__)
