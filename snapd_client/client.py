@@ -32,6 +32,7 @@ from typing import Any, Deque, Dict, Iterable, List, Optional
 import torch
 
 from snapd.commit import CommitService
+from snapd.errors import InvalidOption
 from snapd.options import Options
 from snapd.recovery import RunProgress, read_progress
 from snapd.runlock import RunLock
@@ -52,6 +53,19 @@ MODES = ("resume", "warm_start")
 # The operator's one-line decisions (what a restore chose); snapd/logs.py prints them
 # on stderr as "snapd: <message>".
 logger = logging.getLogger(__name__)
+
+
+def _as_metric(metric: Any) -> Optional[float]:
+    """The metric as a float: scripts pass a loss tensor (``losses['val']``) as often
+    as a number, and the log and the manifest keep plain numbers."""
+    if metric is None:
+        return None
+    try:
+        return float(metric)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InvalidOption(f"snapshot(metric={metric!r}): the metric must be one number "
+                            f"(a float, or a tensor of one element): {e}",
+                            field="metric") from e
 
 
 class Client:
@@ -252,6 +266,7 @@ class Client:
         self._check_open()
         self._check_writable("snapshot()")
         self._report_failures()
+        metric = _as_metric(metric)
         started = time.perf_counter()
         handle = self._hand_over(step, metric)
         # The stall: how long this call kept the loop from its next update.

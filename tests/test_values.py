@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapd.errors import IncompatibleState
+from snapd.errors import IncompatibleState, InvalidOption
+from snapd.reader import SnapshotReader
+from snapd.store import RunStore
 from snapd_client import Client
 from snapd_client.restore import restore_order
 from snapd_client.values import Names, TrackedTensor, Values
@@ -126,3 +128,19 @@ def test_values_and_globals_are_restored_last():
                "model": torch.nn.Linear(1, 1), "globals": Names({}),
                "opt": torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1)}
     assert restore_order(tracked) == ["model", "opt", "t", "values", "globals"]
+
+
+def test_a_metric_given_as_a_loss_tensor_is_kept_as_a_number(tmp_path):
+    """nanoGPT passes losses['val'], a 0-d tensor: it is the snapshot's metric, and
+    BEST follows it; a tensor of many numbers is refused naming the field."""
+    ckpt = client(tmp_path).track(w=torch.zeros(3))
+    ckpt.snapshot(1, metric=torch.tensor(0.75)).wait()
+    ckpt.snapshot(2, metric=torch.tensor(0.25)).wait()
+    with pytest.raises(InvalidOption, match="metric") as refused:
+        ckpt.snapshot(3, metric=torch.ones(2))
+    assert refused.value.field == "metric"
+    ckpt.close()
+    best = RunStore(str(tmp_path), "run").read_pointer("BEST")
+    assert best is not None and best.step == 2
+    manifest = SnapshotReader(RunStore(str(tmp_path), "run").snapshot_path(best)).manifest
+    assert manifest["metric"] == 0.25
