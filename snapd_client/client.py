@@ -40,7 +40,7 @@ from snapd.store import RunStore
 from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
 from snapd_client.handle import CloseSummary, SnapshotHandle, SnapshotWarning
-from snapd_client.handoff import Handoff, settle_writes
+from snapd_client.handoff import Handoff, committed_on_disk, settle_writes
 from snapd_client.journal import Journal
 from snapd_client.restore import Loaded, load_for_resume, load_weights, type_name
 from snapd_client.rng import RngStreams
@@ -517,6 +517,7 @@ class Client:
         newest = self._newest
         try:
             self._settle_all()
+            self._recheck_unknown(newest)
             if newest is not None and newest.failed:
                 newest.warned = True   # raised below instead
             self._report_failures(stacklevel)
@@ -547,6 +548,16 @@ class Client:
                 handle.settle()   # a daemon's: bounded by its liveness and the timeout
             if self._handoff is None or not self._handoff.recover():
                 return
+
+    def _recheck_unknown(self, newest: Optional[SnapshotHandle]) -> None:
+        """The newest snapshot's outcome was unknown (its daemon hung, then maybe went
+        on): its committed directory, if there now is one, is the answer."""
+        if newest is None or not newest.outcome_unknown or newest.sid is None:
+            return
+        found = committed_on_disk(self.store, newest.sid)
+        if found is not None:
+            newest.reopen(None)
+            newest.set_result(found)
 
     def _summarize(self) -> CloseSummary:
         outcomes = list(self._outcomes.items())   # callbacks may still add (other threads)
