@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import os
 import pty
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -121,6 +123,15 @@ def _daemon_for_integration(request, monkeypatch):
     """Tests marked ``integration`` use the real daemon (and stop it themselves)."""
     if request.node.get_closest_marker("integration") is not None:
         monkeypatch.delenv("SNAPD_DAEMON", raising=False)
+
+
+@pytest.fixture
+def short_root():
+    """A root with a short path: the daemon's socket path must fit in 107 bytes."""
+    path = tempfile.mkdtemp(prefix="sd-", dir="/tmp")
+    yield path
+    stop_daemons_under(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

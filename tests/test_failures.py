@@ -87,10 +87,16 @@ def no_warning(call) -> None:
         call()
 
 
-def test_a_background_failure_is_warned_once_at_the_next_log_on_the_users_line(client):
+def first_snapshot_failed(client):
+    """snapshot(1) handed off, then failed by the (stand-in) daemon; its connection."""
     conn = client._handoff.conn
     client.snapshot(1)
     fail(client, conn, 1)
+    return conn
+
+
+def test_a_background_failure_is_warned_once_at_the_next_log_on_the_users_line(client):
+    conn = first_snapshot_failed(client)
     with pytest.warns(SnapshotWarning, match="snapshot of step 1 failed: disk full") as w:
         client.log(2)
     assert [r.filename for r in w] == [__file__]
@@ -103,9 +109,7 @@ def test_a_background_failure_is_warned_once_at_the_next_log_on_the_users_line(c
 
 
 def test_the_warning_at_the_next_snapshot_points_at_the_users_line(client):
-    conn = client._handoff.conn
-    client.snapshot(1)
-    fail(client, conn, 1)
+    first_snapshot_failed(client)
     with pytest.warns(SnapshotWarning, match="step 1") as w:
         client.snapshot(2)
     assert [r.filename for r in w] == [__file__]

@@ -9,11 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
-
-from helpers import stop_daemons_under
 
 pytestmark = pytest.mark.integration  # every test here runs trainer processes
 
@@ -104,15 +101,6 @@ def test_leaving_out_a_piece_makes_the_runs_differ(control_base, tmp_path, contr
         assert replay["step"] == CUT + 1, replay
     else:  # missing momentum changes the first update, so the second step's loss
         assert replay["step"] == CUT + 2, replay
-
-
-@pytest.fixture
-def short_root():
-    """A root with a short path: the daemon's socket path must fit in 107 bytes."""
-    path = tempfile.mkdtemp(prefix="sd-", dir="/tmp")
-    yield path
-    stop_daemons_under(path)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("mode,model,workers", [("wait", "momentum", 2),

@@ -203,7 +203,9 @@ def test_stop_drains_the_snapshot_in_flight_then_the_daemon_exits(harness, serve
     _assert_released(root)
 
 
-def test_stop_waits_for_a_daemon_already_stopping(harness, serve):
+def _draining(harness, serve) -> tuple:
+    """(root, run, daemon): a gated daemon that was sent SIGTERM with one write held
+    at its gate: it accepts no one and holds the root's lock until the gate opens."""
     root, run = harness.root(), harness.run
     daemon = serve(root, gated=True)
     arena = harness.arena(1 << 20)
@@ -213,6 +215,11 @@ def test_stop_waits_for_a_daemon_already_stopping(harness, serve):
         daemon.wait_writing()
     daemon.proc.send_signal(signal.SIGTERM)   # drains: no longer accepts, lock held
     wait_until(lambda: "stopping: finishing 1" in daemon.text(), 60, "the drain")
+    return root, run, daemon
+
+
+def test_stop_waits_for_a_daemon_already_stopping(harness, serve):
+    root, run, daemon = _draining(harness, serve)
     stop = subprocess.Popen([sys.executable, "-m", "snapd", "stop", root],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = _first_line(stop, 60)   # it has met the stopping daemon, and now waits
@@ -228,15 +235,7 @@ def test_stop_waits_for_a_daemon_already_stopping(harness, serve):
 def test_a_trainer_arriving_while_the_daemon_stops_gets_the_next_one(harness, serve):
     """The old daemon holds the lock while it drains and accepts no one: the daemon
     the client starts exits 2, and the client tries again until one serves."""
-    root, run = harness.root(), harness.run
-    daemon = serve(root, gated=True)
-    arena = harness.arena(1 << 20)
-    with Peer(root, hello=True, run=run) as peer:
-        arena.attach(peer, run)
-        submit(peer, arena, run, 1, sample_states())
-        daemon.wait_writing()
-    daemon.proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: "stopping: finishing 1" in daemon.text(), 60, "the drain")
+    root, run, daemon = _draining(harness, serve)
     # The gate opens once the client has met the stopping daemon (its own daemon was
     # refused the root), so the retry is what gets it served.
     refused = threading.Thread(target=_open_when_refused, args=(root, daemon), daemon=True)

@@ -38,6 +38,15 @@ class Blob:
         self.x.copy_(state["x"])
 
 
+def started(env, fill: float = 1.0):
+    """A client of a fresh run with one tracked blob, its step 1 committed."""
+    blob = Blob(fill)
+    client = Client(env.root, env.run)
+    client.track(blob=blob)
+    client.snapshot(1).wait()
+    return client, blob
+
+
 def lose_the_next_snapshot(env, client: Client, blob: Blob, step: int):
     """snapshot(step) handed to a stopped daemon, which is then killed; the live tensor
     changes after snapshot() returned. Returns the handle and the bytes staged."""
@@ -61,10 +70,7 @@ def restored(env) -> tuple:
 
 
 def test_the_next_log_warns_at_the_users_line_and_the_retry_commits(env):
-    blob = Blob(1.0)
-    client = Client(env.root, env.run)
-    client.track(blob=blob)
-    client.snapshot(1).wait()
+    client, blob = started(env)
     blob.x.fill_(2.0)
     handle, staged = lose_the_next_snapshot(env, client, blob, 2)
     with pytest.warns(SnapshotWarning, match=r"step\(s\) 2 did not commit and are retried "
@@ -80,10 +86,7 @@ def test_the_next_log_warns_at_the_users_line_and_the_retry_commits(env):
 
 
 def test_the_next_snapshot_warns_at_the_users_line_and_both_commit_in_order(env):
-    blob = Blob(1.0)
-    client = Client(env.root, env.run)
-    client.track(blob=blob)
-    client.snapshot(1).wait()
+    client, blob = started(env)
     _, staged = lose_the_next_snapshot(env, client, blob, 2)
     with pytest.warns(SnapshotWarning, match=r"step\(s\) 2 did not commit") as warned:
         newest = client.snapshot(3)
@@ -96,10 +99,7 @@ def test_the_next_snapshot_warns_at_the_users_line_and_both_commit_in_order(env)
 
 
 def test_close_retries_the_newest_snapshot_lost_with_the_daemon(env):
-    blob = Blob(1.0)
-    client = Client(env.root, env.run)
-    client.track(blob=blob)
-    client.snapshot(1).wait()
+    client, blob = started(env)
     blob.x.fill_(5.0)
     _, staged = lose_the_next_snapshot(env, client, blob, 2)
     with pytest.warns(SnapshotWarning, match="retried") as warned:
@@ -119,9 +119,7 @@ def occupy(env, step: int) -> None:
 
 
 def test_close_after_a_later_commit_returns_a_summary_and_does_not_raise(env):
-    client = Client(env.root, env.run)
-    client.track(blob=Blob(1.0))
-    client.snapshot(1).wait()
+    client, _ = started(env)
     occupy(env, 2)
     failing = client.snapshot(2)
     wait_until(failing.done, 60, "the write of step 2 to fail")
@@ -132,9 +130,7 @@ def test_close_after_a_later_commit_returns_a_summary_and_does_not_raise(env):
 
 
 def test_close_raises_when_the_newest_snapshot_failed(env):
-    client = Client(env.root, env.run)
-    client.track(blob=Blob(1.0))
-    client.snapshot(1).wait()
+    client, _ = started(env)
     occupy(env, 2)
     client.snapshot(2)
     with pytest.raises(SnapshotFailed, match="step 2") as failed:

@@ -13,29 +13,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import pytest
-
-from helpers import stop_daemons_under
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts_real")
 # script: (the step it is killed after, the snapshot it must resume from)
 CASES = {"nanogpt_style.py": (25, 20), "word_lm_style.py": (45, 42),
          "mingpt_adder_style.py": (37, 30)}
-
-
-@pytest.fixture
-def short_root():
-    """A root with a short path: the daemon's socket path must fit in 107 bytes."""
-    path = tempfile.mkdtemp(prefix="sd-", dir="/tmp")
-    yield path
-    stop_daemons_under(path)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def run_script(path, **cfg):
