@@ -6,27 +6,11 @@ the client cannot use to the handle of the snapshot in it; the reader thread fre
 slots as events arrive, and frees them all, settling their handles, when the daemon
 is lost.
 
-A lost daemon does not mean a lost snapshot: it may have died between the commit
-(the directory rename) and its ``committed`` event, or be only hung, and finish
-later. So each snapshot in flight is first looked for on disk (committed: the handle
-succeeds); if absent and the daemon is dead, it did not commit (a new daemon collects
-its tmp dir); if absent and the daemon still lives, its outcome is unknown and the
-error says so, and that the run's LATEST will tell.
-
-A snapshot a dead daemon lost is retried (``_recover``, on the trainer's thread, at
-its next log(), snapshot() or close()): its bytes are still in the slot of the
-client's own arena, unchanged, as long as no later snapshot reserved that slot
-(``_staged`` keeps what landed in each slot; reserving a slot drops its entry). They
-are copied into a new arena attached to a new daemon and the same plan descriptor is
-submitted, oldest first and before any newer snapshot, so the daemon writes them in
-the original order and LATEST never moves back (no retry when LATEST already names a
-later step). The handle is reopened: the retry's outcome replaces the loss. What was
-lost and retried is handed to the Client as notes (``take_notes``), which it warns
-with at the trainer's own line.
-
-Restore (:func:`settle_writes`): a daemon serving the root may still be writing a
-snapshot of this run and rank that a killed trainer handed off; restore waits for
-those writes (bounded) before it chooses a snapshot.
+A lost daemon does not mean a lost snapshot: what happens to the snapshots in
+flight then (found on disk, retried from the staged bytes, or unknown) is
+lostdaemon.py's ``Recovery``. The hand-off tells it what lands whole in a slot and
+which slot is reused, hands it the handles in flight when the connection is lost,
+and lends it, for a retry, a new daemon and a slot (``connect``, ``resubmit``).
 
 The copy into the slot is the stager's (``Stager`` in staging.py: copy order, the
 CUDA fence, overlap mode's background copy); the hand-off reserves the slot, gives it
@@ -37,101 +21,25 @@ landed. In overlap mode the client's optimizer step pre-hook calls
 
 from __future__ import annotations
 
-import itertools
-import logging
 import threading
 import time
-import warnings
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from snapd import protocol as proto
 from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
 from snapd.options import SUBMIT_OPTIONS, Options
-from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import CommitResult
 from snapd_client.capture import Capture
 from snapd_client.connection import POLL, DaemonConnection
-from snapd_client.handle import SETTLE_SECONDS, SnapshotHandle
+from snapd_client.handle import SnapshotHandle
 from snapd_client.hot import HotSource
+from snapd_client.lostdaemon import (Recovery, Staged, committed_on_disk,
+                                     settle_writes, used_bytes, wait_for_writes)
 from snapd_client.staging import Arena, Stager, layout, slot_size_for
 
-logger = logging.getLogger(__name__)
-
-
-def committed_on_disk(store: RunStore, sid: SnapshotId) -> Optional[CommitResult]:
-    """The commit of ``sid`` if its directory holds a manifest of that step (the
-    rename is the commit; the manifest checksum and file sizes are checked)."""
-    path = store.snapshot_path(sid)
-    try:
-        manifest = SnapshotReader(path).manifest
-    except (SnapdError, OSError):
-        return None
-    if manifest.get("step") != sid.step:
-        return None
-    size = sum(f.get("size", 0) for f in manifest.get("files", {}).values())
-    return CommitResult(sid, path, size, 0.0)
-
-
-def used_bytes(desc: dict) -> int:
-    """The bytes of a slot a plan descriptor's tensors lie in (from the slot's start)."""
-    return max((t["offset"] + t["nbytes"] for obj in desc["objects"]
-                for t in obj["tensors"]), default=0)
-
-
-def steps_text(handles: List[SnapshotHandle]) -> str:
-    return ", ".join(str(h.step) for h in handles)
-
-
-class Staged(NamedTuple):
-    """What landed whole in a slot, kept until the slot is reserved again."""
-    seq: int                  # submission order
-    slot: int
-    handle: SnapshotHandle
-    desc: dict
-
-
-def _writing(status: Dict[str, Any], run: str, rank: int) -> set:
-    return {w.get("step") for w in status.get("in_flight", [])
-            if w.get("run") == run and w.get("rank") == rank}
-
-
-def wait_for_writes(conn: DaemonConnection, run: str, rank: int,
-                    timeout: float) -> Tuple[List[int], float]:
-    """Wait until none of the writes of ``run``/``rank`` in flight now is; returns
-    their steps and the seconds waited. Writes submitted meanwhile (a live run beside
-    a read-only reader) are not waited for. Past ``timeout``: a warning, and the
-    caller restores from what is committed."""
-    start = time.monotonic()
-    first = _writing(conn.request(proto.Status()).status, run, rank)
-    pending = set(first)
-    while pending:
-        if time.monotonic() - start > timeout:
-            warnings.warn(
-                f"the daemon serving {conn.root} is still writing step(s) "
-                f"{sorted(pending)} of run {run!r} rank {rank} after {timeout} s; "
-                "restoring from what is committed now (a later snapshot of the same "
-                "step and lineage is accepted as the committed one)", RuntimeWarning,
-                stacklevel=4)
-            break
-        time.sleep(POLL)
-        pending &= _writing(conn.request(proto.Status()).status, run, rank)
-    return sorted(first), time.monotonic() - start
-
-
-def settle_writes(store: RunStore, rank: int, timeout: float) -> Tuple[List[int], float]:
-    """wait_for_writes through a connection of its own, if a daemon serves the root
-    (none is started); ([], 0.0) when none does or it stops answering."""
-    try:
-        conn = DaemonConnection(store.root, store.run, rank, timeout, spawn=False)
-    except SnapdError:
-        return [], 0.0
-    try:
-        return wait_for_writes(conn, store.run, rank, timeout)
-    except SnapdError:
-        return [], 0.0   # the daemon went away: what it committed is on disk
-    finally:
-        conn.close()
+# client.py and tests import these from here; they live in lostdaemon.py now.
+__all__ = ["Handoff", "committed_on_disk", "settle_writes", "used_bytes"]
 
 
 class Handoff:
@@ -143,13 +51,8 @@ class Handoff:
         self.arena: Optional[Arena] = None
         self.skipped: List[int] = []          # steps skipped by on_busy="skip"
         self._inflight: dict = {}             # slot -> SnapshotHandle
-        self._staged: Dict[int, Staged] = {}  # slot -> what landed whole in it
-        self._seq = itertools.count()
-        self._lost: List[SnapshotHandle] = []     # lost with a dead daemon, not yet told
-        self._unknown: List[SnapshotHandle] = []  # a hung daemon may still commit these
-        self._notes: List[str] = []           # what the trainer is told at its next call
-        self._loss_settled = threading.Event()  # _on_lost has settled the lost conn's
         self._cond = threading.Condition()    # reentrant: _lose may run inside a wait
+        self.recovery = Recovery(store, self._cond)  # what a lost daemon takes with it
         self.stager = Stager(options.mode)    # copy order, fence, overlap thread
 
     # --- snapshot ------------------------------------------------------------------
@@ -194,7 +97,7 @@ class Handoff:
         take slots) and the seconds waited for a free slot (None: skip this step)."""
         stall = 0.0
         for _ in range(3):   # a daemon lost again while we waited: once more
-            conn = self._connect()
+            conn = self.connect()
             waited = self._wait_for_room(step, need)
             if waited is None:
                 return conn, None
@@ -221,8 +124,7 @@ class Handoff:
         if error is not None:
             self._release(slot, handle, error)
             return
-        with self._cond:   # whole in the slot: retryable should the daemon be lost
-            self._staged[slot] = Staged(next(self._seq), slot, handle, desc)
+        self.recovery.landed(slot, handle, desc)
         self._submit(conn, slot, desc, handle)
 
     def _submit(self, conn: DaemonConnection, slot: int, desc: dict,
@@ -239,9 +141,7 @@ class Handoff:
                                                   for k in SUBMIT_OPTIONS}), refused)
         except Exception as e:  # the handle reports it; the trainer carries on
             if isinstance(e, DaemonUnavailable) and conn.lost is not None:
-                with self._cond:   # lost before it was sent: retried like the rest
-                    if handle not in self._lost and handle not in self._unknown:
-                        self._lost.append(handle)
+                self.recovery.unsent(handle)
             self._release(slot, handle, e)
 
     # --- slots -----------------------------------------------------------------------
@@ -267,7 +167,7 @@ class Handoff:
                     if self.conn is not None:
                         self.conn.check("a free staging slot", start)
                 except DaemonUnavailable:
-                    pass  # the loss freed every slot; _connect starts a new daemon
+                    pass  # the loss freed every slot; connect() starts a new daemon
             return time.monotonic() - start
 
     def _reserve(self, conn: DaemonConnection, need: int, handle: SnapshotHandle) -> int:
@@ -276,8 +176,7 @@ class Handoff:
             old, self.arena = self.arena, None
             if old is not None:
                 old.close()  # idle (see _has_room); the daemon drops its mapping too
-            with self._cond:
-                self._staged = {}   # those bytes are gone with it
+            self.recovery.arena_dropped()
             arena = Arena(slot_size_for(need), self.options.slots,
                           self.options.copy_threads)
             try:
@@ -290,7 +189,7 @@ class Handoff:
         with self._cond:
             slot = min(set(range(self.arena.slots)) - set(self._inflight))
             self._inflight[slot] = handle
-            self._staged.pop(slot, None)   # its bytes are about to change
+            self.recovery.reserved(slot)
         return slot
 
     def _release(self, slot: int, handle: SnapshotHandle,
@@ -311,7 +210,7 @@ class Handoff:
 
     # --- the daemon ------------------------------------------------------------------
 
-    def _connect(self, spawn: bool = True) -> DaemonConnection:
+    def connect(self, spawn: bool = True) -> DaemonConnection:
         """The live connection; after a loss, recover (retries on a new daemon), then
         find (or start) a daemon."""
         if self.conn is not None and self.conn.lost is None:
@@ -319,7 +218,7 @@ class Handoff:
         if self.conn is not None:
             self._recover()
         if self.conn is None:
-            self._loss_settled = threading.Event()
+            self.recovery.connecting()
             self.conn = DaemonConnection(self.store.root, self.store.run, self.rank,
                                          self.options.timeout, on_event=self._on_event,
                                          on_lost=self._on_lost, spawn=spawn)
@@ -337,90 +236,32 @@ class Handoff:
         """What the trainer is to be told now (the Client warns with each): a daemon
         lost since its last call, what it lost and what was retried. Recovers first."""
         self.recover()
-        notes, self._notes = self._notes, []
-        return notes
+        return self.recovery.take_notes()
 
     def _recover(self) -> None:
         """The trainer's thread, once the daemon is lost: drop it and its arena, after
         resubmitting to a new daemon what it lost whose bytes are still staged."""
-        old = self.conn
-        # The reader thread settles what was in flight (0.5 s grace for a dying
-        # daemon) right after it marks the connection lost: let it finish.
-        self._loss_settled.wait(SETTLE_SECONDS)
-        self.stager.drain()   # every copy into the old arena has landed, landed() ran
-        with self._cond:
-            lost, self._lost = self._lost, []
-            unknown, self._unknown = self._unknown, []
-            staged, self._staged = self._staged, {}
-        for h in lost + unknown:
-            h.warned = True   # the note below tells of them; a retry resets it
-        arena, self.arena, self.conn = self.arena, None, None
+        old, arena = self.conn, self.arena
+        loss = self.recovery.collect(self.stager.drain)  # every copy has landed
+        self.arena, self.conn = None, None
         old.close()
-        retried: List[SnapshotHandle] = []
-        error = None
+        self.recovery.retry(loss, old, arena, self)
+
+    def resubmit(self, conn: DaemonConnection, staged: Staged, need: int,
+                 old: Arena) -> None:
+        """A retry: the bytes staged in ``old`` before the loss, unchanged, copied into
+        a slot of a new arena attached to ``conn``'s daemon, and the same plan."""
+        handle, desc = staged.handle, staged.desc
+        handle.reopen(self._waiter(conn, handle.step))
         try:
-            self._retry(self._retryable(lost, staged), arena, retried)
-        except SnapdError as e:   # those not resubmitted stay lost; the note says why
-            error = e
-        finally:
-            if arena is not None:
-                arena.close()
-        note = self._loss_note(old, lost, unknown, retried, error)
-        if lost or unknown:
-            self._notes.append(note)
-        else:   # nothing was lost: worth a line, not a warning
-            logger.info(f"{note}; the next snapshot() connects to a new one")
-
-    def _retryable(self, lost: List[SnapshotHandle],
-                   staged: Dict[int, Staged]) -> List[Staged]:
-        """The lost snapshots still whole in their slot, in submission order; none
-        older than what LATEST names (a retry must not move LATEST back)."""
-        latest = self.store.read_pointer("LATEST")
-        return sorted((s for s in staged.values()
-                       if any(s.handle is h for h in lost) and s.handle.failed
-                       and (latest is None or latest.step <= s.handle.step)),
-                      key=lambda s: s.seq)
-
-    def _retry(self, retries: List[Staged], old: Optional[Arena],
-               retried: List[SnapshotHandle]) -> None:
-        """Copy each lost snapshot's bytes into a new arena, attached to a new daemon,
-        and submit the same plan: the bytes staged before the loss, unchanged."""
-        if not retries or old is None:
-            return
-        conn = self._connect()   # self.conn is None: finds or starts a daemon
-        need = max(used_bytes(s.desc) for s in retries)
-        for s in retries:
-            s.handle.reopen(self._waiter(conn, s.handle.step))
-            try:
-                slot = self._reserve(conn, need, s.handle)
-                n = used_bytes(s.desc)
-                self.arena.view(slot, 0, n).copy_(old.view(s.slot, 0, n))
-            except BaseException as e:
-                s.handle.set_error(e)
-                raise
-            with self._cond:
-                self._staged[slot] = Staged(next(self._seq), slot, s.handle, s.desc)
-            retried.append(s.handle)
-            self._submit(conn, slot, s.desc, s.handle)
-
-    def _loss_note(self, old: DaemonConnection, lost: List[SnapshotHandle],
-                   unknown: List[SnapshotHandle], retried: List[SnapshotHandle],
-                   error: Optional[BaseException]) -> str:
-        gone = [h for h in lost if not any(h is r for r in retried)]
-        what = []
-        if retried:
-            what.append(f"step(s) {steps_text(retried)} did not commit and are retried "
-                        f"on a new daemon (pid {self.conn.daemon_pid}) from the bytes "
-                        "still staged")
-        if gone:
-            why = f"the retry failed: {error}" if error is not None else \
-                "their staged bytes were no longer whole, or a later snapshot is committed"
-            what.append(f"step(s) {steps_text(gone)} did not commit ({why})")
-        if unknown:
-            what.append(f"the outcome of step(s) {steps_text(unknown)} is unknown (the "
-                        f"old daemon still runs): {self.store.path}/LATEST will tell")
-        return (f"the snapd daemon serving {self.store.root} was lost ({old.lost}); "
-                f"{'; '.join(what) or 'no snapshot was in flight'}")
+            slot = self._reserve(conn, need, handle)
+            n = used_bytes(desc)
+            self.arena.view(slot, 0, n).copy_(old.view(staged.slot, 0, n))
+        except BaseException as e:
+            handle.set_error(e)
+            raise
+        self.recovery.landed(slot, handle, desc)
+        self._submit(conn, slot, desc, handle)
 
     def _on_event(self, event) -> None:
         """Reader thread: a committed/failed event frees its slot."""
@@ -437,57 +278,19 @@ class Handoff:
             self._release(event.slot, handle, event.exception())
 
     def _on_lost(self, error: DaemonUnavailable) -> None:
-        try:
-            with self._cond:
-                handles, self._inflight = list(self._inflight.values()), {}
-                self._cond.notify_all()
-            alive = self._daemon_survives()
-            for h in handles:
-                self._settle_lost(h, error, alive)
-        finally:
-            self._loss_settled.set()
-
-    def _daemon_survives(self, grace: float = 0.5) -> bool:
-        """Whether the lost daemon still runs. A killed one may close its socket an
-        instant before it turns into a zombie: look again for ``grace`` seconds."""
-        conn = self.conn
-        if conn is None:
-            return False
-        deadline = time.monotonic() + grace
-        while conn.daemon_alive():
-            if time.monotonic() > deadline:
-                return True
-            time.sleep(0.05)
-        return False
-
-    def _settle_lost(self, handle: SnapshotHandle, error: DaemonUnavailable,
-                     alive: bool) -> None:
-        """A snapshot in flight when the daemon was lost: committed, lost, or unknown."""
-        sid = handle.sid
-        result = committed_on_disk(self.store, sid) if sid is not None else None
-        if result is not None:   # committed before the event could be sent
-            handle.set_result(result)
-            return
+        """Reader thread: the daemon is lost; every slot is free, and what was in
+        flight is settled (committed, lost or unknown: see Recovery.settle)."""
         with self._cond:
-            (self._unknown if alive else self._lost).append(handle)
-        if not alive:   # a dead daemon's tmp dir is never published
-            handle.set_error(DaemonUnavailable(
-                f"{error}; step {handle.step} did not commit. The next log(), snapshot() "
-                "or close() retries it on a new daemon if its staged bytes are whole"))
-            return
-        where = self.store.snapshot_path(sid) if sid is not None else self.store.path
-        handle.set_unknown(DaemonUnavailable(
-            f"{error}. The daemon (pid {self.conn.daemon_pid}) still runs and may yet "
-            f"commit step {handle.step}: its outcome is unknown. "
-            f"{self.store.path}/LATEST will tell (`snapd ls --root {self.store.root}`): "
-            f"the step is durable once {where} exists"))
+            handles, self._inflight = list(self._inflight.values()), {}
+            self._cond.notify_all()
+        self.recovery.settle(handles, error, self.conn)
 
     # --- restore and shutdown ----------------------------------------------------------
 
     def settle_writes(self) -> Tuple[List[int], float]:
         """Wait for the daemon's writes of this run and rank (see wait_for_writes)."""
         try:
-            conn = self._connect(spawn=False)
+            conn = self.connect(spawn=False)
             return wait_for_writes(conn, self.store.run, self.rank, self.options.timeout)
         except SnapdError:
             return [], 0.0   # no daemon, or none that answers: restore reads the files
@@ -495,7 +298,7 @@ class Handoff:
     def hot_source(self) -> Optional[HotSource]:
         """The daemon's held copy of this run, if a daemon already serves the root."""
         try:
-            reply = self._connect(spawn=False).request(proto.HotGet(self.store.run,
+            reply = self.connect(spawn=False).request(proto.HotGet(self.store.run,
                                                                     self.rank))
         except SnapdError:
             return None  # no daemon (or none that answers): restore reads the files
