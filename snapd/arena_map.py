@@ -406,7 +406,3 @@ class HotCache:
             self._forget(name)
 
 
-def used_bytes(desc: Dict[str, Any]) -> int:
-    """How much of a slot a plan descriptor uses: the end of its last tensor."""
-    return max((t["offset"] + t["nbytes"] for o in desc["objects"]
-                for t in o["tensors"]), default=0)

@@ -50,10 +50,11 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set
 import psutil
 
 from snapd import diskguard, logs, protocol as p, retention
-from snapd.arena_map import HotCache, reclaim_dead_arenas, used_bytes
+from snapd.arena_map import HotCache, reclaim_dead_arenas
 from snapd.commit import Commit, CommitService
 from snapd.errors import AlreadyServing, SnapdError
 from snapd.options import Options
+from snapd.plan import used_bytes
 from snapd.rootlock import RootLock
 from snapd.server import Server, Submission
 from snapd.store import RunStore, list_runs

@@ -173,6 +173,12 @@ def _check_descriptor_tensor(t: Any, where: str, field: str) -> None:
              where, f"{field}.device", "is not a device name")
 
 
+def used_bytes(desc: Dict[str, Any]) -> int:
+    """How much of a slot a plan descriptor uses: the end of its last tensor."""
+    return max((t["offset"] + t["nbytes"] for o in desc["objects"]
+                for t in o["tensors"]), default=0)
+
+
 def tensor_extent(t: Dict[str, Any], size: int) -> Tuple[int, int]:
     """(start, end) of a descriptor tensor within a ``size``-byte slot, checked."""
     if t["dtype"] not in ITEMSIZES:

@@ -40,7 +40,8 @@ from snapd.store import RunStore
 from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
 from snapd_client.handle import CloseSummary, SnapshotHandle, SnapshotWarning
-from snapd_client.handoff import Handoff, committed_on_disk, settle_writes
+from snapd_client.handoff import Handoff
+from snapd_client.lostdaemon import committed_on_disk, settle_writes
 from snapd_client.journal import Journal
 from snapd_client.restore import Loaded, load_for_resume, load_weights, type_name
 from snapd_client.rng import RngStreams

@@ -28,18 +28,15 @@ from typing import Any, List, Optional, Tuple
 from snapd import protocol as proto
 from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
 from snapd.options import SUBMIT_OPTIONS, Options
+from snapd.plan import used_bytes
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import CommitResult
 from snapd_client.capture import Capture
 from snapd_client.connection import POLL, DaemonConnection
 from snapd_client.handle import SnapshotHandle
 from snapd_client.hot import HotSource
-from snapd_client.lostdaemon import (Recovery, Staged, committed_on_disk,
-                                     settle_writes, used_bytes, wait_for_writes)
+from snapd_client.lostdaemon import Recovery, Staged, wait_for_writes
 from snapd_client.staging import Arena, Stager, layout, slot_size_for
-
-# client.py and tests import these from here; they live in lostdaemon.py now.
-__all__ = ["Handoff", "committed_on_disk", "settle_writes", "used_bytes"]
 
 
 class Handoff:

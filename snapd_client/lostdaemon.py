@@ -39,6 +39,7 @@ import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 from snapd import protocol as proto
+from snapd.plan import used_bytes
 from snapd.errors import DaemonUnavailable, SnapdError
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
@@ -62,12 +63,6 @@ def committed_on_disk(store: RunStore, sid: SnapshotId) -> Optional[CommitResult
         return None
     size = sum(f.get("size", 0) for f in manifest.get("files", {}).values())
     return CommitResult(sid, path, size, 0.0)
-
-
-def used_bytes(desc: dict) -> int:
-    """The bytes of a slot a plan descriptor's tensors lie in (from the slot's start)."""
-    return max((t["offset"] + t["nbytes"] for obj in desc["objects"]
-                for t in obj["tensors"]), default=0)
 
 
 def steps_text(handles: List[SnapshotHandle]) -> str:

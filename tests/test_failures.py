@@ -15,7 +15,7 @@ from snapd.store import SnapshotId
 from snapd_client import Client, CloseSummary, SnapshotWarning
 from snapd_client import handoff as handoff_mod
 from snapd_client.handle import SnapshotHandle
-from snapd_client.handoff import used_bytes
+from snapd.plan import used_bytes
 
 
 class StandIn:
