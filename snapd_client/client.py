@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import time
 import warnings
 import weakref
-from collections import deque
-from typing import Any, Deque, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
@@ -39,15 +37,16 @@ from snapd.runlock import RunLock
 from snapd.store import RunStore
 from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
-from snapd_client.handle import CloseSummary, SnapshotHandle, SnapshotWarning
+from snapd_client import tracking
+from snapd_client.handle import CloseSummary, SnapshotHandle
 from snapd_client.handoff import Handoff
-from snapd_client.lostdaemon import committed_on_disk, settle_writes
+from snapd_client.lostdaemon import settle_writes
 from snapd_client.journal import Journal
-from snapd_client.restore import Loaded, load_for_resume, load_weights, type_name
+from snapd_client.outcomes import Outcomes
+from snapd_client.restore import Loaded, load_for_resume, load_weights
 from snapd_client.rng import RngStreams
-from snapd_client.values import Names, Values, adapt
+from snapd_client.values import Values
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 MODES = ("resume", "warm_start")
 
 
@@ -103,16 +102,13 @@ class Client:
         self.rng = RngStreams()
         self._tracked: Dict[str, Any] = {}
         self._stream: Optional[BatchStream] = None
-        self._handles: List[SnapshotHandle] = []
-        self._newest: Optional[SnapshotHandle] = None  # the newest not skipped
-        self._failures: Deque[SnapshotHandle] = deque()  # failed, to be warned of
-        self._outcomes: Dict[int, str] = {}   # step -> committed/failed/skipped
         self._summary: Optional[CloseSummary] = None
         self.lineage: Dict[str, Any] = {"id": 0, "mode": "fresh", "parent": None}
         self.restored: Optional[Loaded] = None
         self.restored_from: Optional[str] = None  # "hot" (daemon memory) or "disk"
         self.daemon = self.options.daemon if daemon is None else daemon
         self._handoff = Handoff(self.store, self.rank, self.options) if self.daemon else None
+        self._outcomes = Outcomes(self.store, self._handoff)
         self._hooks: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook
         self._journal: Optional[Journal] = None
         self.recovery: Optional[RunProgress] = None
@@ -130,6 +126,7 @@ class Client:
         if self._journal is None:
             self._check_writable("the state log")
             self._journal = Journal(self.store, self.rank, self.rng, self.options)
+            self._outcomes.journal = self._journal   # outcomes are logged from now on
         return self._journal
 
     @property
@@ -152,18 +149,7 @@ class Client:
 
         ``None`` values are ignored, so optional objects need no ``if``.
         """
-        for name, obj in objects.items():
-            if obj is None:
-                continue
-            if not _NAME.match(name):
-                raise ValueError(f"track({name}=...): names must be identifiers")
-            if isinstance(obj, torch.Generator):
-                self.rng.add_generator(name, obj)
-            elif callable(getattr(obj, "state_dict", None)) and \
-                    callable(getattr(obj, "load_state_dict", None)):
-                self._tracked[name] = obj
-            else:
-                self._tracked[name] = adapt(name, obj)
+        tracking.track(self._tracked, self.rng, objects)
         return self
 
     def values(self, *, name: str = "values", **initial: Any) -> Values:
@@ -171,15 +157,7 @@ class Client:
         then ``loop.lr /= 4``. Tracked under ``name``; restore() assigns the saved
         values back (see snapd_client/values.py for keys added or removed since). A
         second call with the same name adds its new keys to the same object."""
-        home = self._tracked.get(name)
-        if home is None:
-            self._check_name(name, "values")
-            home = self._tracked[name] = Values()
-        elif not isinstance(home, Values):
-            raise ValueError(f"values(name={name!r}): {name!r} already tracks a "
-                             f"{type_name(home)}; choose another name")
-        home.set_defaults(initial)
-        return home
+        return tracking.values_home(self._tracked, name, initial)
 
     def track_globals(self, *names: str, name: str = "globals") -> "Client":
         """Track the caller's module-level variables by name: ``X``, ``best_val_loss``.
@@ -189,41 +167,16 @@ class Client:
         anything else (numbers, tensors, None, lists, or no value yet) is read at each
         snapshot and assigned back by restore(), under ``name``.
         """
-        return self._track_names(sys._getframe(1).f_globals, names, name, "track_globals")
+        tracking.track_names(self._tracked, self.rng, sys._getframe(1).f_globals, names,
+                             name, "track_globals")
+        return self
 
     def track_attrs(self, obj: Any, *names: str, name: Optional[str] = None) -> "Client":
         """Like :meth:`track_globals`, for attributes of ``obj`` (a trainer's
         ``top_score``); tracked under ``name``, by default its class name, lower case."""
-        return self._track_names(vars(obj), names, name or type(obj).__name__.lower(),
-                                 "track_attrs")
-
-    def _track_names(self, namespace: Dict[str, Any], names: Iterable[str], home_name: str,
-                     caller: str) -> "Client":
-        plain = []
-        for n in names:
-            self._check_name(n, caller)
-            value = namespace.get(n)
-            if isinstance(value, torch.Generator) or (
-                    callable(getattr(value, "state_dict", None))
-                    and callable(getattr(value, "load_state_dict", None))):
-                self.track(**{n: value})
-            else:
-                plain.append(n)
-        home = self._tracked.get(home_name)
-        if home is None:
-            self._check_name(home_name, caller)
-            self._tracked[home_name] = Names(namespace, plain)
-        elif type(home) is Names and home.namespace is namespace:
-            home.add(plain)
-        else:
-            raise ValueError(f"{caller}(name={home_name!r}): {home_name!r} already tracks "
-                             "something else; pass another name=")
+        tracking.track_names(self._tracked, self.rng, vars(obj), names,
+                             name or type(obj).__name__.lower(), "track_attrs")
         return self
-
-    @staticmethod
-    def _check_name(name: str, caller: str) -> None:
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise ValueError(f"{caller}: {name!r} is not an identifier")
 
     def batches(self, loader: Iterable, *, fast_forward: str = "skip") -> BatchStream:
         """The resumable batch stream over ``loader`` (see docs/cursor.md)."""
@@ -266,7 +219,7 @@ class Client:
         """
         self._check_open()
         self._check_writable("snapshot()")
-        self._report_failures()
+        self._outcomes.report()
         metric = _as_metric(metric)
         started = time.perf_counter()
         handle = self._hand_over(step, metric)
@@ -276,27 +229,8 @@ class Client:
                            waited=handle.stall_seconds, mode=self.options.mode
                            if self._handoff is not None else "in-process")
         self.journal.sync_soon()  # flushed now by the log's thread: no fsync here
-        handle.add_done_callback(self._record_outcome)
-        # Only handles close() may still have to wait for are kept; failed ones are
-        # warned of from _failures.
-        self._handles = [h for h in self._handles if not h.done()] + [handle]
-        if not handle.skipped:
-            self._newest = handle
+        self._outcomes.add(handle)
         return handle
-
-    def _report_failures(self, stacklevel: int = 3) -> None:
-        """Warn, at the trainer's own line (``stacklevel``: this function's caller's
-        caller), of what failed in the background since its last call: a daemon lost
-        (what it lost, what is retried on a new one), a snapshot that did not commit.
-        Once per snapshot: a failure wait() already raised is not warned of."""
-        notes = self._handoff.take_notes() if self._handoff is not None else []
-        while self._failures:
-            handle = self._failures.popleft()
-            if handle.failed and not handle.warned and not handle.raised:
-                handle.warned = True
-                notes.append(str(handle.failure()))
-        for note in notes:
-            warnings.warn(note, SnapshotWarning, stacklevel=stacklevel)
 
     def _hand_over(self, step: int, metric: Optional[float]) -> SnapshotHandle:
         capture = self.capture(step, metric)
@@ -317,29 +251,6 @@ class Client:
             done.purge()
             handle.set_result(done.result)
         return handle
-
-    def _record_outcome(self, handle: SnapshotHandle) -> None:
-        """The lifecycle record of a snapshot; a committed one carries the full RNG
-        states and cursor, and the last resume and replay verdict (recovery reads back
-        no further than the last commit). A failure is queued to be warned of."""
-        state = "skipped" if handle.skipped else "failed" if handle.failed else "committed"
-        self._outcomes[handle.step] = state
-        if state == "failed":
-            self._failures.append(handle)
-        if self._journal is None or self._journal.closed:
-            return
-        if state == "skipped":
-            self._journal.event("snapshot", event="skipped", step=handle.step)
-        elif state == "failed":
-            self._journal.event("snapshot", event="failed", step=handle.step,
-                                error=str(handle.error))
-        else:
-            result = handle.result
-            self._journal.event(
-                "snapshot", event="committed", step=handle.step,
-                name=os.path.basename(result.path), bytes=result.bytes_written,
-                seconds=result.seconds, rng=handle.rng, cursor=handle.cursor,
-                last_resume=self._journal.last_resume, last_replay=self._journal.verdict)
 
     def _hook_optimizers(self) -> None:
         for obj in self._tracked.values():
@@ -365,7 +276,7 @@ class Client:
         """
         self._check_open()
         self._check_writable("log()")
-        self._report_failures()
+        self._outcomes.report()
         cursor = [self._stream.epoch, self._stream.index] if self._stream else None
         self.journal.step(step, cursor, scalars,
                           None if samples is None else [int(i) for i in samples],
@@ -515,13 +426,12 @@ class Client:
         if self._summary is not None or self._closed:
             return self._summary or CloseSummary()
         self._closed = True
-        newest = self._newest
+        newest = self._outcomes.newest
         try:
-            self._settle_all()
-            self._recheck_unknown(newest)
+            self._outcomes.settle()
             if newest is not None and newest.failed:
                 newest.warned = True   # raised below instead
-            self._report_failures(stacklevel)
+            self._outcomes.report(stacklevel)
         finally:
             for hook in self._hooks.values():
                 hook.remove()
@@ -531,40 +441,12 @@ class Client:
                 self._journal.close()
             if self._lock is not None:
                 self._lock.release()   # last: the log is closed, the handles resolved
-        self._summary = summary = self._summarize()
-        if self._outcomes:
+        self._summary = summary = self._outcomes.summary()
+        if len(self._outcomes):
             logger.info(f"run {self.run}: closed; snapshots: {summary}")
         if newest is not None and newest.failed and not newest.raised:
             raise newest.failure()
         return summary
-
-    def _settle_all(self) -> None:
-        """Every outcome known: the handles waited for, and what a daemon lost on the
-        way retried on a new one (the notes are warned of by _report_failures)."""
-        for _ in range(3):   # a retry's daemon lost too: once more, then give up
-            if self._handoff is not None:
-                self._handoff.drain()
-            in_flight = self._handoff.in_flight() if self._handoff is not None else []
-            for handle in self._handles + in_flight:
-                handle.settle()   # a daemon's: bounded by its liveness and the timeout
-            if self._handoff is None or not self._handoff.recover():
-                return
-
-    def _recheck_unknown(self, newest: Optional[SnapshotHandle]) -> None:
-        """The newest snapshot's outcome was unknown (its daemon hung, then maybe went
-        on): its committed directory, if there now is one, is the answer."""
-        if newest is None or not newest.outcome_unknown or newest.sid is None:
-            return
-        found = committed_on_disk(self.store, newest.sid)
-        if found is not None:
-            newest.reopen(None)
-            newest.set_result(found)
-
-    def _summarize(self) -> CloseSummary:
-        outcomes = list(self._outcomes.items())   # callbacks may still add (other threads)
-        by = {state: tuple(sorted(s for s, st in outcomes if st == state))
-              for state in ("committed", "failed", "skipped")}
-        return CloseSummary(**by)
 
     def _check_open(self) -> None:
         if self._closed:
