@@ -321,9 +321,10 @@ class Stager:
     """Copies a capture's tensors into an arena slot, in the order its mode needs.
 
     ``stage()`` copies what must be copied before snapshot() returns and raises if
-    that fails. Then ``landed(None)`` runs on the stager's one thread once every copy
-    of the slot has landed (``landed(error)`` if a background copy failed): the slot
-    may be submitted. ``synchronize()`` blocks until the copy in progress has landed;
+    that fails. Then ``landed(None)`` runs once every copy of the slot has landed
+    (``landed(error)`` if a background copy failed): the slot may be submitted. In
+    ``wait`` mode that is inside ``stage()``, on the caller's thread; in ``overlap``
+    mode on the stager's one thread, after the deferred copies. ``synchronize()`` blocks until the copy in progress has landed;
     the optimizer's step pre-hook calls it in overlap mode.
 
     ``wait`` mode copies everything, and waits for the device copies, inside
@@ -355,9 +356,11 @@ class Stager:
             self._worker.submit(self._finish, arena, slot, later, landed, copied)
         else:
             arena.wait()
-            # The copy is done: the trainer may change its tensors. What follows (the
-            # submit) is the stager thread's, in order, not the training loop's.
-            self._worker.submit(landed, None)
+            # The copy is done: the trainer may change its tensors. The submit is sent
+            # here, before snapshot() returns (a few hundred bytes on the socket, not
+            # waited for): once it is in the daemon's socket queue the snapshot
+            # commits even if the trainer is killed the next instant.
+            landed(None)
 
     def _finish(self, arena: Arena, slot: int, later: list, landed: Landed,
                 copied: threading.Event) -> None:

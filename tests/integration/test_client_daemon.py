@@ -209,7 +209,7 @@ TRAINER = textwrap.dedent("""
     digest = xxhash.xxh3_64(model.weight.detach().numpy().tobytes()).hexdigest()
     with open(out, "w") as f:
         json.dump({"digest": digest}, f)
-    client.snapshot(1)                    # returns once staged and accepted
+    client.snapshot(1)                    # returns once staged and submitted
     os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies at once
 """)
 
