@@ -15,11 +15,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any, Dict, List, Optional
 
 import psutil
 import torch
+
+from helpers import wait_for
 
 from snapd import peer as peer_mod
 from snapd import protocol as p
@@ -109,17 +110,19 @@ class DaemonProc:
                 stdout=f, stderr=f, env=env, start_new_session=True)
 
     def wait_ready(self, timeout: float = 30.0) -> "DaemonProc":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited {self.proc.returncode}: {self.text()}")
-            try:
-                with Peer(self.root) as peer:
-                    assert peer.request(p.Ping())["op"] == "pong"
-                return self
-            except (OSError, EOFError):
-                time.sleep(0.05)
-        raise AssertionError(f"daemon not ready: {self.text()}")
+        assert wait_for(self._answers, timeout, 0.05), f"daemon not ready: {self.text()}"
+        return self
+
+    def _answers(self) -> bool:
+        """The daemon answers a ping (no event says when it starts to: poll)."""
+        if self.proc.poll() is not None:
+            raise AssertionError(f"daemon exited {self.proc.returncode}: {self.text()}")
+        try:
+            with Peer(self.root) as peer:
+                assert peer.request(p.Ping())["op"] == "pong"
+            return True
+        except (OSError, EOFError):
+            return False
 
     def text(self) -> str:
         with open(self.log, "r", errors="replace") as f:

@@ -14,10 +14,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
+
+from helpers import wait_for
 
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
@@ -51,14 +52,15 @@ def start_daemon(root: str, fault: str, log_path: str) -> subprocess.Popen:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-c", DAEMON, root, fault], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:   # no event to wait on: poll the socket
+    def serving() -> bool:   # no event to wait on: poll the socket
         assert proc.poll() is None, open(log_path).read()
         sock = try_connect(root)
         if sock is not None:
             sock.close()
-            return proc
-        time.sleep(0.05)
+        return sock is not None
+
+    if wait_for(serving, 60, 0.05):
+        return proc
     proc.kill()
     raise AssertionError(f"the test daemon did not serve: {open(log_path).read()}")
 
