@@ -14,7 +14,9 @@ apply_retention`, the one entry point of the rules). The order, written once:
 4. On a failure, the tmp dirs this write made are removed (a crash leaves them for
    the next daemon start or ``snapd gc --collect-tmp``).
 5. After the commit, retention with the run's rules. Its failure never fails the
-   committed snapshot: it is logged and everything is kept, which is safe.
+   committed snapshot: it is logged and everything is kept, which is safe. A part of
+   a multi-rank snapshot that did not complete it (snapd/globalcommit.py) is not a
+   commit yet: retention runs in the writer whose part completes the set.
 
 The deleted snapshots are renamed out of the committed namespace in step 5; the slow
 recursive delete is left to :meth:`Commit.purge`, so that the daemon can tell the
@@ -92,6 +94,8 @@ class CommitService:
             if full:
                 raise diskguard.from_enospc(e, self.root, plan.nbytes) from e
             raise
+        if not result.complete:   # a part: the snapshot waits for the other ranks
+            return Commit(result)
         # 5. Retention, after the commit and never failing it.
         return self._retain(store, opts, Commit(result))
 

@@ -45,7 +45,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Deque, Dict, List, Optional, Set
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import psutil
 
@@ -68,18 +68,19 @@ logger = logging.getLogger(__name__)
 
 
 class WriteQueue:
-    """One FIFO per run on a shared pool: a run's snapshots strictly in order.
+    """One FIFO per run and rank on a shared pool: a rank's snapshots strictly in
+    order, the ranks of one job side by side.
 
-    After each job a run's next job goes to the back of the pool's queue, so one
+    After each job a queue's next job goes to the back of the pool's queue, so one
     busy run cannot starve the others.
     """
 
     def __init__(self, threads: int, work: Callable[[Submission], None]) -> None:
         self._work = work
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="snapd-write")
-        self._queues: Dict[str, Deque[Submission]] = {}
-        self._active: Set[str] = set()          # runs with a job scheduled or running
-        self.running: Dict[str, Submission] = {}
+        self._queues: Dict[Tuple[str, int], Deque[Submission]] = {}
+        self._active: Set[Tuple[str, int]] = set()   # queues with a job scheduled or running
+        self.running: Dict[Tuple[str, int], Submission] = {}
         self._count = 0
         self._closed = False
         self._cond = threading.Condition()
@@ -89,29 +90,30 @@ class WriteQueue:
             if self._closed:
                 raise SnapdError("the daemon is stopping and accepts no new snapshot; "
                                  "submit again once a new daemon serves the root")
-            self._queues.setdefault(sub.run, deque()).append(sub)
+            key = (sub.run, sub.rank)
+            self._queues.setdefault(key, deque()).append(sub)
             self._count += 1
-            if sub.run not in self._active:
-                self._active.add(sub.run)
-                self._pool.submit(self._one, sub.run)
+            if key not in self._active:
+                self._active.add(key)
+                self._pool.submit(self._one, key)
 
-    def _one(self, run: str) -> None:
+    def _one(self, key: Tuple[str, int]) -> None:
         with self._cond:
-            sub = self._queues[run].popleft()
-            self.running[run] = sub
+            sub = self._queues[key].popleft()
+            self.running[key] = sub
         try:
             self._work(sub)
         except Exception as e:   # _work reports its own failures; this is a bug
-            log(f"internal error writing run {run!r} step {sub.step}: {e!r}")
+            log(f"internal error writing run {sub.run!r} step {sub.step}: {e!r}")
         finally:
             with self._cond:
                 self._count -= 1
-                del self.running[run]
-                if self._queues[run]:
-                    self._pool.submit(self._one, run)
+                del self.running[key]
+                if self._queues[key]:
+                    self._pool.submit(self._one, key)
                 else:
-                    del self._queues[run]
-                    self._active.discard(run)
+                    del self._queues[key]
+                    self._active.discard(key)
                 self._cond.notify_all()
 
     def snapshot(self) -> List[Submission]:
@@ -291,7 +293,7 @@ class Daemon:
                                        sub.options, progress=sub.advance)
             event = p.Committed(sub.run, sub.rank, sub.step, sub.slot,
                                 done.result.sid.name, done.result.bytes_written,
-                                done.result.seconds)
+                                done.result.seconds, done.result.complete)
             self._note_commit(sub, done)
             segment, hot = _joined(hot), None   # the copy is done; published or dropped
             self._publish_hot(sub, done.result, segment)
@@ -357,7 +359,9 @@ class Daemon:
 
     def _hot_wanted(self, sub: Submission) -> bool:
         """Keep the snapshot in memory for a fast restore, when memory allows."""
+        # A multi-rank job restores from the files: every rank must read one snapshot.
         return bool(sub.options.hot_restore) and not sub.conn.finished and \
+            sub.desc.get("world_size", 1) == 1 and \
             self.hot_cache.fits(used_bytes(sub.desc)) and \
             psutil.virtual_memory().available > 2 * sub.arena.slot_bytes
 

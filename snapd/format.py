@@ -41,11 +41,15 @@ import zstandard
 
 from snapd.errors import CorruptSnapshot
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # v1: chunks back to back; v2: each on a 4096-byte boundary
+FORMAT_VERSION = 3
+# v1: chunks back to back; v2: each on a 4096-byte boundary; v3: parts of a multi-rank
+# snapshot (a session, sharded and referenced tensor entries) and the commit record.
+READABLE_VERSIONS = (1, 2, 3)
 CHUNK_ALIGN = 4096
 MANIFEST_NAME = "manifest.snapd"
 MANIFEST_MAGIC = b"SNAPDMF\0"
+COMMIT_NAME = "commit.snapd"   # a multi-rank snapshot's global commit record
+COMMIT_MAGIC = b"SNAPDGC\0"
 TENSOR_MAGIC = b"SNAPDTN\0"
 _MANIFEST_HEADER = struct.Struct("<8sIIQQ")
 _TENSOR_HEADER = struct.Struct("<8sII16x")
@@ -95,25 +99,49 @@ def checksum(data) -> int:
 # --- manifest ---------------------------------------------------------------------
 
 def encode_manifest(manifest: Dict[str, Any]) -> bytes:
-    payload = msgpack.packb(manifest, use_bin_type=True)
-    header = _MANIFEST_HEADER.pack(MANIFEST_MAGIC, FORMAT_VERSION, 0, len(payload),
+    return _framed(MANIFEST_MAGIC, manifest)
+
+
+def _framed(magic: bytes, value: Dict[str, Any]) -> bytes:
+    payload = msgpack.packb(value, use_bin_type=True)
+    header = _MANIFEST_HEADER.pack(magic, FORMAT_VERSION, 0, len(payload),
                                    checksum(payload))
     return header + payload
 
 
 def decode_manifest(data: bytes, *, path: str) -> Dict[str, Any]:
     """Bytes of a manifest file to its map, or CorruptSnapshot naming what failed."""
+    manifest, version = _unframe(data, MANIFEST_MAGIC, "manifest", READABLE_VERSIONS,
+                                 path=path)
+    check_manifest(manifest, path=path, version=version)
+    return manifest
+
+
+def encode_commit(record: Dict[str, Any]) -> bytes:
+    """A multi-rank snapshot's global commit record (docs/multirank.md)."""
+    return _framed(COMMIT_MAGIC, record)
+
+
+def decode_commit(data: bytes, *, path: str) -> Dict[str, Any]:
+    """Bytes of ``commit.snapd`` to its map, or CorruptSnapshot naming what failed."""
+    record, version = _unframe(data, COMMIT_MAGIC, "commit record", (3,), path=path)
+    check_commit(record, path=path, version=version)
+    return record
+
+
+def _unframe(data: bytes, magic_wanted: bytes, what: str, versions: Tuple[int, ...], *,
+             path: str) -> Tuple[Any, int]:
     if len(data) < HEADER_BYTES:
-        raise CorruptSnapshot(f"{path}: manifest is {len(data)} bytes, shorter than its "
+        raise CorruptSnapshot(f"{path}: {what} is {len(data)} bytes, shorter than its "
                               "32-byte header (truncated write?); use an older snapshot",
                               path=path, field="header")
     magic, version, _flags, length, digest = _MANIFEST_HEADER.unpack_from(data)
-    if magic != MANIFEST_MAGIC:
-        raise CorruptSnapshot(f"{path}: not a snapd manifest (magic {magic!r})",
+    if magic != magic_wanted:
+        raise CorruptSnapshot(f"{path}: not a snapd {what} (magic {magic!r})",
                               path=path, field="magic")
-    if version not in READABLE_VERSIONS:
-        raise CorruptSnapshot(f"{path}: manifest format version {version}; this snapd "
-                              f"reads versions {list(READABLE_VERSIONS)}. Upgrade snapd",
+    if version not in versions:
+        raise CorruptSnapshot(f"{path}: {what} format version {version}; this snapd "
+                              f"reads versions {list(versions)}. Upgrade snapd",
                               path=path, field="version")
     if length != len(data) - HEADER_BYTES:
         raise CorruptSnapshot(f"{path}: header declares a {length}-byte payload but the "
@@ -121,15 +149,14 @@ def decode_manifest(data: bytes, *, path: str) -> Dict[str, Any]:
                               path=path, field="payload_length")
     payload = data[HEADER_BYTES:]
     if checksum(payload) != digest:
-        raise CorruptSnapshot(f"{path}: manifest checksum mismatch; the file is damaged",
+        raise CorruptSnapshot(f"{path}: {what} checksum mismatch; the file is damaged",
                               path=path, field="checksum")
     try:
-        manifest = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        value = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several types for malformed input
-        raise CorruptSnapshot(f"{path}: manifest payload is not valid msgpack: {e}",
+        raise CorruptSnapshot(f"{path}: {what} payload is not valid msgpack: {e}",
                               path=path, field="payload") from e
-    check_manifest(manifest, path=path, version=version)
-    return manifest
+    return value, version
 
 
 def need(cond: bool, path: str, field: str, what: str) -> None:
@@ -183,9 +210,11 @@ def check_manifest(m: Any, *, path: str, version: int = FORMAT_VERSION) -> None:
         need(isinstance(entry, dict) and is_uint(entry.get("size"))
               and is_uint(entry.get("xxh3")), path, f"files[{name!r}]",
               "lacks size/xxh3")
+    need(m.get("session") is None or is_name(m["session"]), path, "session",
+          "is neither nil nor a name")
     for obj_name, obj in m["objects"].items():
         need(is_name(obj_name), path, f"objects[{obj_name!r}]", "is not a name")
-        _check_object(obj_name, obj, files, path)
+        _check_object(obj_name, obj, files, path, m)
 
 
 def check_header_fields(m: Dict[str, Any], path: str) -> None:
@@ -238,7 +267,8 @@ def check_rng_map(rng: Any, *, path: str, field: str) -> None:
         need(isinstance(blob, bytes), path, f"{field}.{name}", "is not bytes")
 
 
-def _check_object(name: str, obj: Any, files: dict, path: str) -> None:
+def _check_object(name: str, obj: Any, files: dict, path: str,
+                  m: Dict[str, Any]) -> None:
     field = f"objects.{name}"
     need(isinstance(obj, dict), path, field, "is not a map")
     need(obj.get("type") is None or is_name(obj["type"]), path, f"{field}.type",
@@ -251,15 +281,65 @@ def _check_object(name: str, obj: Any, files: dict, path: str) -> None:
         check_skeleton(obj["metadata"], path=path, field=f"{field}.metadata")
     tensors = obj.get("tensors")
     need(isinstance(tensors, list), path, f"{field}.tensors", "is missing")
-    if tensors:
+    # Entries that refer to another rank's part have no bytes here (no file needed).
+    stored_here = [t for t in tensors if not (isinstance(t, dict) and "ref" in t)]
+    if stored_here:
         need(isinstance(obj.get("file"), str) and obj["file"] in files, path,
               f"{field}.file", "names no file listed in files")
     else:
         need(obj.get("file") is None or isinstance(obj["file"], str), path,
               f"{field}.file", "is neither nil nor a file name")
-    size = files[obj["file"]]["size"] if tensors else 0
+    size = files[obj["file"]]["size"] if stored_here else 0
     for i, t in enumerate(tensors):
         _check_tensor(t, size, path, f"{field}.tensors[{i}]")
+        check_placement(t, m, path, f"{field}.tensors[{i}]")
+
+
+def check_placement(t: Dict[str, Any], m: Dict[str, Any], path: str, field: str) -> None:
+    """Version 3's optional keys: ``shard`` (a piece of a sharded tensor) and ``ref``
+    (a replicated tensor whose bytes are in another rank's part)."""
+    if "shard" in t:
+        shard, shape = t["shard"], t["shape"]
+        need(isinstance(shard, dict) and isinstance(shard.get("global_shape"), list)
+             and isinstance(shard.get("offset"), list)
+             and len(shard["global_shape"]) == len(shard["offset"]) == len(shape)
+             and all(is_uint(v) for v in shard["global_shape"] + shard["offset"])
+             and all(o + n <= g for o, n, g in
+                     zip(shard["offset"], shape, shard["global_shape"])),
+             path, f"{field}.shard", "is not a piece {global_shape, offset} that holds "
+             "the entry's shape")
+    if "ref" in t:
+        need(is_uint(t["ref"]) and t["ref"] < m.get("world_size", 1)
+             and t["ref"] != m.get("rank", 0), path, f"{field}.ref",
+             "is not another rank of this snapshot")
+        need(t.get("chunks") == [], path, f"{field}.chunks",
+             "is not empty in an entry stored by another rank (ref)")
+
+
+def check_commit(r: Any, *, path: str, version: int = FORMAT_VERSION) -> None:
+    """The global commit record's schema (docs/format.md, "commit.snapd")."""
+    need(isinstance(r, dict), path, "commit", "is not a map")
+    need(r.get("format") == version, path, "format",
+         f"is not {version}, the version in the record's header")
+    check_header_fields(r, path)
+    check_lineage(r.get("lineage"), path)
+    need(is_name(r.get("session")), path, "session", "is not a name")
+    parts = r.get("parts")
+    need(isinstance(parts, list) and len(parts) == r.get("world_size")
+         and r.get("world_size", 0) >= 2, path, "parts",
+         "does not list one part per rank of world_size (at least 2)")
+    for i, part in enumerate(parts):
+        need(isinstance(part, dict) and part.get("rank") == i
+             and part.get("dir") == part_dir_name(i)
+             and is_uint(part.get("manifest_size")) and is_uint(part.get("manifest_xxh3")),
+             path, f"parts[{i}]", f"is not {{rank: {i}, dir: {part_dir_name(i)!r}, "
+             "manifest_size, manifest_xxh3}")
+    need(is_uint(r.get("bytes")), path, "bytes", "is not a byte count")
+
+
+def part_dir_name(rank: int) -> str:
+    """The directory of rank ``rank``'s part inside a multi-rank snapshot."""
+    return f"rank-{rank:05d}"
 
 
 def _check_tensor(t: Any, file_size: int, path: str, field: str) -> None:
@@ -283,7 +363,7 @@ def _check_tensor(t: Any, file_size: int, path: str, field: str) -> None:
     raw_total = 0
     for chunk in chunks:
         raw_total += _check_chunk(chunk, file_size, path, f"{field}.chunks")
-    need(raw_total == nbytes, path, f"{field}.chunks",
+    need(raw_total == nbytes or "ref" in t, path, f"{field}.chunks",
           f"add up to {raw_total} bytes, not the {nbytes} the shape needs")
 
 

@@ -28,11 +28,33 @@ class TensorSource:
     shape: List[int]
     data: memoryview
     device: str = "cpu"
+    # A piece of a sharded tensor: {"global_shape", "offset"} (docs/format.md, v3).
+    shard: Optional[Dict[str, List[int]]] = None
+    # Replicated, and written by this rank of the job instead: no bytes here.
+    ref: Optional[int] = None
     # Read once, at construction: still known once the writer released ``data``.
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "nbytes", len(self.data))
+        nbytes = len(self.data)
+        if self.ref is not None:   # the bytes are another rank's: the size is the shape's
+            nbytes = math.prod(self.shape) * ITEMSIZES[self.dtype]
+        object.__setattr__(self, "nbytes", nbytes)
+
+    @property
+    def stored(self) -> bool:
+        """Whether this rank writes the tensor's bytes (it is not another's to write)."""
+        return self.ref is None
+
+    def placement(self) -> Dict[str, Any]:
+        """The optional manifest keys of the tensor's entry: shard, ref."""
+        out: Dict[str, Any] = {}
+        if self.shard is not None:
+            out["shard"] = {"global_shape": list(self.shard["global_shape"]),
+                            "offset": list(self.shard["offset"])}
+        if self.ref is not None:
+            out["ref"] = self.ref
+        return out
 
 
 @dataclass(frozen=True)
@@ -69,6 +91,8 @@ class SnapshotPlan:
     data_version: Optional[str] = None
     rank: int = 0
     world_size: int = 1
+    # The attempt this part belongs to: the global commit joins parts of one session.
+    session: str = "none"
     # Names of damaged snapshots restore() refused: the writer may move one aside
     # (never delete it) when this snapshot needs its name.
     supersedes: Sequence[str] = ()
@@ -83,14 +107,23 @@ class SnapshotPlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for o in self.objects for t in o.tensors)
+        """The bytes this rank writes (tensors another rank writes are not counted)."""
+        return sum(t.nbytes for o in self.objects for t in o.tensors if t.stored)
 
 
 def plan_tensor(path: str, dtype: str, shape: Any, device: str, offset: int,
-                nbytes: int) -> Dict[str, Any]:
-    """One tensor of a descriptor: where its bytes lie in the slot, not the bytes."""
-    return {"path": path, "dtype": dtype, "shape": list(shape), "device": device,
-            "offset": offset, "nbytes": nbytes}
+                nbytes: int, *, shard: Optional[Dict[str, Any]] = None,
+                ref: Optional[int] = None) -> Dict[str, Any]:
+    """One tensor of a descriptor: where its bytes lie in the slot, not the bytes.
+    ``ref``: another rank writes it; it takes no slot bytes (``offset`` is 0)."""
+    entry = {"path": path, "dtype": dtype, "shape": list(shape), "device": device,
+             "offset": offset, "nbytes": nbytes}
+    if shard is not None:
+        entry["shard"] = {"global_shape": list(shard["global_shape"]),
+                          "offset": list(shard["offset"])}
+    if ref is not None:
+        entry["ref"] = ref
+    return entry
 
 
 def describe(plan: Any, tensors: List[List[Dict[str, Any]]]) -> Dict[str, Any]:
@@ -104,7 +137,7 @@ def describe(plan: Any, tensors: List[List[Dict[str, Any]]]) -> Dict[str, Any]:
             "cursor": None if plan.cursor is None else dict(plan.cursor),
             "metric": plan.metric, "data_version": plan.data_version,
             "rank": plan.rank, "world_size": plan.world_size,
-            "supersedes": list(plan.supersedes)}
+            "session": plan.session, "supersedes": list(plan.supersedes)}
 
 
 def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any]:
@@ -112,7 +145,8 @@ def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any
 
     ``offsets[i][j]`` is where tensor j of object i starts within the slot.
     """
-    return describe(plan, [[plan_tensor(t.path, t.dtype, t.shape, t.device, off, t.nbytes)
+    return describe(plan, [[plan_tensor(t.path, t.dtype, t.shape, t.device, off, t.nbytes,
+                                        shard=t.shard, ref=t.ref)
                             for t, off in zip(obj.tensors, obj_offsets)]
                            for obj, obj_offsets in zip(plan.objects, offsets)])
 
@@ -136,6 +170,7 @@ def _check_descriptor_fields(desc: Any) -> None:
     fmt.check_header_fields(desc, where)
     fmt.check_lineage(desc.get("lineage"), where)
     fmt.check_rng_map(desc.get("rng"), path=where, field="rng")
+    fmt.need(fmt.is_name(desc.get("session", "none")), where, "session", "is not a name")
     fmt.need(desc.get("cursor") is None or (isinstance(desc["cursor"], dict) and
              fmt.nests_within(desc["cursor"], fmt.MAX_PLAIN_DEPTH)), where, "cursor",
              "is neither nil nor a map of bounded depth")
@@ -156,6 +191,8 @@ def _check_descriptor_fields(desc: Any) -> None:
                  "is not a list")
         for j, t in enumerate(obj["tensors"]):
             _check_descriptor_tensor(t, where, f"{field}.tensors[{j}]")
+            fmt.check_placement({**t, "chunks": []} if "ref" in t else t, desc, where,
+                                f"{field}.tensors[{j}]")
 
 
 def _check_descriptor_tensor(t: Any, where: str, field: str) -> None:
@@ -176,7 +213,7 @@ def _check_descriptor_tensor(t: Any, where: str, field: str) -> None:
 def used_bytes(desc: Dict[str, Any]) -> int:
     """How much of a slot a plan descriptor uses: the end of its last tensor."""
     return max((t["offset"] + t["nbytes"] for o in desc["objects"]
-                for t in o["tensors"]), default=0)
+                for t in o["tensors"] if "ref" not in t), default=0)
 
 
 def tensor_extent(t: Dict[str, Any], size: int) -> Tuple[int, int]:
@@ -199,12 +236,15 @@ def from_descriptor(desc: Dict[str, Any], slot: memoryview) -> SnapshotPlan:
     for obj in desc["objects"]:
         tensors = []
         for t in obj["tensors"]:
-            start, end = tensor_extent(t, len(slot))
+            ref = t.get("ref")
+            start, end = (0, 0) if ref is not None else tensor_extent(t, len(slot))
             tensors.append(TensorSource(t["path"], t["dtype"], list(t["shape"]),
-                                        slot[start:end], t.get("device", "cpu")))
+                                        slot[start:end], t.get("device", "cpu"),
+                                        shard=t.get("shard"), ref=ref))
         objects.append(ObjectPlan(obj["name"], obj["type"], obj["skeleton"], tensors,
                                   obj.get("metadata")))
     return SnapshotPlan(desc["run"], desc["step"], desc["lineage"], objects, desc["rng"],
                         desc.get("cursor"), desc.get("metric"), desc.get("data_version"),
                         desc.get("rank", 0), desc.get("world_size", 1),
+                        desc.get("session", "none"),
                         [str(n) for n in desc.get("supersedes") or []])

@@ -174,6 +174,9 @@ class Committed:
     name: str
     bytes: int
     seconds: float
+    # False: a part of a multi-rank snapshot, durable; the snapshot is committed once
+    # every rank's part is (snapd/globalcommit.py), which the client checks on disk.
+    complete: bool = True
 
 
 @dataclass

@@ -65,6 +65,31 @@ def read_manifest_bytes(snapshot_dir: str) -> bytes:
         os.close(fd)
 
 
+def read_commit(snapshot_dir: str) -> Dict[str, Any]:
+    """A multi-rank snapshot's commit record, decoded and checked (its parts are not
+    opened: snapd/globalsnap.py does that)."""
+    path = os.path.join(snapshot_dir, fmt.COMMIT_NAME)
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > fmt.MAX_MANIFEST_BYTES:
+            raise CorruptSnapshot(f"{path}: {size} bytes, larger than any commit record "
+                                  "snapd writes", path=path, field="size")
+        data = os.read(fd, size + 1)
+    finally:
+        os.close(fd)
+    return fmt.decode_commit(data, path=path)
+
+
+def read_summary(snapshot_dir: str) -> Dict[str, Any]:
+    """What a committed snapshot says of itself without a tensor file: a one-rank
+    snapshot's manifest (its files stat-checked), or a multi-rank snapshot's commit
+    record (step, lineage, metric, world_size, parts)."""
+    if os.path.lexists(os.path.join(snapshot_dir, fmt.COMMIT_NAME)):
+        return read_commit(snapshot_dir)
+    return SnapshotReader(snapshot_dir).manifest
+
+
 def check_real_directories(snapshot_dir: str) -> None:
     """The snapshot directory, and in a run layout (``<run>/snapshots/<name>``) its
     ``snapshots/`` and run directories, are directories, not symlinks: a link would

@@ -43,7 +43,7 @@ from snapd import fsio
 from snapd.errors import CorruptSnapshot
 from snapd.names import WRITER_LOCK_GLOB
 from snapd.options import Options
-from snapd.reader import SnapshotReader
+from snapd.reader import read_summary
 from snapd.rootlock import RootLock
 from snapd.store import (TMP_PREFIX, RunStore, SnapshotId, list_runs, remove_pointer)
 
@@ -119,7 +119,7 @@ def scan(store: RunStore) -> Tuple[List[SnapshotInfo], List[str]]:
     infos, refused = [], []
     for sid in store.committed():
         try:
-            manifest = SnapshotReader(store.snapshot_path(sid)).manifest
+            manifest = read_summary(store.snapshot_path(sid))
             lineage = manifest.get("lineage") or {}
             metric = manifest.get("metric")
             infos.append(SnapshotInfo(sid, int(lineage.get("id", 0)),
@@ -128,6 +128,32 @@ def scan(store: RunStore) -> Tuple[List[SnapshotInfo], List[str]]:
         except (CorruptSnapshot, OSError, KeyError, TypeError, ValueError):
             refused.append(sid.name)
     return infos, refused
+
+
+def stale_parts(store: RunStore, latest: Optional[SnapshotId]) -> List[Tuple[SnapshotId, str]]:
+    """``.parts-<name>`` dirs older than ``latest`` (the snapshot LATEST names, just
+    committed): they can never complete. A rank writes its snapshots in order, so
+    when snapshot S commits globally, every rank has finished its parts before S;
+    a set still incomplete then lacks a part that will not come."""
+    if latest is None:
+        return []
+    return [(sid, path) for sid, path in store.parts_dirs() if sid < latest]
+
+
+def collect_parts(store: RunStore, latest: Optional[SnapshotId]) -> Tuple[List[str], List[str]]:
+    """Rename the stale parts dirs out (then purged with the trash); returns their
+    names and the trash paths."""
+    names, trash = [], []
+    for sid, path in stale_parts(store, latest):
+        away = os.path.join(store.snapshots_path,
+                            f"{DELETING_PREFIX}parts-{sid.name}-{secrets.token_hex(4)}")
+        try:
+            os.rename(path, away)
+        except FileNotFoundError:
+            continue
+        names.append(sid.name)
+        trash.append(away)
+    return names, trash
 
 
 def trash_snapshot(store: RunStore, sid: SnapshotId) -> str:
@@ -163,6 +189,7 @@ class RetentionResult:
     kept: List[str] = field(default_factory=list)      # what the rules keep
     protected: List[str] = field(default_factory=list)  # kept only because LATEST names it
     bytes: int = 0                                      # of the deleted (gc measures it)
+    incomplete: List[str] = field(default_factory=list)  # .parts- dirs removed
 
 
 def apply_retention(store: RunStore, opts: Options, *, purge_now: bool = True,
@@ -182,8 +209,11 @@ def apply_retention(store: RunStore, opts: Options, *, purge_now: bool = True,
                              kept=[i.sid.name for i in plan.keep],
                              protected=[i.sid.name for i in plan.protected])
     if dry_run:
+        result.incomplete = [sid.name for sid, _ in stale_parts(store, latest)]
         return result
     result.trash = [trash_snapshot(store, i.sid) for i in plan.delete]
+    result.incomplete, parts_trash = collect_parts(store, latest)
+    result.trash += parts_trash
     update_best(store, plan.keep, opts.best_mode)
     if purge_now:
         purge(result.trash)

@@ -7,6 +7,8 @@ Layout (docs/format.md has the full spec)::
     <root>/<run>/snapshots/00001200/   one committed snapshot (lineage 0)
     <root>/<run>/snapshots/00001200.L1 one committed snapshot of lineage 1
     <root>/<run>/snapshots/.tmp-*/     being written or abandoned: never read
+    <root>/<run>/snapshots/.parts-*/   parts of a multi-rank snapshot not yet
+                                       committed globally: never restored
     <root>/<run>/LATEST, BEST          pointers: a snapshot name and a newline
 
 Pointers are hints: a reader verifies what they name and falls back to the newest
@@ -22,7 +24,7 @@ import secrets
 import shutil
 import stat
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from snapd import fsio
 from snapd.errors import SnapdError
@@ -31,6 +33,7 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}$")
 SNAPSHOT_NAME = re.compile(r"^(\d{8,})(?:\.L(\d+))?$")
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = ".damaged-"
+PARTS_PREFIX = ".parts-"
 POINTERS = ("LATEST", "BEST")
 DIR_MODE = 0o700  # run, snapshots/, log/ and each snapshot directory (docs/format.md)
 
@@ -83,6 +86,22 @@ class RunStore:
 
     def snapshot_path(self, sid: SnapshotId) -> str:
         return os.path.join(self.snapshots_path, sid.name)
+
+    def parts_path(self, sid: SnapshotId) -> str:
+        """Where the parts of multi-rank snapshot ``sid`` gather before the global
+        commit renames the directory to its snapshot name (snapd/globalcommit.py)."""
+        return os.path.join(self.snapshots_path, f"{PARTS_PREFIX}{sid.name}")
+
+    def parts_dirs(self) -> List[Tuple[SnapshotId, str]]:
+        """Every ``.parts-<name>`` directory, oldest snapshot first."""
+        try:
+            names = os.listdir(self.snapshots_path)
+        except FileNotFoundError:
+            return []
+        found = [(SnapshotId.parse(n[len(PARTS_PREFIX):]), n) for n in names
+                 if n.startswith(PARTS_PREFIX)]
+        return sorted((sid, os.path.join(self.snapshots_path, n))
+                      for sid, n in found if sid is not None)
 
     def new_tmp_dir(self, sid: SnapshotId) -> str:
         self.ensure()

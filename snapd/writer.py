@@ -10,6 +10,8 @@ buffer and the filesystem allow (``snapd/blockfile.py``).
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,13 +21,14 @@ import xxhash
 
 from snapd import format as fmt
 from snapd import fsio
+from snapd import globalcommit
 from snapd.blockfile import BlockFile
 from snapd.compression import CompressionPolicy
 from snapd.errors import SnapdError, SnapshotExists
 from snapd.options import Options
-from snapd.plan import ObjectPlan, SnapshotPlan
-from snapd.reader import SnapshotReader
-from snapd.store import RunStore, SnapshotId
+from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
+from snapd.reader import SnapshotReader, read_commit
+from snapd.store import TMP_PREFIX, RunStore, SnapshotId
 
 
 Progress = Optional[Callable[[int], None]]
@@ -34,9 +37,12 @@ Progress = Optional[Callable[[int], None]]
 @dataclass
 class CommitResult:
     sid: SnapshotId
-    path: str
+    path: str            # the committed snapshot's directory (for a part: once committed)
     bytes_written: int
     seconds: float
+    # False for a part of a multi-rank snapshot whose other parts are still missing:
+    # durable, but not committed (snapd/globalcommit.py).
+    complete: bool = True
 
 
 def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
@@ -52,6 +58,9 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
         out.append(header)
         file_digest.header(header)
         for t in obj.tensors:
+            if not t.stored:   # replicated, written by another rank: no bytes here
+                entries.append(_entry(t, [], 0))
+                continue
             level = policy.level_for(t.data, opts.chunk_bytes)
             chunks, raw_digest = [], xxhash.xxh3_64()
             for start in range(0, len(t.data), opts.chunk_bytes):
@@ -64,14 +73,18 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
                 chunks.append([offset, len(stored), len(raw), codec, digest])
                 if progress is not None:
                     progress(len(raw))
-            entries.append({"path": t.path, "dtype": t.dtype, "shape": list(t.shape),
-                            "nbytes": len(t.data), "device": t.device, "chunks": chunks,
-                            "xxh3": raw_digest.intdigest()})
+            entries.append(_entry(t, chunks, raw_digest.intdigest()))
         out.sync()
     finally:
         out.close()
     return {"file": name, "tensors": entries, "size": out.end,
             "xxh3": file_digest.intdigest()}
+
+
+def _entry(t: TensorSource, chunks: list, digest: int) -> Dict[str, Any]:
+    """A tensor's manifest entry (a ``ref`` one has no chunks and digest 0)."""
+    return {"path": t.path, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
+            "device": t.device, "chunks": chunks, "xxh3": digest, **t.placement()}
 
 
 def _manifest(plan: SnapshotPlan, written: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
@@ -83,9 +96,11 @@ def _manifest(plan: SnapshotPlan, written: Dict[str, Dict[str, Any]]) -> Dict[st
         objects[obj.name] = {"type": obj.type, "skeleton": obj.skeleton,
                              "metadata": obj.metadata,
                              "file": entry["file"] if entry else None,
-                             "tensors": entry["tensors"] if entry else []}
+                             "tensors": entry["tensors"] if entry else
+                             [_entry(t, [], 0) for t in obj.tensors]}
     return {"format": fmt.FORMAT_VERSION, "run": plan.run, "step": plan.step,
-            "rank": plan.rank, "world_size": plan.world_size, "created": time.time(),
+            "rank": plan.rank, "world_size": plan.world_size, "session": plan.session,
+            "created": time.time(),
             "data_version": plan.data_version, "metric": plan.metric,
             "lineage": plan.lineage, "rng": plan.rng, "cursor": plan.cursor,
             "objects": objects, "files": files}
@@ -135,7 +150,11 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
 
     A failure leaves at most a ``.tmp-*`` directory, which no reader lists and the
     next collection removes; LATEST still names the previous committed snapshot.
+    A plan of a multi-rank job (``world_size > 1``) is one rank's part: see
+    :func:`write_part`.
     """
+    if plan.world_size > 1:
+        return write_part(store, plan, opts, progress)
     t0 = time.perf_counter()
     final = store.snapshot_path(plan.sid)
     if os.path.exists(final):
@@ -145,8 +164,21 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
                 return existing
         store.set_aside(plan.sid)  # refused as damaged (at restore or here): kept, renamed
     tmp = store.new_tmp_dir(plan.sid)
+    total = _write_directory(tmp, plan, opts, progress)
+    # 3. The tmp dir's entries durable, then the rename that commits the snapshot,
+    #    then the parent fsynced so that the rename survives a power loss.
+    fsio.publish_directory(tmp, final)
+    # 4. Only now move LATEST (atomically); it is a hint, verified on use.
+    store.write_pointer("LATEST", plan.sid)
+    return CommitResult(plan.sid, final, total, time.perf_counter() - t0)
+
+
+def _write_directory(tmp: str, plan: SnapshotPlan, opts: Options,
+                     progress: Progress) -> int:
+    """Steps 1-2 of the commit order into ``tmp``, and its entries fsynced; returns
+    the bytes of its tensor files."""
     # 1. Tensor files into the private tmp dir, each fsynced before the manifest.
-    with_tensors = [o for o in plan.objects if o.tensors]
+    with_tensors = [o for o in plan.objects if any(t.stored for t in o.tensors)]
     workers = max(1, min(opts.writer_threads, len(with_tensors)))
     with ThreadPoolExecutor(workers) as pool:
         results = list(pool.map(lambda o: _write_object_file(tmp, o, opts, progress),
@@ -155,11 +187,88 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
     # 2. The manifest last: its presence means every file it lists is durable.
     fsio.write_file_durable(os.path.join(tmp, fmt.MANIFEST_NAME),
                             fmt.encode_manifest(_manifest(plan, written)))
-    # 3. The tmp dir's entries durable, then the rename that commits the snapshot,
-    #    then the parent fsynced so that the rename survives a power loss.
     fsio.fsync_dir(tmp)
-    fsio.publish_directory(tmp, final)
-    # 4. Only now move LATEST (atomically); it is a hint, verified on use.
+    return sum(r["size"] for r in results)
+
+
+def write_part(store: RunStore, plan: SnapshotPlan, opts: Options,
+               progress: Progress = None) -> CommitResult:
+    """One rank's part of a multi-rank snapshot, then the global commit attempt.
+
+    The part is written like a snapshot into ``.parts-<name>/.tmp-rank-R-<nonce>/``
+    and renamed to ``rank-R``; then :func:`snapd.globalcommit.try_commit` commits the
+    snapshot if this part completed the set (docs/multirank.md, steps 1-4). The
+    result's ``complete`` says whether the snapshot is committed.
+    """
+    t0 = time.perf_counter()
+    sid, final = plan.sid, store.snapshot_path(plan.sid)
+    if os.path.exists(final):
+        existing = _global_committed(store, plan, final, t0)
+        if existing is not None:
+            return existing
+    parts_dir = store.parts_path(sid)
+    store.ensure()
+    os.makedirs(parts_dir, mode=0o700, exist_ok=True)
+    mine = os.path.join(parts_dir, fmt.part_dir_name(plan.rank))
+    total = _reusable_part(store, plan, mine)
+    if total is None:
+        tmp = os.path.join(parts_dir, f"{TMP_PREFIX}{fmt.part_dir_name(plan.rank)}-"
+                                      f"{secrets.token_hex(4)}")
+        os.mkdir(tmp, 0o700)
+        try:
+            total = _write_directory(tmp, plan, opts, progress)
+            fsio.publish_directory(tmp, mine)   # step 1's rename, parts dir fsynced
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    want = {"run": plan.run, "step": plan.step, "lineage": plan.lineage,
+            "world_size": plan.world_size, "session": plan.session,
+            "data_version": plan.data_version}
+    complete = globalcommit.try_commit(store, sid, want)
+    return CommitResult(sid, final, total, time.perf_counter() - t0, complete=complete)
+
+
+def _reusable_part(store: RunStore, plan: SnapshotPlan, part: str) -> Optional[int]:
+    """A part of this rank already at ``part``: kept when it is this session's (a
+    retry of the same submit), its bytes returned; else moved out and removed (an
+    older attempt's, or damaged). None: write the part."""
+    if not os.path.lexists(part):
+        return None
+    try:
+        manifest, _ = globalcommit.read_part(part)
+        if manifest.get("session") == plan.session and manifest.get("rank") == plan.rank:
+            return sum(f["size"] for f in manifest["files"].values())
+    except (SnapdError, OSError):
+        pass
+    away = os.path.join(store.snapshots_path, f"{TMP_PREFIX}old-part-{secrets.token_hex(4)}")
+    os.rename(part, away)
+    shutil.rmtree(away, ignore_errors=True)
+    return None
+
+
+def _global_committed(store: RunStore, plan: SnapshotPlan, final: str,
+                      t0: float) -> Optional[CommitResult]:
+    """``final`` is already committed: kept and reported as this commit (as
+    :func:`_same_snapshot_committed` does for one rank), unless restore refused it
+    as damaged or its record does not read: then it is set aside, and None returned."""
+    record = None
+    if plan.sid.name not in plan.supersedes:
+        try:
+            record = read_commit(final)
+        except (SnapdError, OSError):
+            record = None
+    if record is None:
+        try:
+            store.set_aside(plan.sid)
+        except FileNotFoundError:
+            pass   # another rank's writer set it aside first
+        return None
+    if (record["step"], record["lineage"]) != (plan.step, plan.lineage):
+        raise SnapshotExists(
+            f"{final} already exists with step, lineage = "
+            f"{(record['step'], record['lineage'])!r}, not this snapshot's "
+            f"{(plan.step, plan.lineage)!r}. Move it out of {store.snapshots_path} to "
+            "keep it, or snapshot under another run name",
+            path=os.path.join(final, fmt.COMMIT_NAME), field="lineage")
     store.write_pointer("LATEST", plan.sid)
-    total = sum(r["size"] for r in results)
-    return CommitResult(plan.sid, final, total, time.perf_counter() - t0)
+    return CommitResult(plan.sid, final, int(record["bytes"]), time.perf_counter() - t0)

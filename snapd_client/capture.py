@@ -65,6 +65,7 @@ class Capture:
     # Damaged snapshots restore() refused: the writer may set one aside for this name.
     supersedes: Tuple[str, ...] = ()
     world_size: int = 1
+    session: str = "none"   # the attempt this part belongs to (docs/multirank.md)
     # Every leaf object by object (the order of the arena slot and of the files), and
     # which overlap mode may defer: derived once, at construction.
     tensors: Tuple[torch.Tensor, ...] = field(init=False, repr=False, compare=False)
@@ -106,7 +107,8 @@ class Capture:
         return SnapshotPlan(run=self.run, step=self.step, lineage=dict(self.lineage),
                             objects=objects, rng=rng, cursor=cursor, metric=self.metric,
                             data_version=self.data_version, rank=self.rank,
-                            world_size=self.world_size, supersedes=list(self.supersedes))
+                            world_size=self.world_size, session=self.session,
+                            supersedes=list(self.supersedes))
 
     def plan_in_memory(self) -> SnapshotPlan:
         """The in-process writer's plan: over the tensors' own bytes (on CPU; copied

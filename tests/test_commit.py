@@ -64,8 +64,9 @@ class FaultyPublishCache(HotCache):
         raise RuntimeError("injected: hot publish failed")
 
 
-def plan(step: int, lineage: int = 0, metric=None, rank: int = 0) -> SnapshotPlan:
-    made = SnapshotPlan("r", step, {"id": lineage, "mode": "fresh", "parent": None},
+def plan(step: int, lineage: int = 0, metric=None, rank: int = 0,
+         parent=None) -> SnapshotPlan:
+    made = SnapshotPlan("r", step, {"id": lineage, "mode": "fresh", "parent": parent},
                         [ObjectPlan("model", "T", b"\x90",
                                     [TensorSource(".w", dtype_name(DATA.dtype), [8],
                                                   memoryview(bytes(32)))])],
@@ -173,14 +174,15 @@ def test_event_send_failing_still_frees_the_slot_and_finishes_retention(root, sh
 
 
 def test_a_failed_write_sends_failed_with_the_errors_path_and_field(root, shm):
-    write_snapshot(RunStore(root, "r"), plan(4, rank=1), Options())  # another rank's
+    other = {"run": "r", "snapshot": "00000002", "step": 2}
+    write_snapshot(RunStore(root, "r"), plan(4, parent=other), Options())  # another history
     d = daemon(root, shm)
     sink = Sink()
     sub = submission(shm, 4, sink)
     d._write(sub)
     [event] = sink.events
     assert isinstance(event, p.Failed) and event.kind == "SnapshotExists"
-    assert event.field == "rank" and event.path.endswith(MANIFEST_NAME)
+    assert event.field == "lineage" and event.path.endswith(MANIFEST_NAME)
     assert sub.arena.busy == set() and RunStore(root, "r").tmp_dirs() == []
     assert p.from_wire(p.to_wire(event)) == event    # the fields cross the socket
     d.hot_cache.close()
@@ -226,14 +228,15 @@ def test_in_process_snapshot_checks_free_space_first(root):
 
 
 def test_in_process_snapshot_refuses_another_history_as_snapshot_exists(root):
-    write_snapshot(RunStore(root, "r"), plan(1, rank=1), Options())   # another rank's
+    other = {"run": "r", "snapshot": "00000000", "step": 0}
+    write_snapshot(RunStore(root, "r"), plan(1, parent=other), Options())  # another history
     client = Client(root, "r", daemon=False, rank=0)
     client.track(model=torch.nn.Linear(4, 4))
     with pytest.raises(SnapshotFailed) as failure:
         client.snapshot(1).wait()
     cause = failure.value.__cause__
     assert isinstance(cause, SnapshotExists) and isinstance(cause, FileExistsError)
-    assert cause.field == "rank" and cause.path.endswith(MANIFEST_NAME)
+    assert cause.field == "lineage" and cause.path.endswith(MANIFEST_NAME)
     client.close()
 
 

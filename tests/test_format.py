@@ -53,18 +53,18 @@ def test_manifest_bytes_match_the_documented_offsets(tmp_path):
     result = write_snapshot(RunStore(str(tmp_path), "r"), plan_for(STATE), Options())
     data = open(os.path.join(result.path, "manifest.snapd"), "rb").read()
     assert data[0:8] == b"SNAPDMF\0"
-    assert struct.unpack_from("<I", data, 8)[0] == 2
+    assert struct.unpack_from("<I", data, 8)[0] == 3
     assert struct.unpack_from("<I", data, 12)[0] == 0
     length = struct.unpack_from("<Q", data, 16)[0]
     assert length == len(data) - 32
     assert struct.unpack_from("<Q", data, 24)[0] == xxhash.xxh3_64_intdigest(data[32:])
     payload = msgpack.unpackb(data[32:], raw=False, strict_map_key=False)
-    assert set(payload) == {"format", "run", "step", "rank", "world_size", "created",
+    assert set(payload) == {"format", "run", "step", "rank", "world_size", "session", "created",
                             "data_version", "metric", "lineage", "rng", "cursor",
                             "objects", "files"}
-    assert payload["format"] == 2
+    assert payload["format"] == 3
     tensors = open(os.path.join(result.path, "model.tensors"), "rb").read()
-    assert tensors[:8] == b"SNAPDTN\0" and struct.unpack_from("<I", tensors, 8)[0] == 2
+    assert tensors[:8] == b"SNAPDTN\0" and struct.unpack_from("<I", tensors, 8)[0] == 3
     assert tensors[16:32] == bytes(16)
     # v2 file digest: the header, then each chunk's digest (u64 LE), in file order.
     chain = tensors[:32] + b"".join(struct.pack("<Q", c[4])

@@ -347,7 +347,7 @@ def test_write_queue_keeps_each_runs_order():
 
     class Job:
         def __init__(self, run, step):
-            self.run, self.step, self.started = run, step, None
+            self.run, self.step, self.started, self.rank = run, step, None, 0
 
     def work(job):
         time.sleep(0.01 if job.step % 2 else 0.0)  # the behaviour: odd steps are slow jobs
