@@ -141,20 +141,24 @@ def w_snapd(args, ddp, opt, res) -> None:
 
 
 def poll_commit(handle, path: str, t0: float, timeout: float):
-    """(when this rank's part was durable, when the global commit appeared)."""
-    t_part = t_glob = None
+    """(when this rank's part was durable, when the global commit appeared). A part
+    whose outcome reaches the client after the commit is counted as durable at the
+    commit: the commit needs every part durable."""
+    t_part = None
     deadline = t0 + timeout
-    while t_glob is None or t_part is None:
+    while True:
         now = time.perf_counter()
         if t_part is None and handle.done():
             t_part = now
-        if t_glob is None and os.path.isdir(path):
-            t_glob = now
+        if os.path.isdir(path):
+            return (now if t_part is None else t_part), now
         if now > deadline:
             raise TimeoutError(f"{path}: no global commit {timeout:.0f} s after "
-                               f"snapshot() (part durable: {t_part is not None})")
+                               f"snapshot() (this rank's part durable: "
+                               f"{t_part is not None}); see .parts-* beside it")
+        if handle.done() and handle.failed:
+            handle.wait()   # raises this rank's failure
         time.sleep(POLL_S)
-    return t_part, t_glob
 
 
 def barrier() -> None:
@@ -308,6 +312,7 @@ def orchestrate(args) -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     info["load_after"] = os.getloadavg()
+    info["busy_after"] = busy_processes()
     info["elapsed_s"] = time.perf_counter() - t_start
     info["date"] = start.strftime("%Y-%m-%d %H:%M UTC")
     info["command"] = "python scripts/bench_ranks.py " + " ".join(sys.argv[1:])
@@ -342,10 +347,10 @@ def report(results: Dict[int, Dict[str, Any]], info: Dict[str, Any], args) -> st
              f"share its {info['nproc']} CPUs and one disk. Load average at start "
              f"{info['load_before'][0]:.2f}, at end {info['load_after'][0]:.2f}; the run "
              f"took {info['elapsed_s'] / 60:.1f} min.", ""]
-    busy = info.get("busy_before") or []
+    busy = sorted(set(info.get("busy_before", [])) | set(info.get("busy_after", [])))
     if busy:
-        lines += ["Other processes using CPU when the run started (the machine was **not "
-                  "idle**):", ""] + [f"- `{b}`" for b in busy] + [""]
+        lines += ["Other processes using CPU when the run started or ended (1 s samples; "
+                  "the machine was **not idle**):", ""] + [f"- `{b}`" for b in busy] + [""]
     lines += [
         f"State on every rank: an MLP of `Linear(2048, 2048)` layers + AdamW after one "
         f"step (~{args.mb} MiB of params, exp_avg and exp_avg_sq), wrapped in "
