@@ -196,18 +196,21 @@ def story(ranks: int, steps: int, every: int, kill_at: int, keep) -> int:
     t0 = time.time()
     print(f"snapd demo on {ranks} ranks (DDP under torchrun, gloo, CPU): {steps} updates, "
           f"a snapshot every {every}, root {root}")
-    print("1. the reference: one uninterrupted job")
-    reference = _run_to_end(root, "reference", ranks, steps, every, f"{root}/ref-out")
-    print(f"2. the same job, every process SIGKILLed after step {kill_at}")
-    _run_and_kill(root, "interrupted", ranks, steps, every, kill_at, f"{root}/kill-out")
-    print("3. started again: every rank resumes from the last global commit and finishes")
-    resumed = _run_to_end(root, "interrupted", ranks, steps, every, f"{root}/res-out")
-    print("4. the final state of both jobs, rank by rank")
-    differ = _compare(reference, resumed, root, "interrupted")
-    _on_disk(root, "interrupted")
-    _stop_daemon(root)
-    if not keep:
-        shutil.rmtree(root, ignore_errors=True)
+    try:
+        print("1. the reference: one uninterrupted job")
+        reference = _run_to_end(root, "reference", ranks, steps, every, f"{root}/ref-out")
+        print(f"2. the same job, every process SIGKILLed after step {kill_at}")
+        _run_and_kill(root, "interrupted", ranks, steps, every, kill_at, f"{root}/kill-out")
+        print("3. started again: every rank resumes from the last global commit and "
+              "finishes")
+        resumed = _run_to_end(root, "interrupted", ranks, steps, every, f"{root}/res-out")
+        print("4. the final state of both jobs, rank by rank")
+        differ = _compare(reference, resumed, root, "interrupted")
+        _on_disk(root, "interrupted")
+    finally:   # a failed job too: the daemon the ranks started outlives them by design
+        _stop_daemon(root)
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
     verdict = "IDENTICAL: on every rank, the resumed job is the same job" if not differ \
         else f"DIVERGED in {', '.join(differ)}"
     print(f"{verdict} ({time.time() - t0:.1f} s)")
