@@ -1269,8 +1269,9 @@ def cpu_lines(slow: Dict[str, Any]) -> List[str]:
     return out + [""]
 
 
-def write_doc(path: str, section: str) -> None:
-    """Replace (or append) this benchmark's section, keeping every other section."""
+def write_doc(path: str, section: str, heading: str = SECTION) -> None:
+    """Replace (or append) the section that starts with ``heading``, keeping every
+    other section."""
     text = ""
     if os.path.exists(path):
         with open(path) as f:
@@ -1278,11 +1279,11 @@ def write_doc(path: str, section: str) -> None:
     if not text.strip():
         text = "# Benchmarks\n\nMeasured figures and the commands that produce them.\n"
     section = section.rstrip("\n") + "\n"
-    start = text.find(SECTION)
+    start = text.find(heading)
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + section
     else:
-        nxt = text.find("\n## ", start + len(SECTION))
+        nxt = text.find("\n## ", start + len(heading))
         end = len(text) if nxt < 0 else nxt + 1
         text = text[:start] + section + ("\n" + text[end:] if nxt >= 0 else "")
     with open(path, "w") as f:

@@ -2,13 +2,15 @@
 
     python scripts/demo.py                 # the whole story, in a few seconds
     python scripts/demo.py --device cuda   # the same on a GPU (CUDA staging and RNG)
+    python scripts/demo.py --ranks 2       # the same on a DDP job of 2 ranks (torchrun)
     python scripts/demo.py train --root R --run NAME --steps 48   # one trainer
 
 The story: an uninterrupted reference run trains a small transformer to step N; a
 second run of the same script is SIGKILLed between two snapshots, started again,
 resumes from its last snapshot and trains on to step N. The demo then compares the
 final weights, optimizer moments, scheduler, RNG streams and data position of both:
-equal bit for bit, or it says what differs and exits non-zero.
+equal bit for bit, or it says what differs and exits non-zero. With ``--ranks N``
+the story is told on every rank of a DDP job under torchrun (scripts/demo_ranks.py).
 """
 
 from __future__ import annotations
@@ -249,7 +251,17 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--kill-at", type=int, default=27)
     parser.add_argument("--keep", metavar="DIR", help="keep the checkpoints in DIR")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="tell the story on a DDP job of N >= 2 ranks under torchrun "
+                             "(gloo, CPU); default 1: one process")
     args = parser.parse_args()
+    if args.ranks != 1 and args.command is None:
+        if args.ranks < 2 or args.device != "cpu":
+            parser.error(f"--ranks {args.ranks}: give N >= 2; the many-rank story "
+                         "runs on CPU (gloo), so without --device")
+        import demo_ranks   # beside this script; imports this module for the model
+        return demo_ranks.story(args.ranks, args.steps, args.every, args.kill_at,
+                                args.keep)
     if args.device != "cpu" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch sees no CUDA device here "
                      f"(torch {torch.__version__})")
