@@ -8,8 +8,9 @@ events under the root (watchdog, debounced) or every ``interval``, when it also 
 the daemon for its status (in-flight progress lives only there).
 
 Read: the newest ``TAIL_BUDGET`` records of each rank's log, LATEST/BEST, the listing
-of ``snapshots/``, the daemon's ``status`` and the pid in ``.snapd.lock``. Never a
-tensor file; never a daemon started.
+of ``snapshots/``, the daemon's ``status`` and the pid in ``.snapd.lock``; for a
+multi-rank run (:func:`job_model`) the newest snapshot's commit record and the
+manifests of incomplete parts. Never a tensor file; never a daemon started.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from rich.table import Table
 from rich.text import Text
 
 from snapd import protocol as proto, statelog
+from snapd.errors import CorruptSnapshot
+from snapd.globalcommit import incomplete
 from snapd.peer import Peer
+from snapd.reader import read_summary
 from snapd.recovery import RunProgress, read_progress
 from snapd.names import ROOT_LOCK_NAME as LOCK_NAME, SOCKET_NAME
 from snapd.store import RunStore, list_runs
@@ -195,6 +199,64 @@ def rank_model(store: RunStore, rank: int, now: float) -> Dict[str, Any]:
     return row
 
 
+def _world_size(store: RunStore, name: Optional[str]) -> Optional[int]:
+    """The world size a committed snapshot records (commit record or manifest)."""
+    if name is None:
+        return None
+    try:
+        return read_summary(os.path.join(store.snapshots_path, name)).get("world_size")
+    except (CorruptSnapshot, OSError):   # damaged, or deleted by retention meanwhile
+        return None
+
+
+def job_model(store: RunStore, steps: Dict[int, Optional[int]]) -> Dict[str, Any]:
+    """One run as a job of ranks: its world size, each rank's last logged step
+    (``steps``, from the rank rows), the last global commit, the incomplete parts.
+
+    The world size is the largest the newest snapshot, the incomplete parts and the
+    logs (one directory per rank) show. Reads a commit record and part manifests."""
+    committed = store.committed()
+    last = committed[-1].name if committed else None
+    try:
+        waiting = incomplete(store)
+    except OSError:   # removed by gc or committed while listed
+        waiting = []
+    sizes = [_world_size(store, last), len(steps)] + [w["world_size"] for w in waiting]
+    world = max((n for n in sizes if isinstance(n, int)), default=1)
+    return {"run": store.run, "world_size": world,
+            "ranks": [{"rank": r, "step": steps.get(r)}
+                      for r in sorted(set(range(world)) | set(steps))],
+            "last_global_commit": last,
+            "incomplete": [{k: w[k] for k in ("name", "path", "ranks", "missing",
+                                                "world_size")} for w in waiting]}
+
+
+def job_lines(job: Dict[str, Any]) -> List[str]:
+    """What a person reads of a job: nothing for a one-rank run with no incomplete
+    parts, else its ranks' steps, the last global commit, each incomplete snapshot."""
+    if job["world_size"] <= 1 and not job["incomplete"]:
+        return []
+    steps = ", ".join(f"r{r['rank']} {'-' if r['step'] is None else r['step']}"
+                      for r in job["ranks"])
+    lines = [f"{job['run']}: {job['world_size']} ranks, last step {steps}; last global "
+             f"commit {job['last_global_commit'] or 'none'}"]
+    for w in job["incomplete"]:
+        lines.append(f"{job['run']}: {w['name']} INCOMPLETE, ranks "
+                     f"{', '.join(map(str, w['ranks'])) or 'none'} present, missing "
+                     f"{', '.join(map(str, w['missing'])) or 'unknown'} (never restored; "
+                     "gc removes it once a newer snapshot is committed)")
+    return lines
+
+
+def jobs_of(root: str, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """A job model per run of ``rows``: rank rows with ``run``, ``rank`` and the last
+    logged step (``step`` in the view's rows, ``reached`` in status's)."""
+    steps: Dict[str, Dict[int, Optional[int]]] = {}
+    for r in rows:
+        steps.setdefault(r["run"], {})[r["rank"]] = r.get("step", r.get("reached"))
+    return [job_model(RunStore(root, run), ranks) for run, ranks in steps.items()]
+
+
 def _pick(record: Optional[Dict[str, Any]], *keys: str) -> Optional[Dict[str, Any]]:
     return {k: record.get(k) for k in keys} if record else None
 
@@ -215,7 +277,7 @@ def collect(root: str, status: Any = _QUERY, *, now: Optional[float] = None
             for rank in statelog.list_ranks(os.path.join(root, run)) or [0]]
     flights = [flight_model(e, now) for e in (status or {}).get("in_flight") or []]
     return {"root": root, "time": now, "disk": disk, "daemon": daemon_model(root, status),
-            "runs": runs, "in_flight": flights}
+            "runs": runs, "jobs": jobs_of(root, runs), "in_flight": flights}
 
 
 # --- the render (pure) ---------------------------------------------------------------
@@ -330,6 +392,11 @@ def render(model: Dict[str, Any], width: int = 100) -> Group:
     else:
         points = max(8, min(SPARK_POINTS, width // 6))
         parts += [Text(""), _training_table(runs, points), Text(""), _snapshot_table(runs)]
+    jobs = [line for job in model.get("jobs") or [] for line in job_lines(job)]
+    if jobs:
+        parts += [Text(""), Text("ranks", style="bold")]
+        parts += [Text(line, style="yellow" if "INCOMPLETE" in line else "")
+                  for line in jobs]
     flights = model.get("in_flight") or []
     parts += [Text(""), Text("in flight" if flights else "in flight: none", style="bold")]
     parts += [_flight_line(f, width) for f in flights] + _history(runs)

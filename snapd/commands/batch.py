@@ -1,4 +1,5 @@
-"""``snapd batch RUN STEP``: which data a step consumed, from the state log alone."""
+"""``snapd batch RUN STEP [--rank R]``: which data a step consumed, from the state log
+alone. Each rank of a multi-rank job logs its own batches (<run>/log/rank-NNNNN/)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from snapd.text import count
 
 def consumed(path: str, rank: int, step: int) -> dict:
     """Epoch and batch positions (and sample indices when logged) of one step."""
+    ranks = statelog.list_ranks(path)
+    if rank not in ranks:
+        fail(f"{statelog.rank_dir(path, rank)}: no log of rank {rank}; ranks logged: "
+             f"{', '.join(map(str, ranks)) or 'none'} (choose one with --rank)", 1)
     record = statelog.find_step(path, rank, step)
     if record is None:
         fail(f"{path}: the log of rank {rank} has no record of step {step}", 1)
@@ -33,7 +38,8 @@ def consumed(path: str, rank: int, step: int) -> dict:
 @click.argument("run")
 @click.argument("step", type=int)
 @click.option("--root", help=ROOT_HELP)
-@click.option("--rank", type=int, default=0, show_default=True)
+@click.option("--rank", type=int, default=0, show_default=True,
+              help="Whose log: each rank of a multi-rank job consumes its own batches.")
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 def batch(run: str, step: int, root: str | None, rank: int, as_json: bool) -> None:
     """Which batches (epoch, index) and samples STEP of RUN consumed, from the log.

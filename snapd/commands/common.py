@@ -7,14 +7,20 @@ import importlib
 import json
 import os
 import sys
-from typing import Any, Dict, List, NoReturn
+from typing import Any, Dict, List, NoReturn, Union
 
 import click
 from rich.console import Console
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot
+from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.reader import SnapshotReader, check_real_directories, read_manifest_bytes
+
+# Either kind of committed snapshot: one rank's directory, or a multi-rank snapshot
+# read through its commit record (snapd/globalsnap.py). Both have ``path``, ``step``,
+# ``manifest`` (whole-job summary for many ranks), ``objects`` and ``load_object``.
+Snapshot = Union[SnapshotReader, GlobalSnapshot]
 
 ROOT_HELP = "The checkpoint root (default: $SNAPD_ROOT, else the current directory)."
 
@@ -70,20 +76,36 @@ def optional_import(module: str, command: str, extra: str) -> Any:
 
 # --- reading a snapshot ------------------------------------------------------------
 
-def open_reader(path: str) -> SnapshotReader:
-    """The verified manifest (and checked file sizes), or exit 1 with the reason."""
+def open_reader(path: str) -> Snapshot:
+    """Either kind of snapshot, its manifests verified (and file sizes checked; for
+    many ranks every part against the commit record), or exit 1 with the reason."""
     try:
-        return SnapshotReader(path)
+        snap = open_snapshot(path)
+        if isinstance(snap, GlobalSnapshot):
+            snap.parts()   # every part now, so a damaged one is named here
+        return snap
     except CorruptSnapshot as e:
         fail(f"{e}\n  hint: snapd verify {path} checks every file; an older "
              "snapshot is listed by snapd ls", 1)
+    except OSError as e:
+        fail(f"{e.filename or path}: cannot be read ({e.strerror})", 2)
+
+
+def is_multirank(path: str) -> bool:
+    """A snapshot directory of many ranks (it holds a commit record)."""
+    return os.path.lexists(os.path.join(path, fmt.COMMIT_NAME))
 
 
 def read_manifest(path: str) -> Dict[str, Any]:
-    """The manifest alone (no tensor file is opened or stat'ed), or exit 1."""
-    manifest_path = os.path.join(path, fmt.MANIFEST_NAME)
+    """The manifest alone (no tensor file is opened or stat'ed), or exit 1. For a
+    multi-rank snapshot: the whole job's summary (snapd.globalsnap), from the commit
+    record and the parts' manifests."""
+    manifest_path = os.path.join(path, fmt.COMMIT_NAME if is_multirank(path)
+                                 else fmt.MANIFEST_NAME)
     try:
         check_real_directories(path)
+        if is_multirank(path):
+            return GlobalSnapshot(path).manifest
         return fmt.decode_manifest(read_manifest_bytes(path), path=manifest_path)
     except OSError as e:
         fail(f"{manifest_path}: cannot be read ({e.strerror})", 2)

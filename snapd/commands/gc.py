@@ -5,7 +5,9 @@ in-process writer apply after each commit (snapd/commit.py): keep the last N, ev
 K-th step, the M best by metric; never the newest snapshot whose manifest verifies,
 nor the one LATEST names, nor one whose manifest cannot be read. A delete is one
 rename out of the committed namespace, then the slow recursive removal, so an
-interrupted gc leaves no half snapshot. ``--collect-tmp`` removes old tmp dirs under
+interrupted gc leaves no half snapshot. The ``.parts-<name>`` directories of multi-rank
+snapshots older than LATEST (a rank's part never came) are removed and reported.
+``--collect-tmp`` removes old tmp dirs under
 the root's lock, skipping runs a live client writes (retention.collect_tmp).
 """
 
@@ -25,7 +27,7 @@ from snapd.text import human_bytes
 
 def _as_json(r: retention.RetentionResult) -> Dict[str, Any]:
     return {"deleted": r.deleted, "kept": r.kept, "protected_latest": r.protected,
-            "refused": r.refused, "bytes": r.bytes}
+            "refused": r.refused, "bytes": r.bytes, "incomplete_removed": r.incomplete}
 
 
 def _collect(root: str, runs: List[str]) -> retention.Collected:
@@ -49,6 +51,11 @@ def report(results: Dict[str, retention.RetentionResult], dry_run: bool) -> None
         if r.refused:
             click.echo(f"  {run}: left alone, manifest unreadable: {', '.join(r.refused)} "
                        f"(snapd verify {run}/<name> says why)")
+        if r.incomplete:
+            click.echo(f"  {run}: {'would remove' if dry_run else 'removed'} incomplete "
+                       f"multi-rank snapshot parts (a rank's part never came, and a newer "
+                       f"snapshot is committed): "
+                       + ", ".join(f".parts-{n}" for n in r.incomplete))
 
 
 @click.command()

@@ -4,6 +4,10 @@ No tensor file is read: objects, tensors (path, dtype, shape, bytes, codecs), RN
 streams, the data cursor, lineage, data_version, metric. The files are only stat'ed
 against the sizes the manifest declares, and a mismatch is reported, not fatal, so a
 damaged snapshot can still be inspected.
+
+A multi-rank snapshot (snapd/commands/inspectparts.py) adds its parts (rank, bytes)
+and each tensor's whole shape and placement: sharded, or replicated (stored once, by
+which rank), or per rank. RNG streams and cursor shown are rank 0's.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from snapd.commands.common import ROOT_HELP, console, emit_json, files_bytes, read_manifest
+from snapd.commands import inspectparts
+from snapd.commands.common import (ROOT_HELP, console, emit_json, files_bytes, is_multirank,
+                                   read_manifest)
 from snapd.commands.locate import locate
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
@@ -65,7 +71,7 @@ def summary(path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
             "lineage": manifest.get("lineage"),
             "rng": {k: len(v) for k, v in sorted(manifest["rng"].items())},
             "cursor": cursor_info(manifest.get("cursor")), "objects": objects,
-            "bytes": files_bytes(manifest), "files_problem": files_problem}
+            "parts": None, "bytes": files_bytes(manifest), "files_problem": files_problem}
 
 
 def render(info: Dict[str, Any], console: Console) -> None:
@@ -73,8 +79,9 @@ def render(info: Dict[str, Any], console: Console) -> None:
     metric = "-" if info["metric"] is None else f"{info['metric']:.6g}"
     console.print(
         f"[bold]{escape(info['path'])}[/bold]\n"
-        f"  run {escape(str(info['run']))}  step {info['step']}  rank {info['rank']} of "
-        f"{info['world_size']}  metric {metric}\n"
+        f"  run {escape(str(info['run']))}  step {info['step']}  "
+        + (f"{info['world_size']} ranks" if info["parts"] else
+           f"rank {info['rank']} of {info['world_size']}") + f"  metric {metric}\n"
         f"  created {info['created_iso']} "
         f"({age(None if created is None else time.time() - created)} ago)"
         f"  data_version {escape(repr(info['data_version']))}\n"
@@ -82,6 +89,9 @@ def render(info: Dict[str, Any], console: Console) -> None:
         highlight=False)
     if info["files_problem"]:
         console.print(f"  [red]files: {escape(info['files_problem'])}[/red]", highlight=False)
+    if info["parts"]:
+        console.print("  parts: " + ", ".join(f"rank {p['rank']} {human_bytes(p['bytes'])}"
+                                              for p in info["parts"]), highlight=False)
     objects = Table(title="objects", title_justify="left", box=box.SIMPLE_HEAD,
                     padding=(0, 1, 0, 0), pad_edge=False)
     for column in ("object", "type", "tensors", "bytes", "stored", "file"):
@@ -96,12 +106,17 @@ def render(info: Dict[str, Any], console: Console) -> None:
             continue
         table = Table(title=f"{name} tensors", title_justify="left",
                       box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
-        for column in ("path", "dtype", "shape", "bytes", "codec"):
+        columns = ("path", "dtype", "shape", "bytes", "codec") + \
+            (("placement",) if info["parts"] else ())
+        for column in columns:
             table.add_column(column, justify="right" if column == "bytes" else "left")
         for t in obj["tensors"]:
             codec = "+".join(t["codecs"]) + (f" x{t['chunks']}" if t["chunks"] > 1 else "")
-            table.add_row(escape(t["path"]), t["dtype"], str(tuple(t["shape"])),
-                          human_bytes(t["bytes"]), codec)
+            cells = [escape(t["path"]), t["dtype"], str(tuple(t["shape"])),
+                     human_bytes(t["bytes"]), codec]
+            if info["parts"]:
+                cells.append(inspectparts.placement_text(t))
+            table.add_row(*cells)
         console.print(table)
     console.print("rng streams: " + (", ".join(f"{k} ({v} B)" for k, v in info["rng"].items())
                                      or "none"), highlight=False)
@@ -123,7 +138,9 @@ def render(info: Dict[str, Any], console: Console) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 def inspect(snapshot: str, root: Optional[str], as_json: bool) -> None:
     """What SNAPSHOT holds, from its manifest only: objects, tensors (dtype, shape,
-    bytes, codec), RNG streams, data cursor, lineage, data_version, metric.
+    bytes, codec), RNG streams, data cursor, lineage, data_version, metric. A
+    multi-rank snapshot: its parts (rank, bytes), whole shapes, and which tensors
+    are sharded and which replicated (stored once, by which rank).
 
     SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), RUN or
     RUN@latest (its LATEST), or RUN@best, relative to --root.
@@ -131,7 +148,8 @@ def inspect(snapshot: str, root: Optional[str], as_json: bool) -> None:
     Example: snapd inspect gpt-small@latest --root checkpoints
     """
     loc = locate(snapshot, root)
-    info = summary(loc.path, read_manifest(loc.path))
+    info = inspectparts.summary(loc.path) if is_multirank(loc.path) else \
+        summary(loc.path, read_manifest(loc.path))
     info["snapshot"] = loc.label
     if as_json:
         emit_json(info)

@@ -2,7 +2,8 @@
 
 A SNAPSHOT is one of, tried in this order::
 
-    /path/to/root/gpt/snapshots/00001200   a snapshot directory (any path that exists)
+    /path/to/root/gpt/snapshots/00001200   a snapshot directory (any path that exists;
+                                           one rank's, or a multi-rank snapshot's)
     /path/to/root/gpt                      a run directory: its LATEST
     gpt/00001200   gpt/1200   gpt/1200.L1  RUN/NAME under --root (the step may be unpadded)
     gpt   gpt@latest                       the run's LATEST; if LATEST is missing or names
@@ -23,7 +24,7 @@ from typing import List, Optional
 
 from snapd import format as fmt
 from snapd.commands.common import fail, resolve_root, run_dir
-from snapd.store import TMP_PREFIX, RunStore, SnapshotId
+from snapd.store import PARTS_PREFIX, TMP_PREFIX, RunStore, SnapshotId
 
 SNAPSHOT_HELP = ("SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), "
                  "RUN or RUN@latest (its LATEST), or RUN@best, relative to --root.")
@@ -79,10 +80,16 @@ def _from_directory(path: str) -> Located:
     if name.startswith(TMP_PREFIX):
         fail(f"{path}: a .tmp- directory is an uncommitted (being written or abandoned) "
              "snapshot and is never read; pick a committed one with snapd ls", 2)
+    if name.startswith(PARTS_PREFIX):
+        fail(f"{path}: the parts of a multi-rank snapshot not committed globally (a rank's "
+             "part is missing); it is never restored and gc removes it. Pick a committed "
+             "snapshot with snapd ls", 2)
     if os.path.isdir(os.path.join(path, "snapshots")):  # a run directory
         return latest(RunStore(os.path.dirname(path), name))
-    if not os.path.lexists(os.path.join(path, fmt.MANIFEST_NAME)):
-        fail(f"{os.path.join(path, fmt.MANIFEST_NAME)}: no manifest, so {path} is not a "
+    if not any(os.path.lexists(os.path.join(path, n))
+               for n in (fmt.MANIFEST_NAME, fmt.COMMIT_NAME)):
+        fail(f"{os.path.join(path, fmt.MANIFEST_NAME)}: no manifest (nor "
+             f"{fmt.COMMIT_NAME}, the record of a multi-rank snapshot), so {path} is not a "
              "snapshot directory; list snapshots with snapd ls --root ROOT", 2)
     parent = os.path.dirname(path)
     run = os.path.basename(os.path.dirname(parent)) \
@@ -96,6 +103,9 @@ def _by_name(store: RunStore, text: str) -> Located:
         fail(f"{text!r} is not a snapshot name (the step, as in 00001200 or 1200, then "
              ".L<lineage> for a warm-start lineage); see snapd ls " + store.run, 2)
     path = store.snapshot_path(sid)
+    if not os.path.isdir(path) and os.path.isdir(store.parts_path(sid)):
+        fail(f"{path}: not committed; {store.parts_path(sid)} holds the parts of some "
+             "ranks only, and is never read (snapd ls shows which ranks are missing)", 2)
     if not os.path.isdir(path):
         have = [s.name for s in store.committed()]
         fail(f"{path}: no such snapshot in run {store.run!r}; it has "

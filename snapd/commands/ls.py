@@ -3,6 +3,11 @@
 By default only manifests are read (and the files stat'ed against their declared
 sizes), so listing costs milliseconds per snapshot whatever their size; ``--verify``
 reads every byte and checks every checksum, as ``snapd verify`` does.
+
+A multi-rank snapshot is one row: its world size and the bytes of all its parts (each
+part's manifest checked against the commit record). The ``.parts-<name>`` directories
+of snapshots some rank never completed are listed after the table as incomplete, with
+the ranks present and missing: they are never restored, and gc removes them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from snapd.commands.common import (ROOT_HELP, console as out_console, emit_json,
 from snapd.commands.locate import Located
 from snapd.commands.verify import check
 from snapd.errors import CorruptSnapshot
-from snapd.reader import SnapshotReader
+from snapd.globalcommit import incomplete
+from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.store import RunStore, SnapshotId, list_runs
 from snapd.text import age, human_bytes, iso_time, lineage_text
 
@@ -32,13 +38,19 @@ def describe(store: RunStore, sid: SnapshotId, *, verify: bool,
     path = store.snapshot_path(sid)
     row: Dict[str, Any] = {"run": store.run, "name": sid.name, "path": path, "marks": marks,
                            "step": None, "lineage": None, "bytes": None, "metric": None,
-                           "created": None, "verified": "unverified", "error": None}
+                           "created": None, "world_size": None, "verified": "unverified",
+                           "error": None}
     try:
-        reader = SnapshotReader(path)
+        snap = open_snapshot(path)
+        m = snap.manifest   # many ranks: every part's manifest, checked against the record
     except CorruptSnapshot as e:
         row.update(verified="DAMAGED", error=str(e))
         return row
-    m = reader.manifest
+    except OSError as e:
+        row.update(verified="DAMAGED", error=f"{e.filename or path}: cannot be read "
+                                             f"({e.strerror})")
+        return row
+    row["world_size"] = snap.world_size if isinstance(snap, GlobalSnapshot) else 1
     row.update(step=m["step"], lineage=m.get("lineage"), bytes=files_bytes(m),
                metric=m.get("metric"), created=m.get("created"),
                data_version=m.get("data_version"), verified="manifest ok")
@@ -46,6 +58,21 @@ def describe(store: RunStore, sid: SnapshotId, *, verify: bool,
         result = check(Located(path, sid.name, store.run))
         row.update(verified="ok" if result["ok"] else "DAMAGED", error=result["error"])
     return row
+
+
+def incomplete_rows(root: str, runs: List[str]) -> List[Dict[str, Any]]:
+    """The ``.parts-<name>`` dirs of every run: ranks present and missing."""
+    return [{"run": run, **entry} for run in runs
+            for entry in incomplete(RunStore(root, run))]
+
+
+def incomplete_line(entry: Dict[str, Any]) -> str:
+    world = entry["world_size"]
+    present = ", ".join(map(str, entry["ranks"])) or "none"
+    missing = ", ".join(map(str, entry["missing"])) or "unknown"
+    return (f"{entry['run']}/{entry['name']} INCOMPLETE: ranks {present} of "
+            f"{world if world else '?'} present, missing {missing} ({entry['path']}). "
+            "Never restored; snapd gc removes it once a newer snapshot is committed")
 
 
 def collect(root: str, runs: List[str], verify: bool) -> List[Dict[str, Any]]:
@@ -62,19 +89,20 @@ def collect(root: str, runs: List[str], verify: bool) -> List[Dict[str, Any]]:
 def render(rows: List[Dict[str, Any]], now: float, with_run: bool = True) -> Table:
     """The table; ``with_run=False`` leaves out the run column (one run listed)."""
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
-    columns = ("run", "snapshot", "marks", "step", "lineage", "size", "metric", "created",
-               "age", "verified")[0 if with_run else 1:]
+    columns = ("run", "snapshot", "marks", "step", "lineage", "ranks", "size", "metric",
+               "created", "age", "verified")[0 if with_run else 1:]
     for column in columns:
         table.add_column(column, no_wrap=column != "lineage",
                          min_width=8 if column == "lineage" else None,
-                         justify="right" if column in ("step", "size", "metric", "age")
-                         else "left")
+                         justify="right" if column in ("step", "ranks", "size", "metric",
+                                                       "age") else "left")
     for r in rows:
         created = iso_time(r["created"])
         cells = [
             r["run"], r["name"], " ".join(r["marks"]),
             "-" if r["step"] is None else str(r["step"]),
             "-" if r["lineage"] is None else lineage_text(r["lineage"], r["run"]),
+            "-" if r["world_size"] is None else str(r["world_size"]),
             human_bytes(r["bytes"]), "-" if r["metric"] is None else f"{r['metric']:.4g}",
             created[5:16].replace("T", " ") if created else "-",
             age(None if r["created"] is None else now - r["created"]),
@@ -90,26 +118,32 @@ def render(rows: List[Dict[str, Any]], now: float, with_run: bool = True) -> Tab
               help="Read every file and check every checksum (slow: reads all bytes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def ls(run: Optional[str], root: Optional[str], verify: bool, as_json: bool) -> None:
-    """Committed snapshots of RUN (default: every run): step, lineage, size, metric,
-    age, verification state, and the LATEST/BEST marks. Exit code 1 if --verify (or
-    a manifest) finds damage.
+    """Committed snapshots of RUN (default: every run): step, lineage, ranks, size
+    (all parts), metric, age, verification state, and the LATEST/BEST marks; then the
+    incomplete multi-rank snapshots (ranks present and missing). Exit code 1 if
+    --verify (or a manifest) finds damage.
 
     Example: snapd ls gpt-small --root checkpoints --verify
     """
     base = resolve_root(root)
     if run is not None:
         run_dir(base, run)
-    rows = collect(base, [run] if run else list_runs(base), verify)
+    runs = [run] if run else list_runs(base)
+    rows, waiting = collect(base, runs, verify), incomplete_rows(base, runs)
     if as_json:
-        emit_json({"root": base, "snapshots": rows})
-    elif not rows:
-        click.echo(f"no committed snapshot under {base}" + (f" for run {run!r}" if run else ""))
+        emit_json({"root": base, "snapshots": rows, "incomplete": waiting})
     else:
         console = out_console()
-        console.print(render(rows, time.time(), with_run=run is None))
+        if not rows:
+            click.echo(f"no committed snapshot under {base}"
+                       + (f" for run {run!r}" if run else ""))
+        else:
+            console.print(render(rows, time.time(), with_run=run is None))
         for r in rows:
             if r["error"]:
                 console.print(f"[red]{r['run']}/{r['name']}[/red]: {escape(r['error'])}",
                               highlight=False, soft_wrap=True)
+        for entry in waiting:
+            console.print(escape(incomplete_line(entry)), highlight=False, soft_wrap=True)
     if any(r["verified"] == "DAMAGED" for r in rows):
         raise SystemExit(1)

@@ -4,6 +4,10 @@ The last snapshot is the newest committed directory (or LATEST, or the log's rec
 whichever is newest; snapd.recovery.RunProgress.committed): a client killed right after
 a commit never logged it, and "at risk" counts from that snapshot.
 
+A multi-rank run is also shown as a job (snapd.liveview.job_model): its world size,
+each rank's last logged step, the last global commit and the incomplete snapshots
+(ranks present and missing), from the logs, a commit record and part manifests.
+
 A damaged log never stops it: each row is planned from the valid records, the damage
 the readers skipped is listed in the row's ``log_damage`` (and, in the table view,
 printed once to stderr), and a run that cannot be read at all gets an ``error``.
@@ -21,6 +25,7 @@ from rich.table import Table
 
 from snapd import statelog
 from snapd.commands.common import console, emit_json, resolve_root
+from snapd.liveview import job_lines, jobs_of
 from snapd.recovery import RunProgress, read_progress
 from snapd.store import RunStore, list_runs
 from snapd.text import age, count
@@ -90,16 +95,23 @@ def render(rows: List[Dict[str, Any]]) -> Table:
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(root: str | None, as_json: bool) -> None:
     """Runs, last step, steps/s, last committed snapshot and its age, updates at risk,
-    last resume and its replay verdict. Reads only logs and manifests.
+    last resume and its replay verdict; for a multi-rank run, its world size, each
+    rank's last step, the last global commit and incomplete snapshots (ranks
+    missing). Reads only logs, manifests and commit records.
 
     Example: snapd status checkpoints --json
     """
-    rows = collect(resolve_root(root))
+    base = resolve_root(root)
+    rows = collect(base)
+    jobs = jobs_of(base, rows)
     if as_json:
-        emit_json({"runs": rows})
+        emit_json({"runs": rows, "jobs": jobs})
         return
     _say_damage(rows)
     if not rows:
         click.echo("no runs under this root")
     else:
-        console().print(render(rows))
+        out = console()
+        out.print(render(rows))
+        for line in (line for job in jobs for line in job_lines(job)):
+            out.print(line, highlight=False, markup=False, soft_wrap=True)

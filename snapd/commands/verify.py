@@ -5,6 +5,10 @@ The manifest's header checksum and structure, each file's size, every chunk's xx
 checksum, and that each object's skeleton decodes against its tensors: everything a
 restore would check, without loading anything into a training process. Exit code 1
 names the first damaged file, tensor and chunk of each bad snapshot.
+
+A multi-rank snapshot is checked whole: its commit record, every part's manifest
+against it, every ``ref`` entry (the rank it names holds the tensor), then every
+part's files as above. A failure names the rank and the file.
 """
 
 from __future__ import annotations
@@ -21,32 +25,67 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
 
 from snapd.commands.common import ROOT_HELP, emit_json, resolve_root, run_dir
 from snapd.commands.locate import Located, committed_of, locate
-from snapd.errors import CorruptSnapshot
+from snapd.errors import CorruptSnapshot, SnapdError
+from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.reader import SnapshotReader, check_name_matches
 from snapd.skeleton import unflatten
 from snapd.store import RunStore, list_runs
 from snapd.text import human_bytes
 
 
-def check(loc: Located, advance: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
-    """Verify one snapshot; a plain-data verdict (``ok``, and ``error``/``file``/``field``)."""
+Advance = Optional[Callable[[int], None]]
+
+
+def check(loc: Located, advance: Advance = None) -> Dict[str, Any]:
+    """Verify one snapshot; a plain-data verdict (``ok``, and ``error``/``file``/``field``,
+    and for a multi-rank snapshot ``world_size`` and the ``rank`` whose part failed)."""
     result: Dict[str, Any] = {"snapshot": loc.label, "path": loc.path, "ok": False,
-                              "bytes": None, "error": None, "file": None, "field": None}
+                              "bytes": None, "error": None, "file": None, "field": None,
+                              "world_size": None, "rank": None}
     try:
-        reader = SnapshotReader(loc.path)
-        check_name_matches(loc.path, reader.manifest)
-        result["bytes"] = sum(e["size"] for e in reader.manifest["files"].values())
-        for name, entry in reader.objects.items():
-            tensors = reader.load_object(name, advance)
-            unflatten(entry["skeleton"], tensors,
-                      source=os.path.join(loc.path, entry.get("file") or "manifest.snapd"))
+        snap = open_snapshot(loc.path)
+        if isinstance(snap, GlobalSnapshot):
+            _check_parts(snap, result, advance)
+        else:
+            check_name_matches(loc.path, snap.manifest)
+            result.update(world_size=1, bytes=_files_bytes(snap))
+            _check_files(snap, advance)
         result["ok"] = True
-    except CorruptSnapshot as e:
-        result.update(error=str(e), file=e.path, field=e.field)
+    except SnapdError as e:   # CorruptSnapshot, and DanglingReference (refs check)
+        where = f"rank {result['rank']}: " if result["rank"] is not None else ""
+        result.update(error=where + str(e), file=e.path, field=e.field)
     except OSError as e:
         result.update(error=f"{e.filename or loc.path}: cannot be read ({e.strerror})",
                       file=e.filename)
     return result
+
+
+def _files_bytes(reader: SnapshotReader) -> int:
+    return sum(e["size"] for e in reader.manifest["files"].values())
+
+
+def _check_files(reader: SnapshotReader, advance: Advance) -> None:
+    """Every object's file read and checked, its skeleton decoded against its tensors
+    (in a part, a ``ref`` entry is None: its bytes are checked in the owner's part)."""
+    for name, entry in reader.objects.items():
+        tensors = reader.load_object(name, advance)
+        unflatten(entry["skeleton"], tensors,
+                  source=os.path.join(reader.path, entry.get("file") or "manifest.snapd"))
+
+
+def _check_parts(snap: GlobalSnapshot, result: Dict[str, Any], advance: Advance) -> None:
+    """Every part's manifest against the record, every reference, every part's files.
+    ``result["rank"]`` is the rank being checked when an error escapes."""
+    result.update(world_size=snap.world_size, bytes=snap.record.get("bytes"))
+    for rank in range(snap.world_size):
+        result["rank"] = rank
+        snap.part(rank)
+    result["rank"] = None
+    snap.check_references()   # its message names the rank that refers
+    for rank in range(snap.world_size):
+        result["rank"] = rank
+        _check_files(snap.part(rank), advance)
+    result["rank"] = None
 
 
 def _targets(snapshot: Optional[str], all_: bool, run: Optional[str],
@@ -69,11 +108,12 @@ def _planned_bytes(targets: List[Located]) -> int:
     total = 0
     for loc in targets:
         try:
-            objects = SnapshotReader(loc.path).objects
+            snap = open_snapshot(loc.path)
+            parts = snap.parts() if isinstance(snap, GlobalSnapshot) else [snap]
         except (CorruptSnapshot, OSError):
             continue
-        total += sum(c[1] for obj in objects.values() for t in obj["tensors"]
-                     for c in t["chunks"])
+        total += sum(c[1] for part in parts for obj in part.objects.values()
+                     for t in obj["tensors"] for c in t["chunks"])
     return total
 
 
