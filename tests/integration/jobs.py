@@ -7,13 +7,14 @@ launcher's group does not reach them: :meth:`Job.kill` SIGKILLs the launcher's g
 and then each worker's (a worker's own children, a DataLoader's, die with it). A
 daemon a worker started is not part of the job (it detaches) and survives, as it
 would on a node whose trainers crashed. ``--standalone`` picks a free port for each
-rendezvous, so jobs in a row (or at once) do not collide.
+rendezvous, so jobs in a row do not collide.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from snapd import statelog
 MULTIRANK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          "multirank")
 REPO = os.path.dirname(os.path.dirname(MULTIRANK))
+_NAME = re.compile(r"^(\d{8,})(?:\.L(\d+))?$")   # a snapshot name (docs/format.md)
 
 
 def job_env(**extra: str) -> Dict[str, str]:
@@ -141,6 +143,15 @@ def snapshot_dir(root: str, run: str, step: int, lineage: int = 0) -> str:
     """``<root>/<run>/snapshots/<name>``, the name as docs/format.md gives it."""
     name = f"{step:08d}" + (f".L{lineage}" if lineage else "")
     return os.path.join(root, run, "snapshots", name)
+
+
+def newest_snapshot(root: str, run: str) -> str:
+    """The committed snapshot newest by (lineage, step), read from the names."""
+    base = os.path.join(root, run, "snapshots")
+    found = [m for m in map(_NAME.match, os.listdir(base)) if m]
+    assert found, f"no committed snapshot in {base}"
+    newest = max(found, key=lambda m: (int(m.group(2) or 0), int(m.group(1))))
+    return os.path.join(base, newest.group(0))
 
 
 def parts_dir(root: str, run: str, step: int) -> str:

@@ -107,6 +107,19 @@ def final_state(cfg, ddp, opt, first_step, step, samples, losses):
     return state
 
 
+def close(ckpt) -> dict:
+    """close(), and what it raised and how long it took, for the test to assert on."""
+    closing = {"error": None, "message": "", "seconds": 0.0}
+    if ckpt is not None:
+        started = time.monotonic()
+        try:
+            ckpt.close()
+        except Exception as e:
+            closing.update(error=type(e).__name__, message=str(e))
+        closing["seconds"] = time.monotonic() - started
+    return closing
+
+
 def main() -> None:
     cfg = config(DEFAULTS)
     dist.init_process_group("gloo")
@@ -141,14 +154,7 @@ def main() -> None:
             write_marker(out, f"paused-{rank}")
             while True:
                 signal.pause()   # until the test's SIGKILL
-    closing = {"error": None, "message": "", "seconds": 0.0}
-    if ckpt is not None:
-        started = time.monotonic()
-        try:
-            ckpt.close()
-        except Exception as e:   # recorded for the test, which asserts on it
-            closing.update(error=type(e).__name__, message=str(e))
-        closing["seconds"] = time.monotonic() - started
+    closing = close(ckpt)
     np.savez(os.path.join(out, f"rank-{rank}.npz"),
              **final_state(cfg, ddp, opt, first_step, step, samples, losses))
     with open(os.path.join(out, f"rank-{rank}.close.json"), "w") as f:
