@@ -1,0 +1,251 @@
+"""Many ranks, real jobs: torchrun starts the scripts of tests/multirank/ (gloo, CPU)
+and tests/integration/jobs.py kills them whole. Issue 14's acceptance cases:
+
+1. DDP on 2 ranks, SIGKILLed between two snapshots and restarted, ends bit for bit
+   on an uninterrupted run without snapd: every rank's weights, optimizer state, RNG
+   streams and the samples it consumed.
+2. FSDP2 saved at 4 ranks restores at 2, and saved at 2 restores at 4: the full
+   tensors equal those saved, and training goes on.
+3. A snapshot one rank never submitted its part of is never restored; close() on the
+   other rank says so within its bounded wait.
+4. One damaged part makes every rank fall back together, the warning naming the
+   rank and the file.
+5. A 4-rank DDP snapshot takes about one copy of model and optimizer on disk.
+
+Jobs are slow to start (torch on every rank): each module-scoped fixture runs its
+jobs once and several tests read their output.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import tempfile
+
+import numpy as np
+import psutil
+import pytest
+
+from helpers import flip_byte, stop_daemons_under
+from jobs import (Job, files_exist, job_env, logged_step, newest_snapshot, part_files,
+                  parts_dir, run_job, snapshot_dir, tensor_file_bytes)
+from rankstate import (load_close, load_progress, load_state, sample_differences,
+                       state_differences, with_prefix)
+
+DDP = {"steps": 30, "snapshot_every": 8, "batch_size": 4, "samples": 96}
+KILL_AT, RESUMED_AT = 20, 16       # killed after step 20: between snapshots 16 and 24
+FINAL = ("param/", "opt/", "rng/", "lr", "step")
+TAG = f"mr{secrets.token_hex(3)}"   # run names' prefix: this session's hot copies only
+
+
+@pytest.fixture(scope="module")
+def base():
+    """A short directory (daemon sockets live under the roots) for the module."""
+    path = tempfile.mkdtemp(prefix="sdmr-", dir="/tmp")
+    yield path
+    stop_daemons_under(path)
+    for seg in glob.glob(f"/dev/shm/snapd-hot-{os.getuid()}-{TAG}-*"):
+        os.unlink(seg)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def folder(base: str, name: str) -> str:
+    path = os.path.join(base, name)
+    os.makedirs(path)
+    return path
+
+
+def ddp(base: str, name: str, run: str, nproc: int = 2, **cfg):
+    """Settings of a DDP job writing to a fresh folder ``name``; the root is shared."""
+    return {**DDP, "root": os.path.join(base, "root"), "run": f"{TAG}-{run}",
+            "out": folder(base, name), **cfg}, nproc
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+    """The uninterrupted run, without snapd."""
+    cfg, n = ddp(base, "reference", "ref", snapd=False)
+    run_job("ddp_job.py", n, cfg, os.path.join(base, "reference.log"))
+    return cfg["out"]
+
+
+def test_a_job_is_killed_whole(base, reference):
+    """The harness's SIGKILL reaches every rank (torchrun gives each a session of its
+    own), and a paused job has done exactly the steps of the uninterrupted one."""
+    cfg, n = ddp(base, "plain-killed", "plain", snapd=False, pause_at=5)
+    job = Job("ddp_job.py", n, cfg, os.path.join(base, "plain-killed.log"))
+    job.wait_until(files_exist(*(os.path.join(cfg["out"], f"paused-{r}") for r in range(n))),
+                   60, "step 5 on every rank")
+    workers = job.workers()
+    assert len(workers) >= n
+    job.kill()
+    assert job.proc.returncode == -signal.SIGKILL
+    assert [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE] == []
+    for rank in range(n):
+        assert load_progress(cfg["out"], rank) == load_progress(reference, rank)[:5]
+
+
+@pytest.fixture(scope="module")
+def resumed(base):
+    """The same run with snapd: SIGKILLed whole once snapshot 16 is globally
+    committed and every rank has done step 20; restarted, run to the end."""
+    cfg, n = ddp(base, "killed", "cut", pause_at=KILL_AT)
+    job = Job("ddp_job.py", n, cfg, os.path.join(base, "killed.log"))
+    committed = os.path.join(snapshot_dir(cfg["root"], cfg["run"], RESUMED_AT), "commit.snapd")
+    job.wait_until(files_exist(committed, *(os.path.join(cfg["out"], f"paused-{r}")
+                                            for r in range(n))),
+                   90, f"snapshot {RESUMED_AT}'s global commit and step {KILL_AT} on every rank")
+    job.kill()
+    assert logged_step(cfg["root"], cfg["run"], 0) == KILL_AT
+    again, _ = ddp(base, "resumed", "cut")
+    run_job("ddp_job.py", n, again, os.path.join(base, "resumed.log"))
+    return {"root": cfg["root"], "run": cfg["run"], "killed": cfg["out"],
+            "resumed": again["out"]}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ddp_killed_whole_resumes_bit_for_bit(reference, resumed, rank):
+    want, got = load_state(reference, rank), load_state(resumed["resumed"], rank)
+    assert int(got["first_step"]) == RESUMED_AT
+    keys = with_prefix(want, *FINAL)
+    assert len(with_prefix(want, "opt/")) >= 12 and len(with_prefix(want, "rng/")) >= 5
+    assert state_differences(got, want, keys) == []
+    # the recomputed and later steps saw the same losses, to the bit
+    assert got["losses"].tobytes() == want["losses"][RESUMED_AT:].tobytes()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ddp_resume_sees_no_sample_twice_and_skips_none(reference, resumed, rank):
+    want = load_progress(reference, rank)
+    killed = load_progress(resumed["killed"], rank)
+    assert [s["step"] for s in killed] == list(range(1, KILL_AT + 1))
+    assert killed == want[:KILL_AT]
+    after = load_state(resumed["resumed"], rank)["samples"].tolist()
+    # what the job consumed up to the snapshot, then what the resumed job consumed
+    seen = [i for s in killed[:RESUMED_AT] for i in s["samples"]] + after
+    assert sample_differences(seen, [i for s in want for i in s["samples"]]) == []
+
+
+def test_ddp_ranks_saw_each_sample_once_per_epoch(reference):
+    """The reference itself shuffles per epoch (set_epoch) and splits the data."""
+    per_epoch = DDP["samples"] // DDP["batch_size"] // 2   # steps in one epoch
+    steps = [load_progress(reference, r) for r in (0, 1)]
+    first = sorted(i for r in (0, 1) for s in steps[r][:per_epoch] for i in s["samples"])
+    second = [i for r in (0, 1) for s in steps[r][per_epoch:2 * per_epoch] for i in s["samples"]]
+    assert first == list(range(DDP["samples"]))
+    assert sorted(second) == first
+    assert second != [i for r in (0, 1) for s in steps[r][:per_epoch] for i in s["samples"]]
+
+
+def restore_only(base: str, root: str, run: str, name: str, nproc: int = 2,
+                 env=None) -> tuple:
+    """A job that restores and stops at once (steps 0): the step every rank got."""
+    cfg = {**DDP, "root": root, "run": run, "out": folder(base, name), "steps": 0}
+    job = run_job("ddp_job.py", nproc, cfg, os.path.join(base, f"{name}.log"), env=env)
+    return [int(load_state(cfg["out"], r)["first_step"]) for r in range(nproc)], job
+
+
+def test_one_damaged_part_makes_every_rank_fall_back_together(base, resumed):
+    """Rank 1's part of the newest snapshot (24) loses one byte: both ranks resume
+    from 16, and the warning names rank 1 and the file."""
+    stop_daemons_under(resumed["root"])   # the copy has no daemon and no hot copy
+    root = folder(base, "damaged-root")
+    shutil.copytree(os.path.join(resumed["root"], resumed["run"]),
+                    os.path.join(root, resumed["run"]))
+    newest = newest_snapshot(root, resumed["run"])
+    assert int(os.path.basename(newest).split(".")[0]) == 24, newest
+    victim = part_files(newest, 1)[0]
+    flip_byte(victim, os.path.getsize(victim) // 2)
+    steps, job = restore_only(base, root, resumed["run"], "damaged")
+    assert steps == [RESUMED_AT, RESUMED_AT]
+    lines = [line for line in job.output(200_000).splitlines()
+             if os.path.basename(victim) in line]
+    assert any("rank 1" in line or "rank-00001" in line for line in lines), job.output()
+
+
+def test_a_snapshot_missing_a_part_is_never_restored(base):
+    """Rank 1 never submits its part of snapshot 8: rank 0's close() raises
+    IncompleteSnapshot within its bounded wait, snapshot 8 stays parts only, and the
+    restart resumes both ranks from 4."""
+    cfg, n = ddp(base, "missing", "miss", steps=8, snapshot_every=4, skip_part_at=8)
+    env = job_env(SNAPD_GLOBAL_COMMIT_TIMEOUT="5")
+    run_job("ddp_job.py", n, cfg, os.path.join(base, "missing.log"), env=env)
+    closed = [load_close(cfg["out"], r) for r in range(n)]
+    assert closed[0]["error"] == "IncompleteSnapshot", closed
+    parts = parts_dir(cfg["root"], cfg["run"], 8)
+    message = closed[0]["message"]
+    assert os.path.basename(parts) in message, message
+    assert "rank" in message and re.search(r"\b1\b", message.replace(parts, "")), message
+    assert closed[0]["seconds"] < 5 + 15, closed   # bounded: no hang
+    assert closed[1]["error"] is None, closed       # its newest snapshot (4) committed
+    assert not os.path.exists(snapshot_dir(cfg["root"], cfg["run"], 8))
+    assert os.path.isdir(os.path.join(parts, "rank-00000"))
+    assert not os.path.exists(os.path.join(parts, "rank-00001"))
+    steps, _ = restore_only(base, cfg["root"], cfg["run"], "missing-restart", env=env)
+    assert steps == [4, 4]
+    assert not os.path.exists(snapshot_dir(cfg["root"], cfg["run"], 8))
+
+
+def test_a_4_rank_ddp_snapshot_takes_about_one_copy(base):
+    cfg, n = ddp(base, "four", "four", nproc=4, steps=2, snapshot_every=2, hidden=128)
+    job = run_job("ddp_job.py", n, cfg, os.path.join(base, "four.log"))
+    assert "SnapshotWarning" not in job.output(200_000), job.output()
+    assert [load_close(cfg["out"], r)["error"] for r in range(n)] == [None] * n
+    snapshot = snapshot_dir(cfg["root"], cfg["run"], 2)
+    listing = sorted(f for f in os.listdir(snapshot) if not f.startswith("."))
+    assert listing == ["commit.snapd"] + [f"rank-{r:05d}" for r in range(n)]
+    state = load_state(cfg["out"], 0)
+    one_copy = sum(state[k].nbytes for k in with_prefix(state, "param/", "opt/"))
+    on_disk = tensor_file_bytes(snapshot)
+    assert 0.9 * one_copy <= on_disk < 1.5 * one_copy, (on_disk, one_copy)
+
+
+# --- FSDP2: saved at one world size, restored at another -------------------------------
+
+@pytest.fixture(scope="module")
+def fsdp(base):
+    """Trained to 4 at 4 ranks; restored at 2, trained to 8; restored at 4, to 10."""
+    root, run, outs = os.path.join(base, "fsdp-root"), f"{TAG}-fsdp", {}
+    for name, nproc, steps in (("at4", 4, 4), ("at2", 2, 8), ("back4", 4, 10)):
+        outs[name] = folder(base, f"fsdp-{name}")
+        cfg = {"root": root, "run": run, "out": outs[name], "steps": steps,
+               "snapshot_every": 4}
+        run_job("fsdp_job.py", nproc, cfg, os.path.join(base, f"fsdp-{name}.log"),
+                timeout=180)
+    return outs
+
+
+def full_tensors(out: str, name: str) -> dict:
+    with np.load(os.path.join(out, name), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def went_on(out: str, nproc: int, first: int, last: int) -> None:
+    """Every rank started at ``first``, trained to ``last``, losses finite."""
+    for rank in range(nproc):
+        info = load_json(os.path.join(out, f"rank-{rank}.json"))
+        assert (info["world_size"], info["first_step"], info["step"]) == (nproc, first, last)
+        assert len(info["losses"]) == last - first
+        assert all(math.isfinite(x) for x in info["losses"]), info
+
+
+def load_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("saved, restored, world, first, last", [
+    ("at4", "at2", 2, 4, 8), ("at2", "back4", 4, 8, 10)])
+def test_fsdp_restores_at_another_world_size(fsdp, saved, restored, world, first, last):
+    want = full_tensors(fsdp[saved], "final.npz")
+    got = full_tensors(fsdp[restored], "restored.npz")
+    assert int(want["step"]) == int(got["step"]) == first
+    assert len(with_prefix(want, "opt/")) >= 3 * len(with_prefix(want, "param/"))
+    assert state_differences(got, want) == []
+    went_on(fsdp[restored], world, first, last)
