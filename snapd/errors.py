@@ -10,6 +10,7 @@
     ├── CorruptLog           (ValueError)    a state-log segment header is unreadable
     ├── ReplayDivergence     (RuntimeError)  a recomputed step differs from the old log
     ├── SnapshotFailed       (RuntimeError)  a background snapshot did not commit
+    │   └── IncompleteSnapshot               its part is durable, other ranks' are not
     ├── SnapshotExists       (FileExistsError) another history holds the snapshot's name
     ├── InsufficientSpace    (OSError)       the root's disk cannot hold the snapshot
     ├── DaemonUnavailable    (ConnectionError) no daemon answers for the root
@@ -17,6 +18,7 @@
     ├── AlreadyServing       (RuntimeError)  another daemon holds the root's lock
     ├── ProtocolError        (ValueError)    a peer sent a frame or message that is invalid
     ├── RunInUse             (RuntimeError)  another process writes this run and rank
+    ├── DistributedNotReady  (RuntimeError)  many ranks, but no process group yet
     ├── UnknownOption        (TypeError)     an option name snapd does not have
     └── InvalidOption        (ValueError)    an option or argument value snapd cannot use
 
@@ -36,9 +38,10 @@ from typing import Any, Dict, Optional
 
 __all__ = [
     "AlreadyServing", "CorruptLog", "CorruptSnapshot", "DaemonStartFailed",
-    "DaemonUnavailable", "IncompatibleState", "InsufficientSpace", "InvalidOption",
-    "MissingRngStream", "ProtocolError", "ReplayDivergence", "RunInUse", "SnapdError",
-    "SnapshotExists", "SnapshotFailed", "UnknownOption", "UnsupportedState",
+    "DaemonUnavailable", "DistributedNotReady", "IncompatibleState", "IncompleteSnapshot",
+    "InsufficientSpace", "InvalidOption", "MissingRngStream", "ProtocolError",
+    "ReplayDivergence", "RunInUse", "SnapdError", "SnapshotExists", "SnapshotFailed",
+    "UnknownOption", "UnsupportedState",
 ]
 
 
@@ -104,6 +107,12 @@ class SnapshotFailed(SnapdError, RuntimeError):
     """A snapshot handed to the writer did not commit."""
 
 
+class IncompleteSnapshot(SnapshotFailed):
+    """A multi-rank snapshot whose part from this rank is durable but which was not
+    committed globally in time: other ranks' parts are missing (``path``: the
+    ``.parts-<name>`` directory; ``field``: "parts"). It is never restored."""
+
+
 class SnapshotExists(SnapdError, FileExistsError):
     """The snapshot's directory name is held by a committed snapshot of another
     history (lineage or rank); it is never overwritten."""
@@ -139,6 +148,11 @@ class RunInUse(SnapdError, RuntimeError):
 
     def wire_fields(self) -> Dict[str, Any]:
         return {"holder": self.holder}
+
+
+class DistributedNotReady(SnapdError, RuntimeError):
+    """A job of several ranks (``WORLD_SIZE`` > 1) asked for something that needs
+    ``torch.distributed`` before ``dist.init_process_group`` was called."""
 
 
 class UnknownOption(SnapdError, TypeError):

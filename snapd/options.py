@@ -60,6 +60,8 @@ class Options:
     #                               a snapshot at most k steps older, to check the steps
     # Daemon liveness.
     timeout: float = 120.0        # longest wait for any daemon reply
+    global_commit_timeout: float = 30.0  # close(): longest wait for the other ranks'
+    #                               parts of the newest multi-rank snapshot
     root_check_seconds: float = 5.0  # how often the daemon checks its socket is there
     min_free_bytes: int = 64 << 20
     # The daemon towards its peers (docs/protocol.md, "Limits").
@@ -98,7 +100,7 @@ class Options:
             raise InvalidOption(f"copy_threads={self.copy_threads}: at least 1 (the "
                                 "calling thread); more share the staging copy, up to the "
                                 "usable CPUs", field="copy_threads")
-        for name in ("max_connections", "peer_timeout"):
+        for name in ("max_connections", "peer_timeout", "global_commit_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidOption(f"{name}={getattr(self, name)}: a positive number",
                                     field=name)
@@ -165,7 +167,7 @@ def _check_verify_steps(k: int, keep_last: Optional[int]) -> None:
 
 
 # SNAPD_* variables that are not options (scripts and tests read them).
-_OTHER_VARIABLES = {"SNAPD_ROOT", "SNAPD_FUZZ_SEED"}
+_OTHER_VARIABLES = {"SNAPD_ROOT", "SNAPD_FUZZ_SEED", "SNAPD_SESSION"}
 
 
 def _warn_env_typos(environ: Mapping[str, str], known: list[str]) -> None:

@@ -12,6 +12,11 @@ The leaves are the live tensors, not copies: a capture is valid until the traine
 changes them, which is why snapshot() stages (or writes) before it returns, and why
 overlap mode defers only the leaves that nothing but ``optimizer.step()`` changes
 (:func:`stepped_tensors`), whose pre-hook waits for the copy.
+
+In a job of several ranks the capture is this rank's part: a DTensor leaf is its
+local piece with its ``shard`` (snapd_client/state.py), and a leaf another rank
+writes (a DDP replica, snapd_client/replicas.py) has ``ref``, that rank: it is not
+copied into the arena (no slot bytes, offset 0) and its in-memory data is empty.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from snapd.format import dtype_name
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, describe, plan_tensor
 from snapd.store import SnapshotId
+from snapd_client.replicas import local_data_ptr
 from snapd_client.restore import type_name
 from snapd_client.state import flatten
 
@@ -36,8 +42,10 @@ class CapturedObject:
     """One tracked object: its skeleton (the state without tensors) and its tensor
     leaves: ``paths[i]`` in the skeleton holds ``tensors[i]`` (the live tensor, not a
     copy); ``deferrable[i]``: overlap mode may copy it after snapshot() returns, since
-    only optimizer.step() changes it. Tuples, not a leaf object each: a snapshot has
-    thousands of leaves, and this is built on the training path."""
+    only optimizer.step() changes it; ``shards[i]``: a DTensor piece's place in the
+    whole, else None; ``refs[i]``: the rank that writes it when not this one, else
+    None. Tuples, not a leaf object each: a snapshot has thousands of leaves, and this
+    is built on the training path."""
 
     name: str
     type: str
@@ -46,6 +54,13 @@ class CapturedObject:
     paths: Tuple[str, ...]
     tensors: Tuple[torch.Tensor, ...]
     deferrable: Tuple[bool, ...]
+    shards: Tuple[Optional[Dict[str, Any]], ...] = ()
+    refs: Tuple[Optional[int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("shards", "refs"):   # not given: plain tensors, all written here
+            if not getattr(self, name):
+                object.__setattr__(self, name, (None,) * len(self.paths))
 
 
 @dataclass(frozen=True)
@@ -66,10 +81,12 @@ class Capture:
     supersedes: Tuple[str, ...] = ()
     world_size: int = 1
     session: str = "none"   # the attempt this part belongs to (docs/multirank.md)
-    # Every leaf object by object (the order of the arena slot and of the files), and
-    # which overlap mode may defer: derived once, at construction.
+    # Every leaf object by object (the order of the arena slot and of the files),
+    # which overlap mode may defer, and which this rank writes (no ref): derived once,
+    # at construction.
     tensors: Tuple[torch.Tensor, ...] = field(init=False, repr=False, compare=False)
     deferrable: Tuple[bool, ...] = field(init=False, repr=False, compare=False)
+    stored: Tuple[bool, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         frozen = {"lineage": MappingProxyType(dict(self.lineage)),
@@ -79,6 +96,7 @@ class Capture:
                   "objects": tuple(self.objects), "supersedes": tuple(self.supersedes)}
         frozen["tensors"] = tuple(t for o in frozen["objects"] for t in o.tensors)
         frozen["deferrable"] = tuple(d for o in frozen["objects"] for d in o.deferrable)
+        frozen["stored"] = tuple(r is None for o in frozen["objects"] for r in o.refs)
         for name, value in frozen.items():
             object.__setattr__(self, name, value)  # the one write, at construction
 
@@ -96,11 +114,14 @@ class Capture:
         return dict(self.rng), None if self.cursor is None else dict(self.cursor)
 
     def plan(self, buffers: Sequence[memoryview]) -> SnapshotPlan:
-        """The writer's plan, complete: leaf i's bytes are ``buffers[i]``."""
+        """The writer's plan, complete: leaf i's bytes are ``buffers[i]`` (ignored for
+        a leaf another rank writes)."""
         objects = [ObjectPlan(obj.name, obj.type, obj.skeleton,
-                              [TensorSource(path, dtype_name(t.dtype), list(t.shape), data,
-                                            str(t.device))
-                               for path, t, data in zip(obj.paths, obj.tensors, datas)],
+                              [TensorSource(path, dtype_name(t.dtype), list(t.shape),
+                                            data if ref is None else memoryview(b""),
+                                            str(t.device), shard=shard, ref=ref)
+                               for path, t, data, shard, ref in
+                               zip(obj.paths, obj.tensors, datas, obj.shards, obj.refs)],
                               obj.metadata)
                    for obj, datas in zip(self.objects, self.per_object(buffers))]
         rng, cursor = self.record_state()
@@ -112,15 +133,20 @@ class Capture:
 
     def plan_in_memory(self) -> SnapshotPlan:
         """The in-process writer's plan: over the tensors' own bytes (on CPU; copied
-        only where needed). It lives for the write only."""
-        return self.plan([tensor_bytes(t) for t in self.tensors])
+        only where needed); a leaf another rank writes gets none. It lives for the
+        write only."""
+        return self.plan([tensor_bytes(t) if stored else memoryview(b"")
+                          for t, stored in zip(self.tensors, self.stored)])
 
     def descriptor(self, offsets: Sequence[int]) -> Dict[str, Any]:
         """The plan over a staging slot, as the daemon rebuilds it (snapd/plan.py):
-        leaf i at ``offsets[i]``. No buffer is made: the daemon maps the slot itself."""
-        tensors = [[plan_tensor(path, dtype_name(t.dtype), t.shape, str(t.device), off,
-                                t.numel() * t.element_size())
-                    for path, t, off in zip(obj.paths, obj.tensors, offs)]
+        leaf i at ``offsets[i]`` (a leaf another rank writes: offset 0, no bytes). No
+        buffer is made: the daemon maps the slot itself."""
+        tensors = [[plan_tensor(path, dtype_name(t.dtype), t.shape, str(t.device),
+                                off if ref is None else 0, t.numel() * t.element_size(),
+                                shard=shard, ref=ref)
+                    for path, t, off, shard, ref in
+                    zip(obj.paths, obj.tensors, offs, obj.shards, obj.refs)]
                    for obj, offs in zip(self.objects, self.per_object(offsets))]
         return describe(self, tensors)
 
@@ -136,8 +162,12 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def capture_object(name: str, obj: Any, defer: Optional[set] = None) -> CapturedObject:
-    """An object's skeleton and its tensor leaves (the live tensors, not copies).
+def capture_object(name: str, obj: Any, defer: Optional[set] = None,
+                   rank: int = 0) -> CapturedObject:
+    """An object's skeleton and its tensor leaves (the live tensors, not copies; a
+    DTensor's local piece). ``rank``: this process's, for the DTensor pieces another
+    rank writes (replicated over a mesh dimension); DDP replicas are marked later, by
+    :func:`snapd_client.replicas.with_writers`.
 
     ``defer``: the ``data_ptr()`` of the tensors optimizer.step() changes (see
     :func:`stepped_tensors`), for overlap mode; None leaves every leaf not deferrable.
@@ -156,7 +186,8 @@ def capture_object(name: str, obj: Any, defer: Optional[set] = None) -> Captured
     return CapturedObject(
         name, type_name(obj), flat.skeleton,
         flatten(dict(metadata), name).skeleton if metadata else None,
-        tuple(flat.paths), tuple(flat.tensors), tuple(flags))
+        tuple(flat.paths), tuple(flat.tensors), tuple(flags), tuple(flat.shards),
+        tuple(None if w is None or w == rank else w for w in flat.writers))
 
 
 def stepped_tensors(tracked: Mapping[str, Any]) -> set:
@@ -164,8 +195,9 @@ def stepped_tensors(tracked: Mapping[str, Any]) -> set:
 
     Those leaves, and the optimizers' state, only ``optimizer.step()`` changes; they
     may be copied after snapshot() returns. Everything else (module buffers change in
-    forward; schedulers, scalers and user objects whenever they like) may not.
+    forward; schedulers, scalers and user objects whenever they like) may not. A
+    DTensor parameter counts by its local piece (the leaf captured).
     """
-    return {p.data_ptr() for o in tracked.values() if isinstance(o, torch.optim.Optimizer)
+    return {local_data_ptr(p) for o in tracked.values() if isinstance(o, torch.optim.Optimizer)
             for g in o.param_groups for p in g["params"]}
 

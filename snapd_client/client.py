@@ -20,7 +20,6 @@ writer in this process, synchronously.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import warnings
@@ -38,11 +37,13 @@ from snapd.store import RunStore
 from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
 from snapd_client import tracking
-from snapd_client.handle import CloseSummary, SnapshotHandle
+from snapd_client.handle import CloseSummary, SnapshotHandle, part_of
 from snapd_client.handoff import Handoff
 from snapd_client.lostdaemon import settle_writes
 from snapd_client.journal import Journal
 from snapd_client.outcomes import Outcomes
+from snapd_client.ranks import default_session, detect
+from snapd_client.replicas import with_writers
 from snapd_client.restore import Loaded, load_for_resume, load_weights
 from snapd_client.rng import RngStreams
 from snapd_client.values import Values
@@ -76,6 +77,12 @@ class Client:
     none runs; False writes them in this process before snapshot() returns. Other
     keyword arguments override fields of :class:`snapd.options.Options`.
 
+    ``rank``/``world_size`` (default: from ``torch.distributed`` when initialised,
+    else ``RANK``/``WORLD_SIZE``, else 0 and 1; snapd_client/ranks.py): with more
+    than one rank each snapshot is this rank's part, committed once every rank's is
+    (docs/multirank.md); ``session`` names this attempt of the job (restore() agrees
+    on a new one across ranks).
+
     One writer per run and rank: a client holds ``<run>/.writer-<rank>.lock`` from
     construction to close() (snapd/runlock.py); a second one raises RunInUse.
     ``read_only=True`` (evaluation beside a live run, inspection): restore() works,
@@ -84,19 +91,26 @@ class Client:
     """
 
     def __init__(self, root: str, run: str, data_version: Optional[str] = None, *,
-                 rank: Optional[int] = None, options: Optional[Options] = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 options: Optional[Options] = None,
                  daemon: Optional[bool] = None, read_only: bool = False,
                  **option_overrides: Any) -> None:
         # A typo (keep_lsat=3) is refused before anything is created on disk.
         Options.check_names(option_overrides, where="Client",
-                            also=("data_version", "rank", "options", "daemon", "read_only"))
+                            also=("data_version", "rank", "world_size", "options", "daemon",
+                                  "read_only"))
         self.store = RunStore(root, run)
         self.read_only = bool(read_only)
         if not self.read_only:
             self.store.ensure()
         self.run = run
         self.data_version = data_version
-        self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        ranks = detect(rank, world_size)
+        self.rank, self.world_size, self.local_rank = \
+            ranks.rank, ranks.world_size, ranks.local_rank
+        # The attempt this client's parts belong to; restore() may replace it, and every
+        # later capture takes the value current then.
+        self.session = default_session()
         self.options = (options or Options.resolve()).replace(**option_overrides) \
             if option_overrides else (options or Options.resolve())
         self.rng = RngStreams()
@@ -108,7 +122,8 @@ class Client:
         self.restored_from: Optional[str] = None  # "hot" (daemon memory) or "disk"
         self.daemon = self.options.daemon if daemon is None else daemon
         self._handoff = Handoff(self.store, self.rank, self.options) if self.daemon else None
-        self._outcomes = Outcomes(self.store, self._handoff)
+        self._outcomes = Outcomes(self.store, self._handoff,
+                                  global_timeout=self.options.global_commit_timeout)
         self._hooks: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook
         self._journal: Optional[Journal] = None
         self.recovery: Optional[RunProgress] = None
@@ -182,7 +197,8 @@ class Client:
         """The resumable batch stream over ``loader`` (see docs/cursor.md)."""
         if self._stream is not None:
             raise RuntimeError("batches() was already called; one data cursor per client")
-        self._stream = BatchStream(loader, self.rng, fast_forward=fast_forward)
+        self._stream = BatchStream(loader, self.rng, fast_forward=fast_forward,
+                                   world_size=self.world_size)
         return self._stream
 
     # --- snapshot ------------------------------------------------------------------
@@ -196,7 +212,9 @@ class Client:
         # Overlap mode defers the copies only optimizer.step() changes (capture.py).
         defer = stepped_tensors(self._tracked) \
             if self._handoff is not None and self.options.mode == "overlap" else None
-        objects = tuple(capture_object(n, o, defer) for n, o in self._tracked.items())
+        objects = with_writers(self._tracked, [capture_object(n, o, defer, self.rank)
+                                               for n, o in self._tracked.items()],
+                               self.rank, self.world_size)
         return Capture(
             run=self.run, step=step, rank=self.rank, lineage=self.lineage,
             data_version=self.data_version,
@@ -204,7 +222,8 @@ class Client:
             rng=self.rng.capture(),
             cursor=self._stream.state() if self._stream is not None else None,
             objects=objects,
-            supersedes=tuple(self.restored.refused) if self.restored else ())
+            supersedes=tuple(self.restored.refused) if self.restored else (),
+            world_size=self.world_size, session=self.session)
 
     def snapshot(self, step: int, metric: Optional[float] = None) -> SnapshotHandle:
         """Snapshot the tracked state at this step boundary; returns a handle.
@@ -239,7 +258,8 @@ class Client:
                 self._hook_optimizers()
             return self._handoff.snapshot(capture)
         rng, cursor = capture.record_state()
-        handle = SnapshotHandle(step, sid=capture.sid, rng=rng, cursor=cursor)
+        handle = SnapshotHandle(step, sid=capture.sid, rng=rng, cursor=cursor,
+                                part=part_of(capture))
         # The daemon's commit path, here: space check, write, tmp cleanup, retention.
         commits = CommitService(self.store.root, self.options.min_free_bytes)
         try:
@@ -418,7 +438,10 @@ class Client:
 
         Raises only when the newest snapshot asked for (not skipped) did not commit,
         unless its wait() already raised that; older failures are warned of
-        (``SnapshotWarning``), a later commit superseding them.
+        (``SnapshotWarning``), a later commit superseding them. With many ranks, the
+        newest snapshot's global commit is waited for at most
+        ``Options.global_commit_timeout`` seconds, then ``IncompleteSnapshot`` names
+        the ranks whose parts are missing (no collective: the parts are on disk).
         """
         return self._close(stacklevel=4)
 
@@ -427,10 +450,13 @@ class Client:
             return self._summary or CloseSummary()
         self._closed = True
         newest = self._outcomes.newest
+        incomplete = None
         try:
             self._outcomes.settle()
             if newest is not None and newest.failed:
                 newest.warned = True   # raised below instead
+            # Many ranks: the newest part waits (bounded) for the other ranks' parts.
+            incomplete = self._outcomes.await_global_commit(newest)
             self._outcomes.report(stacklevel)
         finally:
             for hook in self._hooks.values():
@@ -446,6 +472,8 @@ class Client:
             logger.info(f"run {self.run}: closed; snapshots: {summary}")
         if newest is not None and newest.failed and not newest.raised:
             raise newest.failure()
+        if incomplete is not None:
+            raise incomplete
         return summary
 
     def _check_open(self) -> None:

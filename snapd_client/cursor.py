@@ -15,6 +15,12 @@ replaced by one that first advances ``index`` steps, so no consumed sample is fe
 or sent to a worker. ``loader_state`` for a loader with ``state_dict()`` (torchdata's
 ``StatefulDataLoader``). ``replay`` otherwise, or when asked: fetch and discard the
 epoch's consumed batches, the only exact way when a ``DataLoader``'s workers draw.
+
+Before each epoch's ``iter(loader)`` (a resumed one too) the stream calls
+``set_epoch(epoch)`` on the loader's sampler that has it (``DistributedSampler``), so
+each epoch is shuffled anew on every rank. The cursor records the job's world size
+and the loader's batch size: :func:`reshard_cursor` turns a cursor saved at one world
+size into one for another, from the global count of samples consumed.
 """
 
 from __future__ import annotations
@@ -68,6 +74,17 @@ def from_plain(value: Any) -> Any:
     if isinstance(value, list):
         return [from_plain(v) for v in value]
     return value
+
+
+def _epoch_samplers(loader: Any) -> list:
+    """The loader's samplers with ``set_epoch`` (a DistributedSampler), each once:
+    its sampler, or its batch sampler's."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    found: list = []
+    for owner in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if callable(getattr(owner, "set_epoch", None)) and not any(owner is s for s in found):
+            found.append(owner)
+    return found
 
 
 def _private_generators(loader: Any) -> list:
@@ -153,11 +170,14 @@ class BatchStream:
     the current epoch (0-based), ``index`` the batches consumed in it.
     """
 
-    def __init__(self, loader: Iterable, rng: RngStreams, fast_forward: str = "skip") -> None:
+    def __init__(self, loader: Iterable, rng: RngStreams, fast_forward: str = "skip",
+                 world_size: int = 1) -> None:
         if fast_forward not in FAST_FORWARD_MODES:
             raise InvalidOption(f"fast_forward={fast_forward!r}; choose one of "
                                 f"{FAST_FORWARD_MODES}", field="fast_forward")
         self.loader, self.fast_forward, self._rng = loader, fast_forward, rng
+        self.world_size = world_size   # the job's ranks: the cursor's global count
+        self._samplers = _epoch_samplers(loader)
         self.epoch, self.index = 0, 0  # the current epoch; batches consumed in it
         self.last_fast_forward: Optional[dict] = None  # {"mode", "batches", "seconds"} of load()
         self._it: Optional[Iterator] = None   # the open epoch's iterator
@@ -205,12 +225,18 @@ class BatchStream:
 
     def _iter_loader(self, stand_in: Any = None) -> Iterator:
         """``iter(loader)``; notes the birth of a persistent worker iterator, whose base
-        seed came from this epoch's RNG while later epochs only _reset it."""
+        seed came from this epoch's RNG while later epochs only _reset it. The
+        samplers learn the epoch first (a DistributedSampler shuffles by it)."""
+        self._set_epoch()
         before = getattr(self.loader, "_iterator", None)
         it = iter(self.loader) if stand_in is None else _iter_with(self.loader, stand_in)
         if _persistent(self.loader) and it is not before:
             self._iter_rng = self._epoch_rng
         return it
+
+    def _set_epoch(self) -> None:
+        for sampler in self._samplers:
+            sampler.set_epoch(self.epoch)
 
     def state(self) -> dict:
         """The cursor at this instant, in plain values msgpack carries (no tensors)."""
@@ -221,14 +247,20 @@ class BatchStream:
         return {"version": STATE_VERSION, "epoch": self.epoch, "index": self.index,
                 "epoch_rng": dict(self._epoch_rng),
                 "iter_rng": dict(self._iter_rng) if reused else {},
-                "loader_state": to_plain(self.loader.state_dict()) if stateful else None}
+                "loader_state": to_plain(self.loader.state_dict()) if stateful else None,
+                "world_size": self.world_size,
+                "batch_size": _batch_size(self.loader)}
 
     def load(self, state: Mapping[str, Any], *, omit: Iterable[str] = ()) -> None:
         """Continue from ``state``: the next batch is the one the uninterrupted run
         yielded next, and later epochs match too. Every RNG stream is left as found.
-        RNG streams in ``omit`` may be absent from ``state`` (restore's ``_omit``)."""
+        RNG streams in ``omit`` may be absent from ``state`` (restore's ``_omit``).
+
+        A state from :func:`reshard_cursor` has no epoch-start RNG (the streams start
+        fresh): its epoch opens from the RNG as it is now, ``index`` batches in."""
         epoch, index, epoch_rng, iter_rng, loader_state = self._parse(state, omit)
-        mode = self._mode()
+        resharded = bool(state.get("resharded"))
+        mode = self._mode(resharded)
         self._drop_iterator()
         self.epoch, self.index, self._epoch_rng, self._iter_rng = epoch, 0, epoch_rng, iter_rng
         now, started = self._rng.capture(), time.perf_counter()
@@ -236,7 +268,11 @@ class BatchStream:
             # Mid-epoch, a stateful loader rebuilds its iterator from its own state instead.
             if iter_rng and not (self._stateful and epoch_rng):
                 self._revive_workers(iter_rng, loader_state)
-            if epoch_rng:
+            if resharded and index and not epoch_rng:
+                self._epoch_rng = now   # what a later snapshot's cursor restores
+                self._it = self._position(mode, index, loader_state)
+                self.index = index
+            elif epoch_rng:
                 self._rng.restore(epoch_rng)
                 self._it = self._position(mode, index, loader_state)
                 self.index = index
@@ -245,11 +281,11 @@ class BatchStream:
         self.last_fast_forward = {"mode": mode, "batches": self.index,
                                   "seconds": time.perf_counter() - started}
 
-    def _mode(self) -> str:
+    def _mode(self, resharded: bool = False) -> str:
         if self.fast_forward == "replay":
             return "replay"
-        if self._stateful:
-            return "loader_state"
+        if self._stateful:   # a resharded cursor has no loader state for this world
+            return "replay" if resharded else "loader_state"
         map_style = isinstance(self.loader, DataLoader) and \
             not isinstance(self.loader.dataset, IterableDataset)
         return "skip" if map_style else "replay"  # no sampler to skip with otherwise
@@ -318,8 +354,12 @@ def check_cursor(state: Any, rng: RngStreams, *, source: str,
             raise bad(f"cursor.{name}", "is not a map of RNG streams")
         if streams:
             rng.check(streams, source=source, prefix=f"cursor.{name}", omit=omit)
-    if state["index"] and not state["epoch_rng"]:
+    if state["index"] and not state["epoch_rng"] and not state.get("resharded"):
         raise bad("cursor.epoch_rng", "is empty although batches were consumed")
+    for name in ("world_size", "batch_size"):   # absent from cursors before issue 14
+        value = state.get(name)
+        if value is not None and (type(value) is not int or value < 1):
+            raise bad(f"cursor.{name}", f"is {value!r}, not a positive count")
     loader_state = state.get("loader_state")
     if loader_state is not None:
         try:
@@ -328,3 +368,60 @@ def check_cursor(state: Any, rng: RngStreams, *, source: str,
             raise
         except Exception as e:  # a tensor entry torch cannot rebuild
             raise bad("cursor.loader_state", f"does not decode ({e})") from e
+
+
+def _batch_size(loader: Any) -> Optional[int]:
+    """The loader's batch size (samples per batch on this rank), None when it has
+    none (a batch sampler, an iterable dataset batching itself, a bare iterable)."""
+    size = getattr(loader, "batch_size", None)
+    return size if type(size) is int and size > 0 else None
+
+
+def reshard_cursor(state: Mapping[str, Any], *, new_world_size: int,
+                   new_batch_size: Optional[int]) -> dict:
+    """A cursor saved at one world size, for a job of ``new_world_size`` ranks each
+    taking ``new_batch_size`` samples per batch: the same epoch, positioned after the
+    same global count of samples, ``index * world_size * batch_size //
+    (new_world_size * new_batch_size)`` batches in. RNG streams start fresh on a
+    reshard: the epoch-start RNG and the loader's own state are dropped.
+
+    Exact (no sample of the epoch seen twice or skipped) when the global batch is
+    unchanged and the sampler splits one permutation per epoch across ranks
+    (DistributedSampler); docs/cursor.md, "Resharding", says why and what happens
+    otherwise. Raises IncompatibleState when a batch size is unknown.
+    """
+    check_cursor_counts(state)
+    for name, value in (("new_world_size", new_world_size), ("new_batch_size", new_batch_size)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise InvalidOption(f"reshard_cursor({name}={value!r}): a positive int",
+                                field=name)
+    old_world = state.get("world_size") or 1
+    old_batch, where = state.get("batch_size"), "cursor.batch_size"
+    if old_batch is None or new_batch_size is None:
+        raise IncompatibleState(
+            f"{where}: the cursor cannot be moved to {new_world_size} ranks without "
+            f"the batch size (saved: {old_batch}, now: {new_batch_size}): give the "
+            "DataLoader a batch_size, or resume at the saved world size "
+            f"({old_world})", field=where)
+    consumed = state["index"] * old_world * old_batch
+    return {"version": STATE_VERSION, "epoch": state["epoch"],
+            "index": consumed // (new_world_size * new_batch_size),
+            "epoch_rng": {}, "iter_rng": {}, "loader_state": None,
+            "world_size": new_world_size, "batch_size": new_batch_size,
+            "resharded": True}
+
+
+def check_cursor_counts(state: Any) -> None:
+    """The counts a reshard reads: epoch and index (0 or more), world_size and
+    batch_size (absent, or 1 or more)."""
+    if not isinstance(state, Mapping):
+        raise CorruptSnapshot("cursor: is not a map (it needs epoch and index)",
+                              path="cursor", field="cursor")
+    for name, least in (("epoch", 0), ("index", 0), ("world_size", 1), ("batch_size", 1)):
+        value = state.get(name)
+        if value is None and least:   # absent from cursors saved before issue 14
+            continue
+        if type(value) is not int or value < least:
+            raise CorruptSnapshot(f"cursor: field cursor.{name} is {value!r}, not a "
+                                  "count; the snapshot is damaged or hostile, use an "
+                                  "older one", path="cursor", field=f"cursor.{name}")

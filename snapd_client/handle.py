@@ -5,13 +5,27 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from snapd.errors import DaemonUnavailable, SnapshotFailed
 from snapd.store import SnapshotId
 from snapd.writer import CommitResult
 
 Waiter = Callable[[threading.Event], None]
+
+class PartOf(NamedTuple):
+    """A snapshot of a multi-rank job as this client writes it: its rank's part, of
+    one session (the attempt of the job)."""
+    rank: int
+    session: str
+    world_size: int
+
+
+def part_of(capture: Any) -> Optional[PartOf]:
+    """The part a capture is, None for a job of one rank (a whole snapshot)."""
+    return PartOf(capture.rank, capture.session, capture.world_size) \
+        if capture.world_size > 1 else None
+
 
 # How long wait() gives the hand-off, once the daemon is known lost, to settle the
 # snapshot (committed on disk, lost, or unknown) before it calls it lost itself.
@@ -28,11 +42,14 @@ class SnapshotWarning(RuntimeWarning):
 class CloseSummary:
     """What ``Client.close()`` returns: the steps of this client's snapshots by
     outcome (a snapshot retried after a lost daemon counts by its retry's outcome;
-    an outcome still unknown counts as failed)."""
+    an outcome still unknown counts as failed). ``incomplete``: many ranks only,
+    parts of this rank that are durable but whose snapshot was not committed
+    globally (other ranks' parts missing); never restored."""
 
     committed: Tuple[int, ...] = ()
     failed: Tuple[int, ...] = ()
     skipped: Tuple[int, ...] = ()
+    incomplete: Tuple[int, ...] = ()
 
     @property
     def newest_committed(self) -> Optional[int]:
@@ -44,9 +61,12 @@ class CloseSummary:
                 return ""
             shown = ("…, " if len(xs) > 5 else "") + ", ".join(map(str, xs[-5:]))
             return f" (step{'s' if len(xs) > 1 else ''} {shown})"
-        return (f"{len(self.committed)} committed{steps(self.committed)}, "
+        text = (f"{len(self.committed)} committed{steps(self.committed)}, "
                 f"{len(self.failed)} failed{steps(self.failed)}, "
                 f"{len(self.skipped)} skipped{steps(self.skipped)}")
+        if self.incomplete:   # many ranks only: the line stays as it was otherwise
+            text += f", {len(self.incomplete)} incomplete{steps(self.incomplete)}"
+        return text
 
 
 class SnapshotHandle:
@@ -70,15 +90,19 @@ class SnapshotHandle:
     Built complete by whoever takes the snapshot: ``sid`` (where the snapshot lands),
     ``rng`` and ``cursor`` (the state the committed log record carries), ``waiter``
     (a daemon's: a bounded wait that watches its liveness). ``result`` is the
-    writer's CommitResult once durable.
+    writer's CommitResult once durable. ``part``: in a job of many ranks, which part
+    this is (:class:`PartOf`); its result's ``complete`` says whether the snapshot
+    is committed globally yet (the client's Outcomes looks on disk until it is).
     """
 
     def __init__(self, step: int, *, sid: Optional[SnapshotId] = None,
                  rng: Optional[Dict[str, bytes]] = None,
                  cursor: Optional[Dict[str, Any]] = None,
-                 waiter: Optional[Waiter] = None, stall_seconds: float = 0.0) -> None:
+                 waiter: Optional[Waiter] = None, stall_seconds: float = 0.0,
+                 part: Optional[PartOf] = None) -> None:
         self.step = step
         self.sid = sid
+        self.part = part
         self.rng = rng
         self.cursor = cursor
         self.stall_seconds = stall_seconds

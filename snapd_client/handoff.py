@@ -33,7 +33,7 @@ from snapd.store import RunStore, SnapshotId
 from snapd.writer import CommitResult
 from snapd_client.capture import Capture
 from snapd_client.connection import POLL, DaemonConnection
-from snapd_client.handle import SnapshotHandle
+from snapd_client.handle import SnapshotHandle, part_of
 from snapd_client.hot import HotSource
 from snapd_client.lostdaemon import Recovery, Staged, wait_for_writes
 from snapd_client.staging import Arena, Stager, layout, slot_size_for
@@ -61,7 +61,7 @@ class Handoff:
         that cannot be started at all (DaemonStartFailed: no snapshot can be taken).
         """
         self.stager.synchronize()
-        offsets, need = layout(capture.tensors)
+        offsets, need = layout(capture.tensors, capture.stored)  # stored bytes only
         try:
             conn, stall = self._room(capture.step, need)
         except DaemonStartFailed:
@@ -84,7 +84,8 @@ class Handoff:
             desc = capture.descriptor(offsets)   # the plan over the slot
             self.stager.stage(self.arena, slot, capture.tensors, offsets,
                               capture.deferrable,
-                              lambda error: self._landed(conn, slot, desc, handle, error))
+                              lambda error: self._landed(conn, slot, desc, handle, error),
+                              capture.stored)
         except Exception as e:  # the slot is ours again; the handle reports why
             self._release(slot, handle, e)
         return handle
@@ -113,7 +114,7 @@ class Handoff:
         rng, cursor = capture.record_state()
         waiter = None if conn is None else self._waiter(conn, capture.step)
         return SnapshotHandle(capture.step, sid=capture.sid, rng=rng, cursor=cursor,
-                              waiter=waiter, stall_seconds=stall)
+                              waiter=waiter, stall_seconds=stall, part=part_of(capture))
 
     def _landed(self, conn: DaemonConnection, slot: int, desc: dict,
                 handle: SnapshotHandle, error: Optional[BaseException]) -> None:
@@ -268,8 +269,9 @@ class Handoff:
             return  # not ours (or already failed locally): nothing to free
         if isinstance(event, proto.Committed):
             sid = SnapshotId.parse(event.name)
+            # complete False: a part, durable; the snapshot waits for other ranks.
             result = CommitResult(sid, self.store.snapshot_path(sid) if sid else event.name,
-                                  event.bytes, event.seconds)
+                                  event.bytes, event.seconds, complete=event.complete)
             self._release(event.slot, handle, result=result)
         else:
             self._release(event.slot, handle, event.exception())

@@ -32,6 +32,7 @@ those writes (bounded) before it chooses a snapshot.
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import threading
 import time
@@ -39,21 +40,30 @@ import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 from snapd import protocol as proto
+from snapd.format import part_dir_name
+from snapd.globalcommit import read_part
 from snapd.plan import used_bytes
 from snapd.errors import DaemonUnavailable, SnapdError
 from snapd.reader import SnapshotReader
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import CommitResult
 from snapd_client.connection import POLL, DaemonConnection
-from snapd_client.handle import SETTLE_SECONDS, SnapshotHandle
+from snapd_client.handle import SETTLE_SECONDS, PartOf, SnapshotHandle
 from snapd_client.staging import Arena
 
 logger = logging.getLogger(__name__)
 
 
-def committed_on_disk(store: RunStore, sid: SnapshotId) -> Optional[CommitResult]:
+def committed_on_disk(store: RunStore, sid: SnapshotId,
+                      part: Optional[PartOf] = None) -> Optional[CommitResult]:
     """The commit of ``sid`` if its directory holds a manifest of that step (the
-    rename is the commit; the manifest checksum and file sizes are checked)."""
+    rename is the commit; the manifest checksum and file sizes are checked).
+
+    ``part``: a multi-rank snapshot's part (this rank's, of this session): found in
+    the committed snapshot (``complete``), or durable under ``.parts-<name>``
+    (``complete`` False: the snapshot waits for other ranks)."""
+    if part is not None:
+        return _part_on_disk(store, sid, part)
     path = store.snapshot_path(sid)
     try:
         manifest = SnapshotReader(path).manifest
@@ -63,6 +73,22 @@ def committed_on_disk(store: RunStore, sid: SnapshotId) -> Optional[CommitResult
         return None
     size = sum(f.get("size", 0) for f in manifest.get("files", {}).values())
     return CommitResult(sid, path, size, 0.0)
+
+
+def _part_on_disk(store: RunStore, sid: SnapshotId, part: PartOf) -> Optional[CommitResult]:
+    final = store.snapshot_path(sid)
+    # The global commit renames .parts-<name> to <name>: looking at the committed
+    # place again after the parts dir sees a part that moved between the two looks.
+    for base in (final, store.parts_path(sid), final):
+        try:
+            manifest, _ = read_part(os.path.join(base, part_dir_name(part.rank)))
+        except (SnapdError, OSError):
+            continue
+        if (manifest.get("step"), manifest.get("rank"), manifest.get("session")) == \
+                (sid.step, part.rank, part.session):
+            size = sum(f.get("size", 0) for f in manifest.get("files", {}).values())
+            return CommitResult(sid, final, size, 0.0, complete=base == final)
+    return None
 
 
 def steps_text(handles: List[SnapshotHandle]) -> str:
@@ -202,7 +228,8 @@ class Recovery:
     def _settle_one(self, handle: SnapshotHandle, error: DaemonUnavailable,
                     alive: bool, conn: Optional[DaemonConnection]) -> None:
         sid = handle.sid
-        result = committed_on_disk(self.store, sid) if sid is not None else None
+        result = committed_on_disk(self.store, sid, handle.part) if sid is not None \
+            else None
         if result is not None:   # committed before the event could be sent
             handle.set_result(result)
             return

@@ -70,10 +70,15 @@ def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def layout(tensors: Sequence[torch.Tensor]) -> tuple[List[int], int]:
-    """Each tensor's offset within a slot, and the bytes needed."""
+def layout(tensors: Sequence[torch.Tensor],
+           stored: Optional[Sequence[bool]] = None) -> tuple[List[int], int]:
+    """Each tensor's offset within a slot, and the bytes needed. A tensor with
+    ``stored[i]`` False (another rank writes it) takes no bytes: offset 0."""
     offsets, end = [], 0
-    for t in tensors:
+    for i, t in enumerate(tensors):
+        if stored is not None and not stored[i]:
+            offsets.append(0)
+            continue
         start = align_up(end, BLOCK_ALIGN if nbytes_of(t) >= BLOCK_ALIGN else ALIGN)
         offsets.append(start)
         end = start + nbytes_of(t)
@@ -295,8 +300,10 @@ class Arena:
 
 
 def copy_order(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
-               deferred: Sequence[bool]) -> Tuple[list, list, list]:
-    """Split the staging copies of one snapshot into three (tensor, offset) lists.
+               deferred: Sequence[bool], stored: Optional[Sequence[bool]] = None
+               ) -> Tuple[list, list, list]:
+    """Split the staging copies of one snapshot into three (tensor, offset) lists;
+    a tensor with ``stored[i]`` False (another rank writes it) is in none.
 
     ``now``: everything not deferred, copied (CPU) or enqueued (CUDA) first; in overlap
     mode the compute stream is then fenced behind the CUDA ones, since the next
@@ -305,7 +312,10 @@ def copy_order(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
     waits. ``later``: deferred CPU tensors, copied by the background thread.
     """
     now, device_later, later = [], [], []
-    for t, o, d in zip(tensors, offsets, deferred):
+    keep = [True] * len(tensors) if stored is None else stored
+    for t, o, d, k in zip(tensors, offsets, deferred, keep):
+        if not k:
+            continue
         (now if not d else device_later if t.is_cuda else later).append((t, o))
     return now, device_later, later
 
@@ -339,12 +349,14 @@ class Stager:
         self._copied: Optional[threading.Event] = None   # overlap: the copy in progress
 
     def stage(self, arena: Arena, slot: int, tensors: Sequence[torch.Tensor],
-              offsets: Sequence[int], deferrable: Sequence[bool], landed: Landed) -> None:
+              offsets: Sequence[int], deferrable: Sequence[bool], landed: Landed,
+              stored: Optional[Sequence[bool]] = None) -> None:
         """Copy ``tensors[i]`` to ``offsets[i]`` of ``slot``; overlap mode may copy
-        those marked ``deferrable`` later, on its thread."""
+        those marked ``deferrable`` later, on its thread. Those with ``stored[i]``
+        False are another rank's to write: never copied."""
         overlap = self.mode == "overlap"
         now, device_later, later = copy_order(
-            tensors, offsets, deferrable if overlap else [False] * len(tensors))
+            tensors, offsets, deferrable if overlap else [False] * len(tensors), stored)
         _stage_pairs(arena, slot, now)
         if overlap:
             arena.fence()  # what the next forward may write is copied before it runs

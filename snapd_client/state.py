@@ -11,12 +11,18 @@ snapd never loads.
 This is the training side of the skeleton: it walks live objects. The codec itself
 (packing, the extension codes, decoding with :func:`unflatten`) is part of the
 format and lives in :mod:`snapd.skeleton`, where the operator commands find it.
+
+A DTensor leaf (FSDP2, tensor parallelism) is stored as its local piece
+(``to_local()``, a view: no gather) with ``shard``, where the piece lies in the whole
+tensor, and ``writer``, the rank that writes it when the piece is replicated over a
+mesh dimension (snapd_client/replicas.py). Everything downstream of :func:`flatten`
+sees plain local tensors; :func:`tensor_meta` reports the local shape too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import msgpack
 import numpy as np
@@ -26,17 +32,23 @@ from snapd.errors import UnsupportedState
 from snapd.format import dtype_name
 from snapd.skeleton import (EXT_DEVICE, EXT_DTYPE, EXT_NDARRAY, EXT_NPSCALAR, EXT_ORDERED,
                             EXT_TENSOR, EXT_TUPLE, TENSOR_INDEX, pack)
+from snapd_client.replicas import dtensor_piece, is_dtensor
 
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass
 class Flat:
-    """One object's state, split: the skeleton bytes, its tensors and their paths."""
+    """One object's state, split: the skeleton bytes, its tensors and their paths.
+    For a DTensor leaf ``tensors[i]`` is its local piece, ``shards[i]`` its place in
+    the whole ({global_shape, offset}) and ``writers[i]`` the rank writing it; both
+    None for a plain tensor."""
 
     skeleton: bytes
     tensors: List[torch.Tensor] = field(default_factory=list)
     paths: List[str] = field(default_factory=list)
+    shards: List[Optional[Dict[str, List[int]]]] = field(default_factory=list)
+    writers: List[Optional[int]] = field(default_factory=list)
 
 
 class _Flattener:
@@ -44,6 +56,8 @@ class _Flattener:
         self.name = name
         self.tensors: List[torch.Tensor] = []
         self.paths: List[str] = []
+        self.shards: List[Optional[Dict[str, List[int]]]] = []
+        self.writers: List[Optional[int]] = []
 
     def walk(self, value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor):
@@ -64,12 +78,17 @@ class _Flattener:
         return self._plain(value, path)
 
     def _add(self, tensor: torch.Tensor, path: str) -> bytes:
+        shard = writer = None
+        if is_dtensor(tensor):
+            tensor, shard, writer = dtensor_piece(tensor, f"{self.name}{path}")
         if tensor.layout != torch.strided or tensor.is_quantized:
             raise UnsupportedState(f"{self.name}{path}: {tensor.layout} tensors cannot be saved; "
                                    "convert to dense in state_dict()")
         dtype_name(tensor.dtype)
         self.tensors.append(tensor.detach())
         self.paths.append(path)
+        self.shards.append(shard)
+        self.writers.append(writer)
         return TENSOR_INDEX.pack(len(self.tensors) - 1)
 
     def _key(self, key: Any, path: str) -> Any:
@@ -104,9 +123,11 @@ def flatten(state: Any, name: str) -> Flat:
                                "snapd stores a mapping (return a dict)")
     flattener = _Flattener(name)
     skeleton = pack(flattener.walk(state, ""))
-    return Flat(skeleton, flattener.tensors, flattener.paths)
+    return Flat(skeleton, flattener.tensors, flattener.paths, flattener.shards,
+                flattener.writers)
 
 
 def tensor_meta(flat: Flat) -> List[Tuple[str, str, List[int]]]:
-    """(path, dtype, shape) of each tensor leaf: what compatibility is checked on."""
+    """(path, dtype, shape) of each tensor leaf: what compatibility is checked on.
+    A DTensor leaf's shape is its local piece's (what this rank's part stores)."""
     return [(p, dtype_name(t.dtype), list(t.shape)) for p, t in zip(flat.paths, flat.tensors)]
