@@ -169,16 +169,20 @@ class SnapshotReader:
         """Each object's chunks tile its file: checked on open, from the manifest."""
         align = fmt.chunk_alignment(self.manifest["format"])
         for obj in self.objects.values():
-            if obj["tensors"]:
+            if obj.get("file") is not None and obj["tensors"]:
                 entry = self.manifest["files"][obj["file"]]
                 _check_tiling(obj["tensors"], entry["size"],
                               os.path.join(self.path, obj["file"]), align)
 
-    def load_object(self, name: str, progress: Progress = None) -> List[torch.Tensor]:
-        """Every tensor of one object, on CPU, verified. Raises CorruptSnapshot."""
+    def load_object(self, name: str, progress: Progress = None
+                    ) -> List[Optional[torch.Tensor]]:
+        """Every tensor of one object, on CPU, verified. Raises CorruptSnapshot.
+
+        In a part of a multi-rank snapshot, an entry another rank stores (``ref``) is
+        None here: snapd/globalsnap.py resolves it from that rank's part."""
         obj = self.objects[name]
-        if not obj["tensors"]:
-            return []
+        if obj.get("file") is None:
+            return [None] * len(obj["tensors"])
         file_name = obj["file"]
         full = os.path.join(self.path, file_name)
         entry = self.manifest["files"][file_name]
@@ -190,7 +194,8 @@ class SnapshotReader:
             fmt.check_tensor_file_header(header, path=full, version=version)
             walk = _FileWalk(full, fd, fmt.FileDigest(version))
             walk.header(header)
-            tensors = [self._read_tensor(fd, t, i, full, walk, progress)
+            tensors = [None if "ref" in t else self._read_tensor(fd, t, i, full, walk,
+                                                                 progress)
                        for i, t in enumerate(obj["tensors"])]
             walk.padding_to(entry["size"])
         finally:
