@@ -39,7 +39,8 @@ import torch
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, IncompatibleState, SnapdError
-from snapd.reader import SnapshotReader, check_name_matches, read_commit
+from snapd.globalsnap import GlobalSnapshot, open_snapshot
+from snapd.reader import SnapshotReader, check_name_matches
 from snapd.skeleton import unflatten
 from snapd.store import RunStore, SnapshotId
 from snapd_client import reshard
@@ -66,52 +67,31 @@ def require_process_group(world_size: int) -> None:
 # --- the parts of one snapshot ------------------------------------------------------
 
 class Parts:
-    """One committed snapshot's parts, opened on demand, and the tensors they store,
-    each object file read (and verified) once. A one-rank snapshot is one part."""
+    """One committed snapshot's parts (snapd/globalsnap.py: each checked against the
+    commit record), and the tensors they store, each object file read and verified
+    once. A one-rank snapshot is one part."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._readers: Dict[int, SnapshotReader] = {}
+        self.snapshot = open_snapshot(path)
+        self.world_size = self.snapshot.world_size \
+            if isinstance(self.snapshot, GlobalSnapshot) else 1
         self._stored: Dict[Tuple[int, str], Dict[Tuple[str, Any], torch.Tensor]] = {}
-        if os.path.lexists(os.path.join(path, fmt.COMMIT_NAME)):
-            self.record: Optional[Dict[str, Any]] = read_commit(path)
-            self.world_size = self.record["world_size"]
-        else:
-            self.record, self.world_size = None, 1
-            self._readers[0] = SnapshotReader(path)
 
     def part(self, rank: int) -> SnapshotReader:
-        if rank not in self._readers:
-            entry = self.record["parts"][rank]
-            part_dir = os.path.join(self.path, entry["dir"])
-            reader = SnapshotReader(part_dir)
-            data = open(os.path.join(part_dir, fmt.MANIFEST_NAME), "rb").read()
-            if len(data) != entry["manifest_size"] or \
-                    fmt.checksum(data) != entry["manifest_xxh3"]:
-                where = os.path.join(part_dir, fmt.MANIFEST_NAME)
-                raise CorruptSnapshot(f"{where}: does not match the commit record's "
-                                      f"parts[{rank}] (size and digest); the part was "
-                                      "damaged or replaced, use an older snapshot",
-                                      path=where, field=f"parts[{rank}].manifest_xxh3")
-            self._readers[rank] = reader
-        return self._readers[rank]
+        if isinstance(self.snapshot, GlobalSnapshot):
+            return self.snapshot.part(rank)
+        return self.snapshot
 
     def stored(self, rank: int, name: str) -> Dict[Tuple[str, Any], torch.Tensor]:
-        """The tensors rank ``rank``'s part stores for object ``name`` (refs left
-        out), verified, by (path, shard offset)."""
+        """The tensors rank ``rank``'s part stores for object ``name`` (its refs
+        left out), verified, by (path, shard offset)."""
         key = (rank, name)
         if key not in self._stored:
             reader = self.part(rank)
-            obj = reader.objects[name]
-            keep = [t for t in obj["tensors"] if "ref" not in t]
-            view = reader
-            if len(keep) != len(obj["tensors"]):
-                # The reader reads every entry of an object: give it those stored here.
-                view = copy.copy(reader)
-                view.manifest = {**reader.manifest, "objects": {
-                    **reader.objects, name: {**obj, "tensors": keep}}}
-            tensors = view.load_object(name) if keep else []
-            self._stored[key] = {(t["path"], _offset(t)): v for t, v in zip(keep, tensors)}
+            entries = reader.objects[name]["tensors"]
+            self._stored[key] = {(t["path"], _offset(t)): v for t, v in
+                                 zip(entries, reader.load_object(name)) if v is not None}
         return self._stored[key]
 
     def tensor(self, rank: int, name: str, t: Dict[str, Any]) -> torch.Tensor:
@@ -130,13 +110,12 @@ class Parts:
 
     def pieces(self, name: str, path: str) -> List[Tuple[reshard.Box, int, Dict[str, Any]]]:
         """Every distinct saved piece of a sharded tensor: (box, rank, entry)."""
-        found: Dict[reshard.Box, Tuple[int, Dict[str, Any]]] = {}
-        for rank in range(self.world_size):
-            obj = self.part(rank).objects.get(name)
-            for t in obj["tensors"] if obj else []:
-                if t["path"] == path and "shard" in t:
-                    found.setdefault(_box(t), (rank, t))
-        return [(box, r, t) for box, (r, t) in found.items()]
+        if not isinstance(self.snapshot, GlobalSnapshot):
+            return [(_box(t), 0, t) for t in self.part(0).objects[name]["tensors"]
+                    if t["path"] == path]
+        return [((p.offset, p.shape), p.rank,
+                 self.part(p.rank).objects[name]["tensors"][p.index])
+                for p in self.snapshot.shards(name, path)]
 
 
 def _offset(t: Dict[str, Any]) -> Optional[tuple]:
@@ -351,6 +330,8 @@ def restore_ranks(client: Any, omit: set, world_size: int) -> Optional[Loaded]:
     finally:
         coll.close()
     client.session = agreed.session
+    if not client.read_only:   # each rank checks its own recompute; a divergence names it
+        client.journal.world_size = world_size
     if agreed.name is None:
         return None
     loaded = agreed.prepared

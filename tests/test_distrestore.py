@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import snapd.errors
-from snapd.errors import CorruptSnapshot, IncompatibleState
+from snapd.errors import CorruptSnapshot, IncompatibleState, ReplayDivergence
+from snapd.logwriter import LogWriter
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.store import RunStore
@@ -19,6 +20,7 @@ from snapd_client import reshard
 from snapd_client.capture import tensor_bytes
 from snapd_client.client import Client
 from snapd_client.distrestore import Parts, agree, prepare
+from snapd_client.journal import Journal
 from snapd_client.restore import FallbackWarning, ddp_prefix, type_name, with_prefix
 from snapd_client.rng import RngStreams
 from snapd_client.state import flatten
@@ -276,3 +278,19 @@ def test_restore_before_the_process_group_is_refused(tmp_path, monkeypatch):
         with pytest.raises(snapd.errors.DistributedNotReady,
                            match="WORLD_SIZE.*init_process_group"):
             c.restore()
+
+
+def test_a_replay_divergence_on_a_rank_of_many_names_the_rank(tmp_path):
+    store = RunStore(str(tmp_path), "r")
+    store.ensure()
+    rng = RngStreams()
+    with LogWriter(store.path, 1, flush_interval=None) as w:
+        for step in range(1, 4):
+            w.append({"kind": "step", "step": step, "time": 1.0, "cursor": None,
+                      "rng": rng.live_digests(), "scalars": {"loss": 1.0}})
+    journal = Journal(store, 1, rng, Options(replay_check="raise"))
+    journal.world_size = 2
+    assert journal.begin_replay(1, 3) == 2
+    with pytest.raises(ReplayDivergence, match=r"^replay check on rank 1: step 2 differs"):
+        journal.step(2, None, {"loss": 2.0})
+    journal.close()
