@@ -45,9 +45,8 @@ from snapd.skeleton import unflatten
 from snapd.store import RunStore, SnapshotId
 from snapd_client import reshard
 from snapd_client.collectives import Collective
-from snapd_client.restore import (FallbackWarning, Loaded, candidates,
-                                  check_candidate, live_tensors, rng_omitted,
-                                  verify_pick)
+from snapd_client.restore import (FallbackWarning, Loaded, check_candidate,
+                                  live_tensors, resume_order)
 
 logger = logging.getLogger(__name__)
 
@@ -233,11 +232,7 @@ class Agreed:
 
 def plan(store: RunStore, reached: Optional[int], verify_steps: int) -> Dict[str, Any]:
     """Rank 0's list: restore.py's order, and a fresh session for this attempt."""
-    order = candidates(store)
-    pick = verify_pick(order, reached, verify_steps)
-    if pick is not None:
-        order.remove(pick)
-        order.insert(0, pick)
+    order, pick = resume_order(store, reached, verify_steps)
     return {"order": [sid.name for sid in order],
             "passed_over": order[1].name if pick is not None else None,
             "session": secrets.token_hex(8)}
@@ -247,8 +242,11 @@ def agree(coll: Collective, make_plan: Callable[[], Dict[str, Any]],
           try_one: Callable[[str], Any], where: str) -> Agreed:
     """Steps 3 to 5 of the module docstring, over ``coll``. ``try_one(name)`` reads
     candidate ``name`` on this rank; ``where`` names the snapshots dir in errors."""
-    listed = json.loads(coll.broadcast_bytes(
-        json.dumps(make_plan()).encode() if coll.rank == 0 else None, src=0))
+    listed = json.loads(coll.broadcast_bytes(_plan_bytes(make_plan) if coll.rank == 0
+                                             else None, src=0))
+    if "error" in listed:  # rank 0 could not list the snapshots: nobody may wait on it
+        raise SnapdError(f"{where}: rank 0 could not list the snapshots: "
+                         f"{listed['error']}", path=where, field="snapshots")
     refused: Dict[str, str] = {}
     for name in listed["order"]:
         result, error, verdict = None, None, {"status": "ok"}
@@ -256,7 +254,8 @@ def agree(coll: Collective, make_plan: Callable[[], Dict[str, Any]],
             result = try_one(name)
         except Exception as e:  # every rank must hear of it, or the others wait
             error, verdict = e, _verdict(e)
-        verdicts = [json.loads(v) for v in coll.allgather_bytes(json.dumps(verdict).encode())]
+        gathered = coll.allgather_bytes(json.dumps(verdict).encode())
+        verdicts = [json.loads(v) for v in gathered]
         if all(v["status"] == "ok" for v in verdicts):
             return Agreed(name, result, refused, listed["passed_over"]
                           if name == listed["order"][0] else None, listed["session"])
@@ -273,6 +272,13 @@ def agree(coll: Collective, make_plan: Callable[[], Dict[str, Any]],
                               "snapshots are kept for inspection). Every tracked object "
                               "is untouched", path=where, field="snapshots")
     return Agreed(None, None, refused, None, listed["session"])
+
+
+def _plan_bytes(make_plan: Callable[[], Dict[str, Any]]) -> bytes:
+    try:
+        return json.dumps(make_plan()).encode()
+    except Exception as e:  # sent, so that the other ranks stop too
+        return json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
 
 
 def _verdict(e: Exception) -> Dict[str, Any]:

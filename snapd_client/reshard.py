@@ -75,7 +75,8 @@ def assemble(shape: Sequence[int], dtype: torch.dtype, data: Sequence[torch.Tens
     return out
 
 
-def _region(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+def _region(t: torch.Tensor, offsets: Sequence[int],
+            lengths: Sequence[int]) -> torch.Tensor:
     for dim, (o, n) in enumerate(zip(offsets, lengths)):
         t = t.narrow(dim, o, n)
     return t

@@ -29,7 +29,7 @@ import os
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -149,6 +149,18 @@ def verify_pick(order: List[SnapshotId], reached: Optional[int],
     older = [sid for sid in order[1:] if sid.lineage == newest.lineage
              and newest.step - verify_steps <= sid.step < reached]
     return max(older, default=None)
+
+
+def resume_order(store: RunStore, reached: Optional[int], verify_steps: int
+                 ) -> Tuple[List[SnapshotId], Optional[SnapshotId]]:
+    """The candidates in the order a resume tries them, and the one ``verify_steps``
+    put first (None when it did not)."""
+    order = candidates(store)
+    pick = verify_pick(order, reached, verify_steps)
+    if pick is not None:
+        order.remove(pick)
+        order.insert(0, pick)
+    return order, pick
 
 
 def _expected_meta(obj: Any, name: str):
@@ -320,11 +332,7 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
     snapshot is tried first; if it is refused, the usual order follows."""
     refused: Dict[str, str] = {}
     before: Optional[Before] = None
-    order = candidates(store)
-    pick = verify_pick(order, reached, verify_steps)
-    if pick is not None:
-        order.remove(pick)
-        order.insert(0, pick)
+    order, pick = resume_order(store, reached, verify_steps)
     for sid in order:
         path = store.snapshot_path(sid)
         try:

@@ -4,7 +4,6 @@ agreement of every rank on one candidate, over a fake collective of threads."""
 
 import threading
 import warnings
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -294,3 +293,23 @@ def test_a_replay_divergence_on_a_rank_of_many_names_the_rank(tmp_path):
     with pytest.raises(ReplayDivergence, match=r"^replay check on rank 1: step 2 differs"):
         journal.step(2, None, {"loss": 2.0})
     journal.close()
+
+
+def test_rank_0_failing_to_list_the_snapshots_stops_every_rank():
+    threads, out = _Threads(2), [None] * 2
+
+    def one(rank):
+        def listing():
+            raise OSError("snapshots: permission denied")
+        try:
+            agree(threads.member(rank), listing, lambda name: name, "/snaps")
+        except Exception as e:
+            out[rank] = e
+
+    workers = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(20)
+    assert all(isinstance(e, snapd.errors.SnapdError) and "permission denied" in str(e)
+               for e in out)
