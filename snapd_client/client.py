@@ -36,6 +36,7 @@ from snapd.runlock import RunLock
 from snapd.store import RunStore
 from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
+from snapd_client.distrestore import begin_reshard, restore_ranks, world_size_of
 from snapd_client import tracking
 from snapd_client.handle import CloseSummary, SnapshotHandle, part_of
 from snapd_client.handoff import Handoff
@@ -316,6 +317,16 @@ class Client:
             raise ValueError(f"restore(mode={mode!r}): choose 'resume' or 'warm_start'")
         if mode == "warm_start":
             return self._warm_start()
+        world = world_size_of(self)
+        if world > 1:  # every rank agrees on one snapshot (snapd_client/distrestore.py)
+            loaded = restore_ranks(self, set(_omit), world)
+            if loaded is None:
+                return self._nothing_to_resume()
+            self.restored_from, self.restored = "disk", loaded
+            self.lineage = dict(loaded.manifest["lineage"])
+            if loaded.mode == "reshard":
+                return begin_reshard(self, loaded, sorted(_omit), world)
+            return self._begin_resume(loaded, sorted(_omit))
         self._settle_daemon_writes()
         hot = None
         if self._handoff is not None and self.options.hot_restore:
@@ -331,15 +342,18 @@ class Client:
             if hot is not None:
                 hot.close()
         if loaded is None:
-            if self.recovery.furthest:
-                logger.info(f"run {self.run}: no snapshot to resume from; training had "
-                            f"reached step {self.recovery.furthest}; starting at step 0")
-            return 0
+            return self._nothing_to_resume()
         self.restored_from = "hot" if hot is not None and hot.used else "disk"
         self._apply(loaded, set(_omit))
         self.restored = loaded
         self.lineage = dict(loaded.manifest["lineage"])
         return self._begin_resume(loaded, sorted(_omit))
+
+    def _nothing_to_resume(self) -> int:
+        if self.recovery.furthest:
+            logger.info(f"run {self.run}: no snapshot to resume from; training had "
+                        f"reached step {self.recovery.furthest}; starting at step 0")
+        return 0
 
     def _settle_daemon_writes(self) -> None:
         """Let a daemon serving the root finish this run and rank's writes first.

@@ -93,6 +93,8 @@ class Journal:
         self.verdict: Optional[Dict[str, Any]] = None
         self.last_resume: Optional[Dict[str, Any]] = None
         self.closed = False
+        # Set by a multi-rank restore: a divergence then names the rank it is on.
+        self.world_size = 1
 
     def step(self, step: int, cursor: Optional[list], scalars: Dict[str, Any],
              samples: Optional[list] = None,
@@ -154,7 +156,9 @@ class Journal:
             found = compare(old, record)
             if found is not None:
                 self._finish("diverged", step=step, cause=found[0], detail=found[1])
-                message = (f"replay check: step {step} differs from the interrupted run: "
+                where = f" on rank {self.rank}" if self.world_size > 1 else ""
+                message = (f"replay check{where}: step {step} differs from the "
+                           "interrupted run: "
                            f"{found[1]} (cause {found[0]}); the resumed run is not the "
                            "same run. See docs/operations.md, 'replay divergence'")
                 if self.opts.replay_check == "raise":

@@ -29,7 +29,7 @@ import os
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -67,6 +67,8 @@ class Loaded:
     refused: Dict[str, str] = field(default_factory=dict)  # newer, damaged: name -> why
     before: Optional["Before"] = None  # the tracked state as it was, to put back
     passed_over: Optional[str] = None  # the newer snapshot verify_steps resumed before
+    mode: str = "resume"   # "reshard": saved at another world size (distrestore.py)
+    old_world_size: int = 1
 
 
 def _copy_tree(value: Any) -> Any:
@@ -149,6 +151,18 @@ def verify_pick(order: List[SnapshotId], reached: Optional[int],
     return max(older, default=None)
 
 
+def resume_order(store: RunStore, reached: Optional[int], verify_steps: int
+                 ) -> Tuple[List[SnapshotId], Optional[SnapshotId]]:
+    """The candidates in the order a resume tries them, and the one ``verify_steps``
+    put first (None when it did not)."""
+    order = candidates(store)
+    pick = verify_pick(order, reached, verify_steps)
+    if pick is not None:
+        order.remove(pick)
+        order.insert(0, pick)
+    return order, pick
+
+
 def _expected_meta(obj: Any, name: str):
     return {p: (d, s) for p, d, s in tensor_meta(flatten(obj.state_dict(), name))}
 
@@ -227,7 +241,7 @@ def restore_order(tracked: Dict[str, Any]) -> List[str]:
     return sorted(tracked, key=rank.__getitem__)  # stable: track order within a rank
 
 
-def _live_tensors(obj: Any, name: str) -> Dict[str, torch.Tensor]:
+def live_tensors(obj: Any, name: str) -> Dict[str, torch.Tensor]:
     """The tensors a module or optimizer holds now, by path: restore may read into
     them, since its load_state_dict replaces them anyway. Other objects: none."""
     if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
@@ -244,7 +258,7 @@ def _read_states(reader: SnapshotReader, tracked: Dict[str, Any],
         source = f"{reader.path}/{entry.get('file') or 'manifest.snapd'}"
         tensors = None
         if tensor_source is not None:
-            tensors = tensor_source(reader, name, _live_tensors(obj, name))
+            tensors = tensor_source(reader, name, live_tensors(obj, name))
         if tensors is None:
             tensors = reader.load_object(name)
         state = unflatten(entry["skeleton"], tensors, source=source)
@@ -280,7 +294,7 @@ def rng_omitted(omit: Iterable[str]) -> List[str]:
     return [o.split(":", 1)[1] for o in omit if o.startswith("rng:")]
 
 
-def _check_candidate(reader: SnapshotReader, tracked: Dict[str, Any], rng: RngStreams,
+def check_candidate(reader: SnapshotReader, tracked: Dict[str, Any], rng: RngStreams,
                      *, data_version: Optional[str], need_cursor: bool,
                      omit: Iterable[str] = ()) -> None:
     """Every check that needs no tensor: nothing live is touched yet."""
@@ -318,16 +332,12 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
     snapshot is tried first; if it is refused, the usual order follows."""
     refused: Dict[str, str] = {}
     before: Optional[Before] = None
-    order = candidates(store)
-    pick = verify_pick(order, reached, verify_steps)
-    if pick is not None:
-        order.remove(pick)
-        order.insert(0, pick)
+    order, pick = resume_order(store, reached, verify_steps)
     for sid in order:
         path = store.snapshot_path(sid)
         try:
             reader = SnapshotReader(path)
-            _check_candidate(reader, tracked, rng, data_version=data_version,
+            check_candidate(reader, tracked, rng, data_version=data_version,
                              need_cursor=need_cursor, omit=omit)
             if before is None:  # a hot read may land in live tensors from here on
                 before = Before(tracked, rng)
@@ -402,20 +412,80 @@ def apply(loaded: Loaded, tracked: Dict[str, Any], rng: RngStreams, stream: Any,
                                 path=loaded.path, field="objects") from e
 
 
+DDP_PREFIX = "module."
+
+
+def ddp_prefix(saved: Iterable[str], live: Iterable[str]) -> Optional[str]:
+    """How a module's saved state-dict keys become the live ones: None (as they are),
+    ``"strip"`` (saved from a DistributedDataParallel wrapper, ``module.x``, loaded
+    into the bare model) or ``"add"`` (the other way round). Decided on the whole key
+    set, so a model whose own submodule is called ``module`` is not mistaken."""
+    saved, live = set(saved), set(live)
+    if saved == live or not saved:
+        return None
+    if {DDP_PREFIX + k for k in live} == saved:
+        return "strip"
+    if {DDP_PREFIX + k for k in saved} == live:
+        return "add"
+    return None
+
+
+def with_prefix(state: Dict[str, Any], how: Optional[str]) -> Dict[str, Any]:
+    """``state`` (a module's state dict) with keys renamed as :func:`ddp_prefix` said,
+    its ``_metadata`` (per-submodule versions) renamed alike."""
+    if how is None:
+        return state
+    def rename(key: str, top: str) -> str:
+        if how == "strip":
+            return key[len(DDP_PREFIX):] if key.startswith(DDP_PREFIX) else \
+                ("" if key == top else key)
+        return (DDP_PREFIX + key) if key else top
+    out = OrderedDict((rename(k, "\0"), v) for k, v in state.items())
+    meta = getattr(state, "_metadata", None)
+    if meta is not None:
+        out._metadata = OrderedDict((rename(k, "module"), v) for k, v in meta.items()
+                                    if not (how == "strip" and k == ""))
+        if how == "add" and "" in meta:
+            out._metadata[""] = meta[""]
+    return out
+
+
+def _module_keys(paths: Iterable[str]) -> List[str]:
+    return [p[1:] for p in paths]  # a module's flattened paths are ".<key>"
+
+
 def load_weights(store: RunStore, modules: Dict[str, torch.nn.Module]) -> Optional[Loaded]:
-    """For warm_start: the newest verifying snapshot's module weights, shape-checked."""
+    """For warm_start: the newest verifying snapshot's module weights, shape-checked;
+    a DistributedDataParallel ``module.`` prefix is added or removed to fit."""
     for sid in candidates(store):
         path = store.snapshot_path(sid)
         try:
             reader = SnapshotReader(path)
             check_name_matches(path, reader.manifest)
             names = [n for n in modules if n in reader.objects]
-            for n in names:
-                _check_object_fit(n, reader.objects[n], modules[n],
-                                  os.path.join(path, "manifest.snapd"))
+            source = os.path.join(path, "manifest.snapd")
+            prefixes = {n: _check_weights_fit(n, reader.objects[n], modules[n], source)
+                        for n in names}
+            states = _read_states(reader, {n: modules[n] for n in names})
             return Loaded(sid, path, reader.manifest,
-                          _read_states(reader, {n: modules[n] for n in names}))
+                          {n: with_prefix(s, prefixes[n]) for n, s in states.items()})
         except CorruptSnapshot as e:
             warnings.warn(f"snapshot {path} refused: {e}; trying an older one",
                           FallbackWarning, stacklevel=3)
     return None
+
+
+def _check_weights_fit(name: str, saved: Dict[str, Any], module: torch.nn.Module,
+                       source: str) -> Optional[str]:
+    """The fit of one module's weights, through the DDP prefix when one differs (the
+    types then differ too: the wrapper's and the model's); returns the prefix rule."""
+    want = _expected_meta(module, name)
+    how = ddp_prefix(_module_keys(t["path"] for t in saved["tensors"]), _module_keys(want))
+    if how is None:
+        _check_object_fit(name, saved, module, source)
+        return None
+    renamed = dict(saved, type=type_name(module), tensors=[
+        dict(t, path="." + next(iter(with_prefix({t["path"][1:]: None}, how))))
+        for t in saved["tensors"]])
+    _check_object_fit(name, renamed, module, source)
+    return how

@@ -1,0 +1,376 @@
+"""restore() on many ranks: every rank restores the same step, or none does.
+
+Restore runs once, at start, on every rank, so it may use collectives; they go over
+a private gloo group (snapd_client/collectives.py), as bytes. In order:
+
+1. Refuse without an initialised process group (DistributedNotReady).
+2. Let the daemon finish this rank's writes (a snapshot handed over just before a
+   kill may still be committing).
+3. Rank 0 lists the candidates (restore.py's order: LATEST first, then newest first;
+   ``verify_steps`` may put an older one first) and a fresh session token, and
+   broadcasts them.
+4. Per candidate, every rank checks and reads what it needs, verifying every byte,
+   and touches nothing live: at the same world size its own part (a replicated
+   tensor from the part that stores it); at another, each sharded tensor's
+   overlapping pieces of every saved shard (snapd_client/reshard.py) and the rest
+   from old rank ``r % old_world``. The verdicts are all-gathered: all ok, every
+   rank applies; a damaged part anywhere, every rank warns (FallbackWarning) naming
+   the rank(s) and file(s) refused, and all go to the next candidate; a snapshot
+   that does not fit on some rank stops every rank with the same error.
+5. None left after refusals: every rank raises the same CorruptSnapshot.
+
+Same world size: exact (RNG streams and cursor of the rank's own part). Another
+world size: tensors exact, RNG streams left as they are (fresh), the cursor from the
+global count of consumed samples, the resume logged as mode "reshard".
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import secrets
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from snapd import format as fmt
+from snapd.errors import CorruptSnapshot, IncompatibleState, SnapdError
+from snapd.globalsnap import GlobalSnapshot, open_snapshot
+from snapd.reader import SnapshotReader, check_name_matches
+from snapd.skeleton import unflatten
+from snapd.store import RunStore, SnapshotId
+from snapd_client import reshard
+from snapd_client.collectives import Collective
+from snapd_client.restore import (FallbackWarning, Loaded, check_candidate,
+                                  live_tensors, resume_order)
+
+logger = logging.getLogger(__name__)
+
+
+def require_process_group(world_size: int) -> None:
+    """Many ranks restore together: that needs the process group first."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return
+    from snapd.errors import DistributedNotReady  # snapd/errors.py (issue 14, capture)
+    raise DistributedNotReady(
+        f"restore(): WORLD_SIZE is {world_size} but torch.distributed has no process "
+        "group; every rank restores the same snapshot and agrees on it with the others, "
+        "so call dist.init_process_group first, then restore()", field="WORLD_SIZE")
+
+
+# --- the parts of one snapshot ------------------------------------------------------
+
+class Parts:
+    """One committed snapshot's parts (snapd/globalsnap.py: each checked against the
+    commit record), and the tensors they store, each object file read and verified
+    once. A one-rank snapshot is one part."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.snapshot = open_snapshot(path)
+        self.world_size = self.snapshot.world_size \
+            if isinstance(self.snapshot, GlobalSnapshot) else 1
+        self._stored: Dict[Tuple[int, str], Dict[Tuple[str, Any], torch.Tensor]] = {}
+
+    def part(self, rank: int) -> SnapshotReader:
+        if isinstance(self.snapshot, GlobalSnapshot):
+            return self.snapshot.part(rank)
+        return self.snapshot
+
+    def stored(self, rank: int, name: str) -> Dict[Tuple[str, Any], torch.Tensor]:
+        """The tensors rank ``rank``'s part stores for object ``name`` (its refs
+        left out), verified, by (path, shard offset)."""
+        key = (rank, name)
+        if key not in self._stored:
+            reader = self.part(rank)
+            entries = reader.objects[name]["tensors"]
+            self._stored[key] = {(t["path"], _offset(t)): v for t, v in
+                                 zip(entries, reader.load_object(name)) if v is not None}
+        return self._stored[key]
+
+    def tensor(self, rank: int, name: str, t: Dict[str, Any]) -> torch.Tensor:
+        """Entry ``t`` of rank ``rank``'s part, read where its bytes lie."""
+        holder = t.get("ref", rank)
+        found = self.stored(holder, name).get((t["path"], _offset(t))) \
+            if name in self.part(holder).objects else None
+        if found is None or list(found.shape) != list(t["shape"]) or \
+                fmt.dtype_name(found.dtype) != t["dtype"]:
+            where = os.path.join(self.part(holder).path, fmt.MANIFEST_NAME)
+            raise CorruptSnapshot(f"{where}: rank {rank}'s objects.{name}{t['path']} is "
+                                  f"stored by rank {holder}, whose part does not hold it "
+                                  "alike; use an older snapshot", path=where,
+                                  field=f"objects.{name}{t['path']}.ref")
+        return found
+
+    def pieces(self, name: str, path: str) -> List[Tuple[reshard.Box, int, Dict[str, Any]]]:
+        """Every distinct saved piece of a sharded tensor: (box, rank, entry)."""
+        if not isinstance(self.snapshot, GlobalSnapshot):
+            return [(_box(t), 0, t) for t in self.part(0).objects[name]["tensors"]
+                    if t["path"] == path]
+        return [((p.offset, p.shape), p.rank,
+                 self.part(p.rank).objects[name]["tensors"][p.index])
+                for p in self.snapshot.shards(name, path)]
+
+
+def _offset(t: Dict[str, Any]) -> Optional[tuple]:
+    return tuple(t["shard"]["offset"]) if "shard" in t else None
+
+
+def _box(t: Dict[str, Any]) -> reshard.Box:
+    offset = t["shard"]["offset"] if "shard" in t else [0] * len(t["shape"])
+    return tuple(offset), tuple(t["shape"])
+
+
+def global_view(manifest: Dict[str, Any]) -> Dict[str, Any]:
+    """The manifest with each sharded entry's shape the global one: what the live
+    objects (DTensors report their global shape) are checked against."""
+    objects = {}
+    for name, obj in manifest["objects"].items():
+        objects[name] = {**obj, "tensors": [
+            {**t, "shape": t["shard"]["global_shape"]} if "shard" in t else t
+            for t in obj["tensors"]]}
+    return {**manifest, "objects": objects}
+
+
+# --- one rank's reading of one candidate ----------------------------------------------
+
+@dataclass
+class Prepared:
+    """What one rank read of one candidate: ready to apply, nothing live touched."""
+
+    mode: str                      # "resume" (same world size) or "reshard"
+    manifest: Dict[str, Any]       # the part this rank restores from
+    states: Dict[str, Any]
+    old_world: int
+    cursor: Optional[Dict[str, Any]] = None
+    rng: Dict[str, bytes] = field(default_factory=dict)
+
+
+def prepare(parts: Parts, rank: int, world_size: int, tracked: Dict[str, Any], rng: Any, *,
+            data_version: Optional[str], stream: Any, omit: set) -> Prepared:
+    """Check and read what this rank needs of ``parts`` (CorruptSnapshot when a byte
+    fails verification, IncompatibleState when it does not fit)."""
+    same = parts.world_size == world_size
+    own_rank = rank if same else rank % parts.world_size
+    own = parts.part(own_rank)
+    check_name_matches(parts.path, own.manifest)
+    view = copy.copy(own)
+    view.manifest = global_view(own.manifest)
+    # Resharded, the RNG streams start fresh: theirs are not checked.
+    check_omit = omit if same else omit | {f"rng:{n}" for n in rng.names()}
+    check_candidate(view, tracked, rng, data_version=data_version,
+                    need_cursor=same and stream is not None, omit=check_omit)
+    states = {name: _read_object(parts, own_rank, name, obj)
+              for name, obj in tracked.items() if name not in omit}
+    if same:
+        return Prepared("resume", own.manifest, states, parts.world_size,
+                        own.manifest.get("cursor"), dict(own.manifest["rng"]))
+    cursor = None
+    if stream is not None and "cursor" not in omit:
+        cursor = _reshard_cursor(own, world_size, stream)
+    return Prepared("reshard", own.manifest, states, parts.world_size, cursor, {})
+
+
+def _reshard_cursor(own: SnapshotReader, world_size: int, stream: Any) -> Dict[str, Any]:
+    source = os.path.join(own.path, fmt.MANIFEST_NAME)
+    if not isinstance(own.manifest.get("cursor"), dict):
+        raise CorruptSnapshot(f"{source}: field cursor is missing; the data position "
+                              "cannot be restored", path=source, field="cursor")
+    from snapd_client.cursor import reshard_cursor  # issue 14, capture
+    return reshard_cursor(own.manifest["cursor"], new_world_size=world_size,
+                          new_batch_size=getattr(stream.loader, "batch_size", None))
+
+
+def _read_object(parts: Parts, own_rank: int, name: str, obj: Any) -> Any:
+    entry = parts.part(own_rank).objects[name]
+    source = f"{parts.part(own_rank).path}/{entry.get('file') or fmt.MANIFEST_NAME}"
+    found = reshard.templates(obj, live_tensors(obj, name))
+    tensors = [_leaf(parts, own_rank, name, t, found, source) for t in entry["tensors"]]
+    state = unflatten(entry["skeleton"], tensors, source=source)
+    if entry.get("metadata") is not None:
+        state._metadata = unflatten(entry["metadata"], [], source=source)
+    return state
+
+
+def _leaf(parts: Parts, own_rank: int, name: str, t: Dict[str, Any],
+          found: Dict[str, Any], source: str) -> Any:
+    """One leaf as this rank holds it now: its own saved piece when that is the piece
+    it needs (same layout: exact), else assembled from the overlapping pieces."""
+    global_shape = t["shard"]["global_shape"] if "shard" in t else t["shape"]
+    template = reshard.template_for(t["path"], global_shape, found)
+    want = reshard.local_box(template) if template is not None else \
+        ((0,) * len(global_shape), tuple(global_shape))
+    if _box(t) == want:
+        data = parts.tensor(own_rank, name, t)
+    else:
+        saved = parts.pieces(name, t["path"]) if "shard" in t else [(_box(t), own_rank, t)]
+        copies = reshard.overlaps(f"objects.{name}{t['path']}", global_shape,
+                                  [box for box, _, _ in saved], want, source=source)
+        data_of = {c.piece: parts.tensor(saved[c.piece][1], name, saved[c.piece][2])
+                   for c in copies}
+        data = reshard.assemble(want[1], fmt.DTYPES[t["dtype"]], data_of, copies)
+    return reshard.as_template(data, template) if template is not None else data
+
+
+# --- agreement ----------------------------------------------------------------------
+
+@dataclass
+class Agreed:
+    """The candidate every rank read, with what the refused newer ones were."""
+
+    name: Optional[str]            # None: the run has no snapshot
+    prepared: Any
+    refused: Dict[str, str]
+    passed_over: Optional[str]
+    session: str
+
+
+def plan(store: RunStore, reached: Optional[int], verify_steps: int) -> Dict[str, Any]:
+    """Rank 0's list: restore.py's order, and a fresh session for this attempt."""
+    order, pick = resume_order(store, reached, verify_steps)
+    return {"order": [sid.name for sid in order],
+            "passed_over": order[1].name if pick is not None else None,
+            "session": secrets.token_hex(8)}
+
+
+def agree(coll: Collective, make_plan: Callable[[], Dict[str, Any]],
+          try_one: Callable[[str], Any], where: str) -> Agreed:
+    """Steps 3 to 5 of the module docstring, over ``coll``. ``try_one(name)`` reads
+    candidate ``name`` on this rank; ``where`` names the snapshots dir in errors."""
+    listed = json.loads(coll.broadcast_bytes(_plan_bytes(make_plan) if coll.rank == 0
+                                             else None, src=0))
+    if "error" in listed:  # rank 0 could not list the snapshots: nobody may wait on it
+        raise SnapdError(f"{where}: rank 0 could not list the snapshots: "
+                         f"{listed['error']}", path=where, field="snapshots")
+    refused: Dict[str, str] = {}
+    for name in listed["order"]:
+        result, error, verdict = None, None, {"status": "ok"}
+        try:
+            result = try_one(name)
+        except Exception as e:  # every rank must hear of it, or the others wait
+            error, verdict = e, _verdict(e)
+        gathered = coll.allgather_bytes(json.dumps(verdict).encode())
+        verdicts = [json.loads(v) for v in gathered]
+        if all(v["status"] == "ok" for v in verdicts):
+            return Agreed(name, result, refused, listed["passed_over"]
+                          if name == listed["order"][0] else None, listed["session"])
+        _stop_if_not_damage(verdicts, error, name)
+        refused[name] = "; ".join(f"rank {r}: {v['path']}: {v['message']}"
+                                  for r, v in enumerate(verdicts) if v["status"] != "ok")
+        warnings.warn(f"snapshot {name} refused by every rank: {refused[name]}; trying an "
+                      "older one (the refused snapshot is left on disk)", FallbackWarning,
+                      stacklevel=4)
+    if refused:
+        raise CorruptSnapshot(f"{where}: no snapshot verifies on every rank; refused: "
+                              + "; ".join(f"{n}: {why}" for n, why in refused.items())
+                              + ". To start over, use a new run name (the damaged "
+                              "snapshots are kept for inspection). Every tracked object "
+                              "is untouched", path=where, field="snapshots")
+    return Agreed(None, None, refused, None, listed["session"])
+
+
+def _plan_bytes(make_plan: Callable[[], Dict[str, Any]]) -> bytes:
+    try:
+        return json.dumps(make_plan()).encode()
+    except Exception as e:  # sent, so that the other ranks stop too
+        return json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
+
+
+def _verdict(e: Exception) -> Dict[str, Any]:
+    status = "corrupt" if isinstance(e, CorruptSnapshot) else \
+        "incompatible" if isinstance(e, IncompatibleState) else "error"
+    return {"status": status, "message": str(e), "path": getattr(e, "path", None),
+            "field": getattr(e, "field", None), "type": type(e).__name__}
+
+
+def _stop_if_not_damage(verdicts: List[Dict[str, Any]], mine: Optional[Exception],
+                        name: str) -> None:
+    """A candidate that does not fit (or a failure other than damage) on any rank
+    stops every rank: an older snapshot would not fit either."""
+    stops = [(r, v) for r, v in enumerate(verdicts) if v["status"] not in ("ok", "corrupt")]
+    if not stops:
+        return
+    if mine is not None and not isinstance(mine, CorruptSnapshot):
+        raise mine
+    rank, v = stops[0]
+    cls = IncompatibleState if v["status"] == "incompatible" else SnapdError
+    raise cls(f"snapshot {name}: rank {rank} cannot restore it: {v['message']} "
+              f"({v['type']}); every rank stops, untouched", path=v["path"],
+              field=v["field"])
+
+
+# --- the client's side ----------------------------------------------------------------
+
+def world_size_of(client: Any) -> int:
+    """The client's world size: its own (issue 14's constructor), else the process
+    group's, else env WORLD_SIZE."""
+    if getattr(client, "world_size", None):
+        return int(client.world_size)
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def restore_ranks(client: Any, omit: set, world_size: int) -> Optional[Loaded]:
+    """Client.restore() when ``world_size`` > 1: the agreed snapshot, applied on this
+    rank (None when the run has none). Sets ``client.session`` to this attempt's."""
+    require_process_group(world_size)
+    from snapd.recovery import read_progress
+    from snapd_client.collectives import GlooGroup
+    from snapd_client.restore import apply
+    client._settle_daemon_writes()
+    client.recovery = read_progress(client.store, client.rank)
+    coll = GlooGroup()
+    try:
+        agreed = agree(coll,
+                       lambda: plan(client.store, client.recovery.furthest,
+                                    client.options.verify_steps),
+                       lambda name: _read_candidate(client, name, omit, world_size),
+                       client.store.snapshots_path)
+    finally:
+        coll.close()
+    client.session = agreed.session
+    if not client.read_only:   # each rank checks its own recompute; a divergence names it
+        client.journal.world_size = world_size
+    if agreed.name is None:
+        return None
+    loaded = agreed.prepared
+    loaded.refused, loaded.passed_over = agreed.refused, agreed.passed_over
+    apply(loaded, client._tracked, client.rng, client._stream,
+          omit | ({"cursor"} if loaded.manifest["cursor"] is None else set()))
+    return loaded
+
+
+def _read_candidate(client: Any, name: str, omit: set, world_size: int) -> Loaded:
+    sid = SnapshotId.parse(name)
+    path = client.store.snapshot_path(sid)
+    prepared = prepare(Parts(path), client.rank, world_size, client._tracked, client.rng,
+                       data_version=client.data_version, stream=client._stream, omit=omit)
+    # restore.apply() takes the RNG streams and cursor from the manifest it is given:
+    # resharded, none of the first (fresh) and the cursor recomputed.
+    manifest = {**prepared.manifest, "rng": prepared.rng, "cursor": prepared.cursor}
+    return Loaded(sid, path, manifest, prepared.states, mode=prepared.mode,
+                  old_world_size=prepared.old_world)
+
+
+def begin_reshard(client: Any, loaded: Loaded, omitted: List[str], world_size: int) -> int:
+    """Log a resume at another world size: not the same run bit for bit, so no
+    replay check; the operator is told so."""
+    step = loaded.manifest["step"]
+    if not client.read_only:
+        client.journal.resume(step=step, snapshot=loaded.sid.name, mode="reshard",
+                              lineage=client.lineage, reached=client.recovery.furthest,
+                              recompute=0, restored_from="disk", refused=loaded.refused,
+                              omitted=omitted, world_size=world_size,
+                              old_world_size=loaded.old_world_size)
+    logger.info(f"run {client.run}: rank {client.rank}: resharded step {step} saved on "
+                f"{loaded.old_world_size} rank(s) onto {world_size}: tensors exact, RNG "
+                "streams fresh, the data cursor continued from the global count of "
+                "consumed samples; not an exact resume, so no replay check")
+    return step
