@@ -27,7 +27,12 @@ class Collective(Protocol):
 
 class GlooGroup:
     """A private gloo group over every rank of the default process group. Every rank
-    must create it (``new_group`` is itself collective), in the same order."""
+    must create it (``new_group`` is itself collective), in the same order.
+
+    It is never destroyed by snapd: it lives until the job's
+    ``dist.destroy_process_group()`` (or its exit). Destroying it right after the last
+    exchange aborted a rank now and then (``terminate called without an active
+    exception``, gloo tearing down pairs its peers were still closing)."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -59,13 +64,6 @@ class GlooGroup:
         if longest:
             self._dist.all_gather(out, mine, group=self.group)
         return [bytes(t[:n].numpy()) for t, n in zip(out, sizes)]
-
-    def close(self) -> None:
-        """Free the group (a collective call too: every rank calls it)."""
-        try:
-            self._dist.destroy_process_group(self.group)
-        except Exception:  # an old torch cannot destroy a subgroup: it dies with the job
-            pass
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:

@@ -326,15 +326,12 @@ def restore_ranks(client: Any, omit: set, world_size: int) -> Optional[Loaded]:
     from snapd_client.restore import apply
     client._settle_daemon_writes()
     client.recovery = read_progress(client.store, client.rank)
-    coll = GlooGroup()
-    try:
-        agreed = agree(coll,
-                       lambda: plan(client.store, client.recovery.furthest,
-                                    client.options.verify_steps),
-                       lambda name: _read_candidate(client, name, omit, world_size),
-                       client.store.snapshots_path)
-    finally:
-        coll.close()
+    # The group is not destroyed here: see GlooGroup.
+    agreed = agree(GlooGroup(),
+                   lambda: plan(client.store, client.recovery.furthest,
+                                client.options.verify_steps),
+                   lambda name: _read_candidate(client, name, omit, world_size),
+                   client.store.snapshots_path)
     client.session = agreed.session
     if not client.read_only:   # each rank checks its own recompute; a divergence names it
         client.journal.world_size = world_size

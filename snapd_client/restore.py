@@ -247,7 +247,7 @@ def live_tensors(obj: Any, name: str) -> Dict[str, torch.Tensor]:
     if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
         return {}
     flat = flatten(obj.state_dict(), name)
-    return dict(zip(flat.paths, flat.tensors))
+    return dict(zip(flat.paths, flat.leaves))   # a DTensor as itself, not its piece
 
 
 def _read_states(reader: SnapshotReader, tracked: Dict[str, Any],

@@ -16,7 +16,8 @@ A DTensor leaf (FSDP2, tensor parallelism) is stored as its local piece
 (``to_local()``, a view: no gather) with ``shard``, where the piece lies in the whole
 tensor, and ``writer``, the rank that writes it when the piece is replicated over a
 mesh dimension (snapd_client/replicas.py). Everything downstream of :func:`flatten`
-sees plain local tensors; :func:`tensor_meta` reports the local shape too.
+sees plain local tensors; :func:`tensor_meta` reports a DTensor leaf's whole (global)
+shape, which restore checks against: the piece a rank holds depends on the world size.
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ class Flat:
     """One object's state, split: the skeleton bytes, its tensors and their paths.
     For a DTensor leaf ``tensors[i]`` is its local piece, ``shards[i]`` its place in
     the whole ({global_shape, offset}) and ``writers[i]`` the rank writing it; both
-    None for a plain tensor."""
+    None for a plain tensor. ``leaves[i]`` is the leaf as the state dict holds it
+    (the DTensor itself): what a restore takes a sharded tensor's layout from."""
 
     skeleton: bytes
     tensors: List[torch.Tensor] = field(default_factory=list)
     paths: List[str] = field(default_factory=list)
     shards: List[Optional[Dict[str, List[int]]]] = field(default_factory=list)
     writers: List[Optional[int]] = field(default_factory=list)
+    leaves: List[torch.Tensor] = field(default_factory=list)
 
 
 class _Flattener:
@@ -57,6 +60,7 @@ class _Flattener:
         self.tensors: List[torch.Tensor] = []
         self.paths: List[str] = []
         self.shards: List[Optional[Dict[str, List[int]]]] = []
+        self.leaves: List[torch.Tensor] = []
         self.writers: List[Optional[int]] = []
 
     def walk(self, value: Any, path: str) -> Any:
@@ -79,6 +83,7 @@ class _Flattener:
 
     def _add(self, tensor: torch.Tensor, path: str) -> bytes:
         shard = writer = None
+        self.leaves.append(tensor)
         if is_dtensor(tensor):
             tensor, shard, writer = dtensor_piece(tensor, f"{self.name}{path}")
         if tensor.layout != torch.strided or tensor.is_quantized:
@@ -124,10 +129,13 @@ def flatten(state: Any, name: str) -> Flat:
     flattener = _Flattener(name)
     skeleton = pack(flattener.walk(state, ""))
     return Flat(skeleton, flattener.tensors, flattener.paths, flattener.shards,
-                flattener.writers)
+                flattener.writers, flattener.leaves)
 
 
 def tensor_meta(flat: Flat) -> List[Tuple[str, str, List[int]]]:
     """(path, dtype, shape) of each tensor leaf: what compatibility is checked on.
-    A DTensor leaf's shape is its local piece's (what this rank's part stores)."""
-    return [(p, dtype_name(t.dtype), list(t.shape)) for p, t in zip(flat.paths, flat.tensors)]
+    A DTensor leaf's shape is the whole tensor's (``shard.global_shape``), not its local
+    piece's: a snapshot fits at another world size, where the pieces differ."""
+    shards = flat.shards or [None] * len(flat.paths)
+    return [(p, dtype_name(t.dtype), list(s["global_shape"]) if s else list(t.shape))
+            for p, t, s in zip(flat.paths, flat.tensors, shards)]
