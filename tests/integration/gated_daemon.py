@@ -1,6 +1,9 @@
 """`snapd serve --root ROOT [--idle-exit S]` whose writes wait for a gate file.
 
-Usage: python gated_daemon.py ROOT GATE [IDLE_EXIT_SECONDS]
+Usage: python gated_daemon.py ROOT GATE [IDLE_EXIT_SECONDS [RANKS]]
+
+RANKS (comma-separated, default every rank): only these ranks' writes wait; the
+others go through, so a multi-rank snapshot can be held with some parts durable.
 
 A snapshot stays in flight exactly until the test creates GATE, on any machine: the
 tests that need a write in flight (drain on stop, no idle exit while writing) then
@@ -18,9 +21,12 @@ from snapd.writer import write_snapshot
 
 root, gate = sys.argv[1], sys.argv[2]
 idle = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+gated_ranks = {int(r) for r in sys.argv[4].split(",")} if len(sys.argv) > 4 else None
 
 
 def gated_writer(store, plan, opts, **kwargs):
+    if gated_ranks is not None and plan.rank not in gated_ranks:
+        return write_snapshot(store, plan, opts, **kwargs)
     with open(gate + ".waiting", "w"):
         pass   # tells the test a write is in flight
     while not os.path.exists(gate):
