@@ -52,14 +52,18 @@ def open_regular(path: str) -> int:
 
 def read_manifest_bytes(snapshot_dir: str) -> bytes:
     """The bytes of a snapshot's manifest, size-bounded, from a regular file."""
-    manifest_path = os.path.join(snapshot_dir, fmt.MANIFEST_NAME)
-    fd = open_regular(manifest_path)
+    return _read_bounded(os.path.join(snapshot_dir, fmt.MANIFEST_NAME), "manifest")
+
+
+def _read_bounded(path: str, what: str) -> bytes:
+    """A small file snapd wrote (a manifest, a commit record), refused unread when it
+    is larger than any such file can be."""
+    fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
         if size > fmt.MAX_MANIFEST_BYTES:
-            raise CorruptSnapshot(f"{manifest_path}: {size} bytes, larger than any "
-                                  "manifest snapd writes", path=manifest_path,
-                                  field="size")
+            raise CorruptSnapshot(f"{path}: {size} bytes, larger than any {what} snapd "
+                                  "writes", path=path, field="size")
         return os.read(fd, size + 1)
     finally:
         os.close(fd)
@@ -69,16 +73,7 @@ def read_commit(snapshot_dir: str) -> Dict[str, Any]:
     """A multi-rank snapshot's commit record, decoded and checked (its parts are not
     opened: snapd/globalsnap.py does that)."""
     path = os.path.join(snapshot_dir, fmt.COMMIT_NAME)
-    fd = open_regular(path)
-    try:
-        size = os.fstat(fd).st_size
-        if size > fmt.MAX_MANIFEST_BYTES:
-            raise CorruptSnapshot(f"{path}: {size} bytes, larger than any commit record "
-                                  "snapd writes", path=path, field="size")
-        data = os.read(fd, size + 1)
-    finally:
-        os.close(fd)
-    return fmt.decode_commit(data, path=path)
+    return fmt.decode_commit(_read_bounded(path, "commit record"), path=path)
 
 
 def read_summary(snapshot_dir: str) -> Dict[str, Any]:

@@ -137,6 +137,14 @@ def metadata(reader: SnapshotReader, name: str, snapshot_name: str) -> Dict[str,
                                    if parent else ""}
 
 
+def _read(loc: Located, read: Any) -> Any:
+    """``read()``, or exit naming the damage and what to do."""
+    try:
+        return read()
+    except CorruptSnapshot as e:
+        fail(f"{e}\n  hint: snapd verify {loc.path}; export an older snapshot (snapd ls)", 1)
+
+
 def _fresh_output(output: str) -> str:
     output = os.path.abspath(output)
     if not os.path.isdir(os.path.dirname(output)):
@@ -147,10 +155,7 @@ def _fresh_output(output: str) -> str:
 def export_safetensors(loc: Located, reader: SnapshotReader, wanted: Optional[str],
                        output: str, save_file: Any) -> None:
     name = choose_object(reader, wanted)
-    try:
-        tensors, skipped = weights(reader, name)
-    except CorruptSnapshot as e:
-        fail(f"{e}\n  hint: snapd verify {loc.path}; export an older snapshot (snapd ls)", 1)
+    tensors, skipped = _read(loc, lambda: weights(reader, name))
     if not tensors:
         fail(f"{reader.path}: objects.{name} holds no tensor; nothing to export", 1)
     output = _fresh_output(output)
@@ -182,10 +187,7 @@ def export_dcp(loc: Located, reader: SnapshotReader, wanted: Optional[str],
         fail(f"{reader.path}: no object {wanted!r}; it holds "
              f"{', '.join(reader.objects) or 'none'}", 2)
     names = [wanted] if wanted else list(reader.objects)
-    try:
-        state = {name: state_of(reader, name) for name in names}
-    except CorruptSnapshot as e:
-        fail(f"{e}\n  hint: snapd verify {loc.path}; export an older snapshot (snapd ls)", 1)
+    state = _read(loc, lambda: {name: state_of(reader, name) for name in names})
     output = _fresh_output(output)
     if os.path.lexists(output):
         fail(f"{output}: exists; a DCP checkpoint is a directory and is not replaced in "
