@@ -5,7 +5,9 @@ are read on demand (the model without the optimizer), each chunk verified agains
 checksum, each tensor against the digest of its raw bytes, the padding between chunks
 for zeros, and the file against its digest (docs/format.md) while the chunks stream
 past. Each byte is read from memory once: the second digest of a chunk is taken while
-it is still in cache. Nothing is
+it is still in cache. Files of format v2 and later are read in parallel, over files and
+chunks, by direct I/O where the page cache does not hold them, and optionally straight
+into tensors the caller already holds (snapd/fastread.py). Nothing is
 trusted before it is checked: names are plain file names inside the directory, every
 declared size is compared with the file before anything is allocated, and files are
 opened without following symlinks.
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import xxhash
 
+from snapd import fastread
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot
 from snapd.store import SNAPSHOT_NAME as _SNAPSHOT_NAME
@@ -126,13 +129,19 @@ def check_name_matches(snapshot_dir: str, manifest: Dict[str, Any]) -> None:
 class SnapshotReader:
     """A verified manifest and on-demand, verified access to its tensors."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, objects: Optional[List[str]] = None) -> None:
+        """``objects``: only these objects' files are checked on open (weights only:
+        the optimizer's file may be missing); the default is every file. A file is
+        checked again when an object in it is read."""
         self.path = path
         check_real_directories(path)
         manifest_path = os.path.join(path, fmt.MANIFEST_NAME)
         data = read_manifest_bytes(path)
         self.manifest: Dict[str, Any] = fmt.decode_manifest(data, path=manifest_path)
-        self._check_file_sizes()
+        files = None if objects is None else {
+            self.objects[n]["file"] for n in objects
+            if n in self.objects and self.objects[n].get("file") is not None}
+        self._check_file_sizes(files)
         self._check_layouts()
 
     @property
@@ -143,8 +152,10 @@ class SnapshotReader:
     def objects(self) -> Dict[str, Any]:
         return self.manifest["objects"]
 
-    def _check_file_sizes(self) -> None:
+    def _check_file_sizes(self, only: Optional[set] = None) -> None:
         for name, entry in self.manifest["files"].items():
+            if only is not None and name not in only:
+                continue
             full = os.path.join(self.path, name)
             try:
                 st = os.lstat(full)
@@ -154,11 +165,7 @@ class SnapshotReader:
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptSnapshot(f"{full}: not a regular file", path=full,
                                       field="files")
-            if st.st_size != entry["size"]:
-                raise CorruptSnapshot(
-                    f"{full}: {st.st_size} bytes on disk, manifest field "
-                    f"files[{name!r}].size says {entry['size']} (truncated or "
-                    "replaced); use an older snapshot", path=full, field="size")
+            _check_size(full, st.st_size, entry["size"], name)
 
     def _check_layouts(self) -> None:
         """Each object's chunks tile its file: checked on open, from the manifest."""
@@ -169,12 +176,78 @@ class SnapshotReader:
                 _check_tiling(obj["tensors"], entry["size"],
                               os.path.join(self.path, obj["file"]), align)
 
-    def load_object(self, name: str, progress: Progress = None
+    def load_object(self, name: str, progress: Progress = None,
+                    into: Optional[Dict[str, torch.Tensor]] = None
                     ) -> List[Optional[torch.Tensor]]:
         """Every tensor of one object, on CPU, verified. Raises CorruptSnapshot.
+        ``into``: see :meth:`load_objects`.
 
         In a part of a multi-rank snapshot, an entry another rank stores (``ref``) is
         None here: snapd/globalsnap.py resolves it from that rank's part."""
+        return self.load_objects([name], progress, {name: into or {}})[name]
+
+    def load_objects(self, names: List[str], progress: Progress = None,
+                     into: Optional[Dict[str, Dict[str, torch.Tensor]]] = None
+                     ) -> Dict[str, List[Optional[torch.Tensor]]]:
+        """Several objects' tensors, their files read together in parallel
+        (snapd/fastread.py; format v1 files one after the other, as written).
+
+        ``into[name][path]``: a tensor to read that entry's bytes into instead of new
+        memory, used when it is a CPU tensor of the saved dtype and shape, contiguous
+        (others are ignored). It is written before its checksums are known: a
+        CorruptSnapshot leaves it holding part of the file."""
+        into = into or {}
+        if self.manifest["format"] == 1:
+            return {n: self._load_sequential(n, progress) for n in names}
+        out: Dict[str, List[Optional[torch.Tensor]]] = {}
+        reads, fds = [], []
+        try:
+            for name in names:
+                obj = self.objects[name]
+                if obj.get("file") is None:
+                    out[name] = [None] * len(obj["tensors"])
+                    continue
+                out[name] = tensors = [None if "ref" in t else
+                                       _destination(into.get(name, {}).get(t["path"]), t)
+                                       for t in obj["tensors"]]
+                reads.append(self._open_file(obj, tensors, fds))
+            fastread.read_files(reads, progress)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return out
+
+    def _open_file(self, obj: Dict[str, Any], tensors: List[Optional[torch.Tensor]],
+                   fds: List[int]) -> fastread.FileRead:
+        """The object's file opened and checked up to its chunks: type, size (again:
+        it may have changed since the manifest was read), tiling, header, file digest."""
+        file_name = obj["file"]
+        full = os.path.join(self.path, file_name)
+        entry = self.manifest["files"][file_name]
+        version = self.manifest["format"]
+        _check_tiling(obj["tensors"], entry["size"], full, fmt.chunk_alignment(version))
+        fd = open_regular(full)
+        fds.append(fd)
+        _check_size(full, os.fstat(fd).st_size, entry["size"], file_name)
+        header = os.pread(fd, fmt.HEADER_BYTES, 0)
+        fmt.check_tensor_file_header(header, path=full, version=version)
+        digest = fmt.FileDigest(version)
+        digest.header(header)
+        for t in obj["tensors"]:
+            for chunk in t["chunks"]:
+                digest.chunk(b"", chunk[4])
+        if digest.intdigest() != entry["xxh3"]:
+            raise CorruptSnapshot(f"{full}: file checksum mismatch (manifest field "
+                                  f"files[{file_name!r}].xxh3)", path=full, field="xxh3")
+        direct = fastread.open_direct(full, fd)
+        if direct is not None:
+            fds.append(direct)
+        return fastread.FileRead(full, fd, direct, obj["tensors"],
+                                 [None if t is None else _bytes_of(t) for t in tensors])
+
+    def _load_sequential(self, name: str, progress: Progress = None
+                         ) -> List[Optional[torch.Tensor]]:
+        """A format v1 object: its file digest covers every byte, in order."""
         obj = self.objects[name]
         if obj.get("file") is None:
             return [None] * len(obj["tensors"])
@@ -238,6 +311,32 @@ class SnapshotReader:
         """Read every object's file and check every checksum."""
         for name in self.objects:
             self.load_object(name, progress)
+
+
+def _destination(live: Any, meta: Dict[str, Any]) -> torch.Tensor:
+    """``live`` when the entry's bytes can go straight into it, else new memory."""
+    import torch  # here, not at the top: the daemon checks manifests without it
+    dtype = fmt.DTYPES[meta["dtype"]]
+    if type(live) in (torch.Tensor, torch.nn.Parameter) and live.dtype == dtype and \
+            list(live.shape) == list(meta["shape"]) and live.device.type == "cpu" and \
+            live.is_contiguous() and not live.requires_grad:
+        return live
+    return torch.empty(meta["shape"], dtype=dtype)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    import torch
+    if not t.numel():
+        return memoryview(bytearray())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _check_size(path: str, size: int, listed: int, name: str) -> None:
+    if size != listed:
+        raise CorruptSnapshot(
+            f"{path}: {size} bytes on disk, manifest field files[{name!r}].size says "
+            f"{listed} (truncated or replaced); use an older snapshot", path=path,
+            field="size")
 
 
 def _check_tiling(tensors: List[Dict[str, Any]], size: int, path: str, align: int) -> None:

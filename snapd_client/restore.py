@@ -16,10 +16,16 @@ the cursor is touched. Then (4) the tensors are read and verified, and only then
 (5) applied: objects with their own load_state_dict() first, in track order, then
 tracked tensors (copied in place), then value homes (values(), track_globals()) last
 (:func:`restore_order`). A value home's contents are never checked against the
-live ones (its values may not exist yet, or change shape), only its type. Before the first step that can write into a live object (a hot read
-lands in place, an apply), a copy of every tracked object's state, the RNG streams
-and the cursor is taken; a restore that fails after that puts the copy back and
-says so, so that every object ends restored from one snapshot or untouched.
+live ones (its values may not exist yet, or change shape), only its type.
+
+Step 4 reads modules' and optimizers' tensors straight into the live ones only when
+something can undo it (docs/format.md, "Restore: the order of checks"): when a
+fallback exists (a later candidate passes 1-3), a chunk failing its checksum sends
+restore on to it, and it reads every object again, so each ends as that snapshot;
+with no fallback the files are read into new memory. A daemon's copy reads in place
+regardless; with no fallback a copy of every tracked object's state, the RNG streams
+and the cursor is taken first and put back if no snapshot verifies. Apply copies the
+state of what was not read in place, and puts it back if an object raises half way.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import os
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -66,6 +72,9 @@ class Loaded:
     states: Dict[str, Any]
     refused: Dict[str, str] = field(default_factory=dict)  # newer, damaged: name -> why
     before: Optional["Before"] = None  # the tracked state as it was, to put back
+    # Objects whose live tensors were read into (or left partly written by a refused
+    # snapshot) with no copy of them kept: apply() cannot put these back.
+    in_place: Set[str] = field(default_factory=set)
     passed_over: Optional[str] = None  # the newer snapshot verify_steps resumed before
     mode: str = "resume"   # "reshard": saved at another world size (distrestore.py)
     old_world_size: int = 1
@@ -92,8 +101,13 @@ class Before:
     """Every tracked object's state and the RNG streams as they were, copied before
     restore can write into any of them; :meth:`put_back` returns them there."""
 
-    def __init__(self, tracked: Dict[str, Any], rng: RngStreams) -> None:
-        self.states = {name: _copy_tree(obj.state_dict()) for name, obj in tracked.items()}
+    def __init__(self, tracked: Dict[str, Any], rng: RngStreams,
+                 skip: Iterable[str] = ()) -> None:
+        """``skip``: objects not copied (already holding the snapshot's tensors, read
+        in place); :meth:`put_back` reports them as not put back."""
+        skip = set(skip)
+        self.states = {name: _copy_tree(obj.state_dict()) for name, obj in tracked.items()
+                       if name not in skip}
         self.rng_state = rng.capture()
         self.cursor: Optional[Dict[str, Any]] = None
 
@@ -103,6 +117,9 @@ class Before:
         ``stream`` is given); returns the names that could not be put back."""
         failed = []
         for name in names:
+            if name not in self.states:
+                failed.append(name)
+                continue
             try:
                 tracked[name].load_state_dict(self.states[name])
             except Exception:  # reported by name to the caller, who raises
@@ -250,22 +267,70 @@ def live_tensors(obj: Any, name: str) -> Dict[str, torch.Tensor]:
     return dict(zip(flat.paths, flat.leaves))   # a DTensor as itself, not its piece
 
 
+def _destinations(live: Dict[str, torch.Tensor]
+                  ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """Where the reader may put each tensor: the live CPU tensor itself, or for a live
+    CUDA tensor a page-locked host buffer (copied to the device once every object
+    verified). The reader uses a destination only where dtype and shape match."""
+    into, device = {}, {}
+    for path, t in live.items():
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cuda" \
+                and t.is_contiguous():
+            into[path] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            device[path] = t
+        else:
+            into[path] = t
+    return into, device
+
+
 def _read_states(reader: SnapshotReader, tracked: Dict[str, Any],
-                 tensor_source: Optional[TensorProvider] = None) -> Dict[str, Any]:
-    states = {}
+                 tensor_source: Optional[TensorProvider] = None, *,
+                 in_place: Optional[Set[str]] = None, files_in_place: bool = True
+                 ) -> Dict[str, Any]:
+    """Every object's state, its tensors read (files in parallel) and verified.
+
+    With ``in_place`` (a set, filled before anything is read with the objects whose
+    live tensors may be written), modules' and optimizers' tensors are read into the
+    live ones where they fit (by ``tensor_source``; by the files too unless
+    ``files_in_place`` is False); their load_state_dict then copies nothing."""
+    tensors: Dict[str, List[Any]] = {}
+    into: Dict[str, Dict[str, torch.Tensor]] = {}
+    device: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, obj in tracked.items():
+        live = live_tensors(obj, name) if in_place is not None else {}
+        if live and (files_in_place or tensor_source is not None):
+            in_place.add(name)
+        got = tensor_source(reader, name, live) if tensor_source is not None else None
+        if got is not None:
+            tensors[name] = got
+        elif files_in_place:
+            into[name], device[name] = _destinations(live)
+    tensors.update(reader.load_objects([n for n in tracked if n not in tensors],
+                                       into=into))
+    for name, on_device in device.items():
+        _to_device(reader.objects[name]["tensors"], tensors[name], into[name], on_device)
+    states = {}
+    for name in tracked:
         entry = reader.objects[name]
         source = f"{reader.path}/{entry.get('file') or 'manifest.snapd'}"
-        tensors = None
-        if tensor_source is not None:
-            tensors = tensor_source(reader, name, live_tensors(obj, name))
-        if tensors is None:
-            tensors = reader.load_object(name)
-        state = unflatten(entry["skeleton"], tensors, source=source)
+        state = unflatten(entry["skeleton"], tensors[name], source=source)
         if entry.get("metadata") is not None:
             state._metadata = unflatten(entry["metadata"], [], source=source)
         states[name] = state
     return states
+
+
+def _to_device(entries: List[Dict[str, Any]], tensors: List[Any],
+               host: Dict[str, torch.Tensor], live: Dict[str, torch.Tensor]) -> None:
+    """Verified tensors read into page-locked buffers go to their live CUDA tensors."""
+    copied = False
+    for i, entry in enumerate(entries):
+        path = entry["path"]
+        if path in live and tensors[i] is host[path]:
+            live[path].copy_(tensors[i], non_blocking=True)
+            tensors[i], copied = live[path], True
+    if copied:
+        torch.cuda.synchronize()
 
 
 def _check_optimizer_groups(name: str, entry: Dict[str, Any], obj: Any,
@@ -327,23 +392,35 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
     """The newest snapshot that verifies and fits, fully read; None if the run is new.
     Objects named in ``omit`` are checked but not read (their states are absent);
     ``rng:<stream>`` in it is neither checked nor (by :func:`apply`) restored.
-    The returned ``before`` is the tracked state as it was: :func:`apply` puts it back
-    if applying fails. With ``verify_steps`` (see :func:`verify_pick`) an older
-    snapshot is tried first; if it is refused, the usual order follows."""
+    With ``verify_steps`` (see :func:`verify_pick`) an older snapshot is tried first;
+    if it is refused, the usual order follows.
+
+    Live tensors are read into only when something can undo it (the module
+    docstring): a fallback, the next candidate, passes every check that needs no
+    tensor, or a copy of the tracked state is kept (``Loaded.before``: taken only for
+    a daemon's copy, which reads in place, with no fallback)."""
     refused: Dict[str, str] = {}
     before: Optional[Before] = None
+    written: Set[str] = set()   # left partly written by a refused snapshot
     order, pick = resume_order(store, reached, verify_steps)
-    for sid in order:
+    fallbacks = _Fallbacks(store, order, lambda r: check_candidate(
+        r, tracked, rng, data_version=data_version, need_cursor=need_cursor, omit=omit))
+    for i, sid in enumerate(order):
         path = store.snapshot_path(sid)
+        in_place: Set[str] = set()
         try:
-            reader = SnapshotReader(path)
+            reader = fallbacks.reader(i)
             check_candidate(reader, tracked, rng, data_version=data_version,
-                             need_cursor=need_cursor, omit=omit)
-            if before is None:  # a hot read may land in live tensors from here on
-                before = Before(tracked, rng)
+                            need_cursor=need_cursor, omit=omit)
+            undo = fallbacks.after(i)
+            if not undo and before is None and tensor_source is not None:
+                before = Before(tracked, rng)   # a hot read lands in live tensors
             states = _read_states(reader, {n: o for n, o in tracked.items()
-                                           if n not in omit}, tensor_source)
+                                           if n not in omit}, tensor_source,
+                                  in_place=in_place if undo or before is not None else None,
+                                  files_in_place=undo)
         except CorruptSnapshot as e:
+            written |= in_place
             refused[sid.name] = str(e)
             warnings.warn(f"snapshot {path} refused: {e}; trying an older one "
                           "(the refused snapshot is left on disk)", FallbackWarning,
@@ -351,44 +428,85 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
             continue
         except BaseException:
             # Any other stop (an older snapshot that does not fit, an interrupt): a
-            # newer candidate's hot read may already have landed in live tensors, and
+            # newer candidate's read may already have landed in live tensors, and
             # restore is all or nothing.
-            _untouched(before, tracked, rng, tensor_source)
+            _untouched(before, tracked, rng, tensor_source, written | in_place)
             raise
         return Loaded(sid, path, reader.manifest, states, refused, before,
+                      in_place=set() if before else in_place | written,
                       passed_over=order[1].name if sid == pick else None)
     if refused:
         raise CorruptSnapshot(f"{store.path}: no snapshot verifies; refused: "
                               + "; ".join(f"{n}: {why}" for n, why in refused.items())
                               + ". To start over, use a new run "
                               "name (the damaged snapshots are kept for inspection). "
-                              + _untouched(before, tracked, rng, tensor_source),
+                              + _untouched(before, tracked, rng, tensor_source, written),
                               path=store.snapshots_path, field="snapshots")
     return None
 
 
+class _Fallbacks:
+    """The candidates' readers, opened once, and whether a candidate has a fallback:
+    a later one that passes every check needing no tensor, with only candidates
+    refused as damaged between (an incompatible one stops the restore)."""
+
+    def __init__(self, store: RunStore, order: List[SnapshotId],
+                 check: Callable[[SnapshotReader], None]) -> None:
+        self.store, self.order, self.check = store, order, check
+        self.readers: Dict[int, SnapshotReader] = {}
+        self.verdict: Dict[int, bool] = {}
+
+    def reader(self, i: int) -> SnapshotReader:
+        if i not in self.readers:
+            self.readers[i] = SnapshotReader(self.store.snapshot_path(self.order[i]))
+        return self.readers[i]
+
+    def after(self, i: int) -> bool:
+        for j in range(i + 1, len(self.order)):
+            if j not in self.verdict:
+                try:
+                    self.check(self.reader(j))
+                    self.verdict[j] = True
+                except CorruptSnapshot:
+                    self.verdict[j] = False
+                except SnapdError:
+                    return False  # restore would stop there: no fallback
+            if self.verdict[j]:
+                return True
+        return False
+
+
 def _untouched(before: Optional[Before], tracked: Dict[str, Any], rng: RngStreams,
-               tensor_source: Optional[TensorProvider]) -> str:
-    """Put back what hot reads wrote into (in place, whether they then verified or
-    not: the snapshot they belonged to was refused); the sentence that says so."""
-    served = sorted(set(getattr(tensor_source, "touched", None) or ())
-                    | set(getattr(tensor_source, "hits", None) or ()))
-    if not served or before is None:
+               tensor_source: Optional[TensorProvider], written: Set[str]) -> str:
+    """Put back what reads in place wrote into (whether they then verified or not: the
+    snapshot they belonged to was refused); the sentence that says so."""
+    hot = set(getattr(tensor_source, "touched", None) or ()) \
+        | set(getattr(tensor_source, "hits", None) or ())
+    served = sorted(hot | written)
+    if not served:
         return "Every tracked object is untouched"
+    if before is None:
+        return (f"{served} were read in place from snapshots that then failed "
+                "verification and hold part of them: do not train on with them in this "
+                "process")
     failed = before.put_back(tracked, rng, served)
     if failed:
         return (f"The daemon's copy was read into {failed} and they could not be put "
                 "back: do not train on with them in this process")
-    return (f"Every tracked object is untouched (the daemon's copy read into {served} "
-            "was put back)")
+    if hot:
+        return (f"Every tracked object is untouched (the daemon's copy read into "
+                f"{served} was put back)")
+    return f"Every tracked object is untouched ({served}, read in place, were put back)"
 
 
 def apply(loaded: Loaded, tracked: Dict[str, Any], rng: RngStreams, stream: Any,
           omit: Iterable[str] = ()) -> None:
     """Load every object, the RNG streams and the cursor from ``loaded``: all of them,
-    or (when one raises half way) none, the state taken before put back."""
+    or (when one raises half way) none, the state taken before put back. Objects read
+    in place (``loaded.in_place``) already hold the snapshot's tensors and are not
+    copied; their load_state_dict finds its own tensors and copies nothing."""
     omit = set(omit)
-    before = loaded.before or Before(tracked, rng)
+    before = loaded.before or Before(tracked, rng, skip=loaded.in_place)
     if stream is not None:
         before.cursor = stream.state()
     try:
@@ -460,7 +578,7 @@ def load_weights(store: RunStore, modules: Dict[str, torch.nn.Module]) -> Option
     for sid in candidates(store):
         path = store.snapshot_path(sid)
         try:
-            reader = SnapshotReader(path)
+            reader = SnapshotReader(path, objects=list(modules))  # only their files
             check_name_matches(path, reader.manifest)
             names = [n for n in modules if n in reader.objects]
             source = os.path.join(path, "manifest.snapd")

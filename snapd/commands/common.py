@@ -7,7 +7,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Any, Dict, List, NoReturn, Union
+from typing import Any, Dict, List, NoReturn, Optional, Union
 
 import click
 from rich.console import Console
@@ -76,11 +76,15 @@ def optional_import(module: str, command: str, extra: str) -> Any:
 
 # --- reading a snapshot ------------------------------------------------------------
 
-def open_reader(path: str) -> Snapshot:
+def open_reader(path: str, objects: Optional[List[str]] = None) -> Snapshot:
     """Either kind of snapshot, its manifests verified (and file sizes checked; for
-    many ranks every part against the commit record), or exit 1 with the reason."""
+    many ranks every part against the commit record), or exit 1 with the reason.
+    ``objects``: of a one-rank snapshot, only these objects' files are checked now
+    (each file is checked again when read), so that reading the weights does not
+    need the optimizer's file."""
     try:
-        snap = open_snapshot(path)
+        snap = open_snapshot(path) if objects is None or is_multirank(path) \
+            else SnapshotReader(path, objects)
         if isinstance(snap, GlobalSnapshot):
             snap.parts()   # every part now, so a damaged one is named here
         return snap

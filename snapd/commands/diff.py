@@ -316,7 +316,8 @@ def diff(a: str, b: str, root: Optional[str], objects: Tuple[str, ...], show_equ
     Example: snapd diff gpt/00001200 gpt-resumed/00001200 --root checkpoints
     """
     loc_a, loc_b = locate(a, root), locate(b, root)
-    reader_a, reader_b = open_reader(loc_a.path), open_reader(loc_b.path)
+    only = list(objects) or None   # --object: only their files are needed
+    reader_a, reader_b = open_reader(loc_a.path, only), open_reader(loc_b.path, only)
     try:
         out = compare(reader_a, reader_b, list(objects) or None)
     except CorruptSnapshot as e:

@@ -240,7 +240,7 @@ def export(snapshot: str, fmt: str, output: str, wanted: Optional[str],
     save_file = None if fmt == "dcp" else \
         optional_import("safetensors.torch", "export", "export").save_file
     loc = locate(snapshot, root)
-    reader = open_reader(loc.path)
+    reader = open_reader(loc.path, objects=[wanted] if wanted else [])  # files on read
     if fmt == "dcp":
         export_dcp(loc, reader, wanted, output)
     else:

@@ -474,7 +474,8 @@ def test_a_damaged_hot_copy_and_damaged_files_leave_the_objects_untouched(env):
     fresh.track(model=live_model, optimizer=live_opt)
     with pytest.warns(UserWarning, match="refused"), \
             pytest.raises(CorruptSnapshot, match=r"untouched \(the daemon's copy read "
-                                                 r"into \['model'\] was put back\)"):
+                                                 r"into \['model', 'optimizer'\] was put "
+                                                 r"back\)"):
         fresh.restore()
     fresh.close()
     assert_same(state_of(live_model, live_opt), before)  # all or nothing
