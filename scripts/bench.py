@@ -1228,8 +1228,8 @@ def per_size(size: str, per: Dict[str, Dict[str, Any]], targets: list) -> List[s
     out += bench_restore.first_line(per) + bench_restore.memory_lines(size, per) + [""]
     # Restore.
     ts_warm, dcp_warm = m("torch_save", "restore_warm_s"), m("dcp_save", "restore_warm_s")
-    rows = [("snapd hot (the trainer hung up without bye; the daemon holds the last commit)", m("snapd_wait", "restore_hot_s"),
-             None),
+    rows = [("snapd hot (the trainer hung up without bye; the daemon holds the last "
+             "commit)", m("snapd_wait", "restore_hot_s"), None),
             ("snapd warm (files in page cache)", m("snapd_wait", "restore_warm_s"), None),
             ("snapd cold (fadvise)", m("snapd_wait", "restore_cold_s"),
              per.get("snapd_wait", {}).get("cold_dropped")),
