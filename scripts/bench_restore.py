@@ -315,47 +315,44 @@ def w_loop(args, model, opt, tensors, sampler, res, *, run: str, daemon_pid_of,
     x = torch.randn(*TOKENS, D_MODEL)
     stamp: Dict[str, float] = {}
 
-    def fwd_bwd():
+    def step(ckpt=None, i=0) -> Dict[str, float]:
+        """One training step, timed in parts; with ``ckpt``, snapshot() first."""
+        t0 = time.perf_counter()
+        h = ckpt.snapshot(i) if ckpt is not None else None
+        t1 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         model(x).pow(2).mean().backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        if h is not None:
+            h.wait()   # the daemon's write, not timed
+        return {"step": t3 - t0, "call": t1 - t0, "fwd_bwd": t2 - t1,
+                "blocked": stamp.get("t", t2) - t2}
 
     c = Client(args.root, run, mode="overlap")
     c.track(model=model, optimizer=opt)
-    fwd_bwd()
-    c.snapshot(0).wait()   # warm-up: daemon, arena
+    step(c, 0)   # warm-up: daemon, arena
     pid = res["daemon_pid"] = daemon_pid_of(args.root)
-    opt.step()   # snapd's pre-hook is registered; ours goes after it
+    # Registered after snapd's step pre-hook, so it stamps when snapd's returns.
     opt.register_step_pre_hook(lambda *a: stamp.__setitem__("t", time.perf_counter()))
     private = [torch.empty_like(t) for t in tensors]
     timed_copy(private, tensors)   # faults the destination in
-    base, snap, call, blocked, copy, fb, fb_snap = [], [], [], [], [], [], []
+    base, snap, copy = [], [], []
     for i in range(1, args.reps + 1):
         wait_idle(pid)
-        fwd_bwd(), opt.step()
-        t0 = time.perf_counter()
-        fwd_bwd()
-        t1 = time.perf_counter()
-        opt.step()
-        base.append(time.perf_counter() - t0)
-        fb.append(t1 - t0)
-        fwd_bwd(), opt.step()
+        step()
+        base.append(step())
+        step()
         copy.append(timed_copy(private, tensors))
-        fwd_bwd(), opt.step()
-        t0 = time.perf_counter()
-        h = c.snapshot(i)
-        t1 = time.perf_counter()
-        fwd_bwd()
-        tb = time.perf_counter()
-        opt.step()
-        snap.append(time.perf_counter() - t0)
-        fb_snap.append(tb - t1)
-        call.append(t1 - t0)
-        blocked.append(stamp["t"] - tb)
-        h.wait()
+        step()
+        snap.append(step(c, i))
     c.close()
-    res.update(base_s=base, snap_s=snap, call_s=call, blocked_s=blocked, copy_s=copy,
-               fwd_bwd_s=fb, fwd_bwd_snap_s=fb_snap, tokens=list(TOKENS), d_model=D_MODEL,
-               layers=len(model.layers))
+    res.update(base_s=[b["step"] for b in base], fwd_bwd_s=[b["fwd_bwd"] for b in base],
+               snap_s=[s["step"] for s in snap], call_s=[s["call"] for s in snap],
+               fwd_bwd_snap_s=[s["fwd_bwd"] for s in snap],
+               blocked_s=[s["blocked"] for s in snap], copy_s=copy,
+               tokens=list(TOKENS), d_model=D_MODEL, layers=len(model.layers))
     res["peak"] = sampler.stop()
 
 
