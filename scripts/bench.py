@@ -3,7 +3,8 @@
 
 One run, same state, same machine, every method side by side:
 
-    python scripts/bench.py [--sizes 100M,1G,2G] [--quick] [--doc docs/benchmarks.md]
+    python scripts/bench.py [--sizes 100M,1G,2G] [--loop-sizes 100M,1G] [--quick]
+                            [--doc docs/benchmarks.md] [--before earlier-run.json]
 
 For each size the state is an MLP of Linear(2048, 2048) layers plus its AdamW state
 (params + exp_avg + exp_avg_sq ~ the size; sizes are binary: 1G = 1 GiB), after one
@@ -13,7 +14,9 @@ its own subprocess (``--method M --size S``, JSON out) so peak RSS figures do no
 - ``ref``: warm ``copy_`` of the state into preallocated tensors (copied once first),
   and the raw bytes written to one file with ``os.write`` + fsync (+ fsync of the dir),
   and again from one page-aligned buffer by ``O_DIRECT`` + fsync (the disk without
-  the page cache: how snapd's writer sends raw chunks).
+  the page cache: how snapd's writer sends raw chunks); that file read back by
+  ``O_DIRECT`` into a page-aligned buffer (the floor of a cold restore); the same
+  bytes read from a /dev/shm file by ``pread`` (the floor of a hot restore).
 - ``torch_save``: ``torch.save`` into an open file, flush, fsync, fsync dir (all of it
   is a stall: it is synchronous). Restore: ``torch.load(weights_only=True)`` then
   ``load_state_dict`` into the model and optimizer.
@@ -29,9 +32,17 @@ its own subprocess (``--method M --size S``, JSON out) so peak RSS figures do no
   registered after snapd's, stamps the moment snapd's returns); the step is called
   right after snapshot(), with no forward/backward in between: the worst case.
   Durable = snapshot() call to ``handle.wait()`` returning. Restore (in snapd_wait):
-  hot (a new Client while the daemon holds the committed copy), then the daemon is
-  stopped and the files read warm (page cache), then cold (``posix_fadvise
-  DONTNEED`` on every file after ``sync``: "cold (fadvise)").
+  hot (the trainer hangs up without ``bye``, as a killed one, so the daemon keeps
+  the committed copy; a new Client restores), then the daemon is stopped and the
+  files read warm (page cache), then cold (``posix_fadvise DONTNEED`` on every file
+  after ``sync``, which needs no privilege: "cold (fadvise)"). The first snapshot
+  follows track() and one optimizer step; its stall is compared with the later ones.
+- ``mem_hot`` / ``mem_nohot`` (scripts/bench_restore.py): a run with hot restore on
+  or off; the peak of snapd's segments in /dev/shm and the daemon's RSS outside
+  shared memory, sampled.
+- ``loop`` (scripts/bench_restore.py): overlap mode in a transformer's training
+  loop, forward and backward between snapshot() and optimizer.step(), one torch
+  thread; the step-time increase against the copy alone.
 - ``slowdown``: a CPU-bound loop (``torch.set_num_threads(1)``, matmuls + AdamW step on
   the 1G state) whose step (3 s) is longer than one snapshot write; mean step time
   without snapshots vs with a snapd overlap-mode snapshot every step. It runs first:
@@ -52,8 +63,10 @@ The first snapshot/save of each method is a warm-up and is not counted (the daem
 starts and the arena is allocated there, then the daemon makes its spare hot segment
 in the background, which the script waits out; DCP's stager allocates its staging
 copy).
-Figures are medians over the counted repetitions (9 at 100M, 3 at 1G and 2G).
-``--quick`` is a smoke test (100M, 2 repetitions, a short slowdown loop).
+Figures are medians over the counted repetitions (9 at 100M, 3 at 1G and 2G; 3
+cold restores). ``--quick`` is a smoke test (100M, 2 repetitions, short loops).
+Issue 15's targets get a table of their own, with the 15:07 run's figures and, with
+``--before``, an earlier run's (bench_restore.BEFORE when not given).
 """
 
 from __future__ import annotations
@@ -74,6 +87,9 @@ import warnings
 from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_restore  # noqa: E402  (issue 15's measurements, beside this script)
+
 REPO = os.path.dirname(HERE)
 SECTION = "## Snapshots: stall, durability, memory, restore (scripts/bench.py)"
 WIDTH = 2048
@@ -305,9 +321,12 @@ def snapd_shm_files() -> List[str]:
 def worker(args) -> Dict[str, Any]:
     warnings.filterwarnings("ignore")
     import torch
-    threads = 1 if args.method == "slowdown" else args.threads
+    threads = 1 if args.method in ("slowdown", "loop") else args.threads
     t_build = time.perf_counter()
-    model, opt = build_state(parse_size(args.size), threads)
+    if args.method == "loop":
+        model, opt = bench_restore.build_transformer(parse_size(args.size))
+    else:
+        model, opt = build_state(parse_size(args.size), threads)
     tensors = state_tensors(model, opt)
     res: Dict[str, Any] = {"method": args.method, "size": args.size,
                            "state_bytes": nbytes_of(tensors), "tensors": len(tensors),
@@ -320,7 +339,8 @@ def worker(args) -> Dict[str, Any]:
     try:
         fn = {"ref": w_ref, "torch_save": w_torch_save, "dcp_save": w_dcp_save,
               "dcp_async": w_dcp_async, "snapd_wait": w_snapd, "snapd_overlap": w_snapd,
-              "slowdown": w_slowdown}[args.method]
+              "slowdown": w_slowdown, "mem_hot": w_memory, "mem_nohot": w_memory,
+              "loop": w_loop}[args.method]
         fn(args, model, opt, tensors, sampler, res)
     finally:
         stop_daemon(args.root)
@@ -349,6 +369,23 @@ def w_ref(args, model, opt, tensors, sampler, res) -> None:
         memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors])
     res["direct_durable_s"] = raw_direct(args, tensors)
     res["peak"] = sampler.stop()
+    if res["direct_durable_s"]:
+        # The cold-restore floor: the last of those files read back by O_DIRECT.
+        last = os.path.join(args.root, f"direct{args.reps}.bin")
+        res["direct_read_s"] = bench_restore.direct_read(last, max(args.cold_reps, 1))
+        res["direct_read2_s"] = bench_restore.direct_read(last, max(args.cold_reps, 1), 2)
+
+
+def w_memory(args, model, opt, tensors, sampler, res) -> None:
+    bench_restore.w_memory(args, model, opt, tensors, sampler, res, run=RUN,
+                           daemon_pid_of=daemon_pid_of, wait_idle=wait_idle,
+                           train_briefly=train_briefly)
+
+
+def w_loop(args, model, opt, tensors, sampler, res) -> None:
+    bench_restore.w_loop(args, model, opt, tensors, sampler, res, run=RUN,
+                         daemon_pid_of=daemon_pid_of, wait_idle=wait_idle,
+                         timed_copy=timed_copy)
 
 
 def shm_read(args, tensors, dst) -> List[float]:
@@ -589,8 +626,17 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
     from snapd_client import Client
     mode = "overlap" if args.method == "snapd_overlap" else "wait"
     ckpt = Client(args.root, RUN, mode=mode)
+    t0 = time.perf_counter()
     ckpt.track(model=model, optimizer=opt)
-    # Warm-up: starts the daemon and allocates the staging arena.
+    res["track_s"] = time.perf_counter() - t0
+    # The least a training loop does before its first snapshot: one optimizer step
+    # (snapd may start its daemon and arena in the background meanwhile).
+    t0 = time.perf_counter()
+    opt.step()
+    train_briefly()
+    res["gap_s"] = time.perf_counter() - t0
+    # Warm-up, not counted with the others: starts the daemon and allocates the
+    # staging arena unless track() has already; its stall is a target of its own.
     t0 = time.perf_counter()
     h = ckpt.snapshot(0)
     res["first_call_s"] = time.perf_counter() - t0
@@ -650,29 +696,30 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
         pairs.append((reference, r[0] + r[1]))
     res["paired_copy_s"] = [a for a, _ in pairs]
     res["paired_stall_s"] = [b for _, b in pairs]
-    ckpt.close()
     if mode == "overlap":
+        ckpt.close()
         return
-    # Restore: an uncounted warm-up from the files, then hot (the daemon holds the
-    # committed copy), then warm files, then cold files.
-    c = Client(args.root, RUN, daemon=False)
-    c.track(model=model, optimizer=opt)
-    c.restore()
-    c.close()
+    # As a killed trainer: a clean close() releases the hot copy (the daemon keeps it
+    # for a trainer that died, the case hot restore is for).
+    bench_restore.close_as_if_killed(ckpt)
+    # Restore: hot (the daemon holds the committed copy; the first is an uncounted
+    # warm-up, as for every method), then warm files, then cold files. No restore
+    # from the files comes first: after one (a client without the daemon), the next
+    # restore through the daemon reads the files too.
     hot, how, paired = [], [], []
-    for _ in range(args.reps):
+    for _ in range(args.reps + 1):
         c = Client(args.root, RUN)
         c.track(model=model, optimizer=opt)
         t0 = time.perf_counter()
         c.restore()
         hot.append(time.perf_counter() - t0)
         how.append(c.restored_from)
-        c.close()
+        bench_restore.close_as_if_killed(c)   # keeps the hot copy for the next one
         # After, not before: a restore runs at a trainer's start, not right after
         # torch's threads were busy (they spin a while after a parallel copy).
         paired.append(timed_copy(private, tensors))
-    res["restore_hot_s"], res["restore_hot_from"] = hot, how
-    res["paired_hot_copy_s"] = paired
+    res["restore_hot_s"], res["restore_hot_from"] = hot[1:], how[1:]
+    res["paired_hot_copy_s"] = paired[1:]
     del private
     res["daemon_stopped"] = stop_daemon(args.root)
 
@@ -799,9 +846,11 @@ def w_slowdown(args, model, opt, tensors, sampler, res) -> None:
 # --- orchestration -------------------------------------------------------------------
 
 METHODS = ["ref", "torch_save", "dcp_save", "dcp_async", "snapd_wait", "snapd_overlap"]
+MEMORY = ["mem_hot", "mem_nohot"]   # a run's shared memory, hot restore on / off
 LABEL = {"ref": "reference", "torch_save": "torch.save + fsync", "dcp_save": "dcp.save",
          "dcp_async": "dcp.async_save (DefaultStager, shm + async staging)",
-         "snapd_wait": "snapd, mode=wait", "snapd_overlap": "snapd, mode=overlap"}
+         "snapd_wait": "snapd, mode=wait", "snapd_overlap": "snapd, mode=overlap",
+         "mem_hot": "snapd run, hot_restore on", "mem_nohot": "snapd run, hot_restore off"}
 
 
 def run_worker(method: str, size: str, root: str, out: str, args, **extra) -> Dict[str, Any]:
@@ -925,6 +974,7 @@ def orchestrate(args) -> None:
     base = f"/tmp/sb{os.getpid()}"
     os.makedirs(base, exist_ok=True)
     results: Dict[str, Dict[str, Any]] = {}
+    loops: Dict[str, Dict[str, Any]] = {}
     try:
         slow = None
         if not args.no_slowdown:
@@ -938,6 +988,11 @@ def orchestrate(args) -> None:
                               reps=1, step_seconds=round(step_s, 2),
                               slow_steps=args.slow_steps or 2,
                               slow_rounds=args.slow_rounds or (1 if args.quick else 2))
+        for size in loop_sizes(args):
+            print(f"overlap loop ({size})", file=sys.stderr)
+            loops[size] = run_worker("loop", size, f"{base}/lp{size}",
+                                     f"{base}/loop-{size}.json", args,
+                                     reps=args.loop_steps or loop_steps(size, args.quick))
         for size in sizes:
             nbytes = parse_size(size)
             args.reps_for = reps_for(nbytes, args.quick)
@@ -960,11 +1015,16 @@ def orchestrate(args) -> None:
                    if k.startswith("SNAPD_"))
     info["command"] = (env + " " if env else "") + "python scripts/bench.py " + \
         " ".join(sys.argv[1:])
-    text = report(results, slow, info, args)
+    issue = [t for size, per in results.items()
+             for t in bench_restore.size_targets(size, per)]
+    issue += [t for t in (bench_restore.loop_target(size, r) for size, r in loops.items()
+                          if "error" not in r) if t is not None]
+    text = report(results, slow, info, args, loops=loops, issue=issue)
     print(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": results, "slowdown": slow, "machine": info}, f, indent=1)
+            json.dump({"results": results, "slowdown": slow, "loops": loops,
+                       "issue_targets": issue, "machine": info}, f, indent=1)
     if args.doc:
         write_doc(args.doc, text)
         print(f"\nwritten to {args.doc}", file=sys.stderr)
@@ -993,7 +1053,37 @@ def check(ok: Optional[bool]) -> str:
     return "–" if ok is None else ("pass" if ok else "**fail**")
 
 
-def report(results, slow, info, args) -> str:
+def loop_steps(size: str, quick: bool) -> int:
+    """Steps of each kind in the overlap loop: a 1G step takes ~1 s here."""
+    if quick:
+        return 4
+    return 15 if parse_size(size) <= 256 * MiB else 7
+
+
+def loop_sizes(args) -> List[str]:
+    if args.no_loop:
+        return []
+    return (args.loop_sizes or ("100M" if args.quick else "100M,1G")).split(",")
+
+
+def issue_section(issue: List[Dict[str, Any]], args) -> List[str]:
+    """Issue 15's targets, the 15:07 run's and the run before the change beside."""
+    before, date = bench_restore.BEFORE, bench_restore.BEFORE_DATE
+    if getattr(args, "before", None):
+        with open(args.before) as f:
+            data = json.load(f)
+        before = bench_restore.before_from_json(data)
+        date = data.get("machine", {}).get("date", args.before)
+    return ["### Issue 15 targets (restore speed, memory, first snapshot, overlap)", "",
+            "Medians of this run; the 15:07 column is the run this page showed when the "
+            "issue was filed (✓/✗: within its target then), \"–\" where that version of "
+            "the bench did not measure it (its first snapshot came right after track(); "
+            "here after one optimizer step)."
+            + (" *Before* is the same bench on the code before the change." if before
+               else ""), ""] + bench_restore.issue_table(issue, before, date) + [""]
+
+
+def report(results, slow, info, args, loops=None, issue=None) -> str:
     lines = [SECTION, ""]
     lines += [f"Measured {info['date']} with:", "", "```sh",
               info["command"].replace("python scripts", ".venv/bin/python scripts").strip(),
@@ -1049,9 +1139,12 @@ def report(results, slow, info, args) -> str:
         lines += per_size(size, per, targets)
     if slow is not None:
         lines += slowdown_lines(slow, targets)
+    lines += bench_restore.loop_lines(loops or {})
     lines += ["### Targets", "", "| target | size | measured | result |", "|---|---|---|---|"]
     lines += [f"| {t} | {s} | {m} | {check(ok)} |" for t, s, m, ok in targets]
     lines += [""]
+    if issue:
+        lines += issue_section(issue, args)
     leftovers = info["shm_left"] + [f"{r['method']}@{r['size']}: {r['shm_left']}"
                                     for per in results.values() for r in per.values()
                                     if r.get("shm_left")]
@@ -1100,6 +1193,8 @@ def per_size(size: str, per: Dict[str, Dict[str, Any]], targets: list) -> List[s
         if "error" in r:
             out.append(f"| {LABEL[method]} | error | | | | | | | | |")
             continue
+        if method in MEMORY:
+            continue   # in the notes below (bench_restore.memory_lines)
         stall, dur = m(method, "stall_s"), m(method, "durable_s")
         daemon = r["peak"].get("daemon")
         shm = r["peak"].get("shm", 0) - r.get("shm_before", 0)
@@ -1129,11 +1224,12 @@ def per_size(size: str, per: Dict[str, Dict[str, Any]], targets: list) -> List[s
                      f"the rest of its stall is waiting for staging_completion")
     if raw:
         notes.append(f"disk: raw write + fsync ran at {state / raw / 1e6:.0f} MB/s")
-    out += [f"- {n}" for n in notes] + [""]
+    out += [f"- {n}" for n in notes]
+    out += bench_restore.first_line(per) + bench_restore.memory_lines(size, per) + [""]
     # Restore.
     ts_warm, dcp_warm = m("torch_save", "restore_warm_s"), m("dcp_save", "restore_warm_s")
-    rows = [("snapd hot (daemon holds the last commit)", m("snapd_wait", "restore_hot_s"),
-             None),
+    rows = [("snapd hot (the trainer hung up without bye; the daemon holds the last "
+             "commit)", m("snapd_wait", "restore_hot_s"), None),
             ("snapd warm (files in page cache)", m("snapd_wait", "restore_warm_s"), None),
             ("snapd cold (fadvise)", m("snapd_wait", "restore_cold_s"),
              per.get("snapd_wait", {}).get("cold_dropped")),
@@ -1146,7 +1242,11 @@ def per_size(size: str, per: Dict[str, Dict[str, Any]], targets: list) -> List[s
              per.get("dcp_save", {}).get("cold_dropped")),
             ("memcpy of the same bytes (warm `copy_`, reference)", copy, None),
             ("pread of the same bytes from /dev/shm, 2 threads (reference: the kernel's "
-             "copy between processes)", m("ref", "shm_read_s"), None)]
+             "copy between processes)", m("ref", "shm_read_s"), None),
+            ("raw O_DIRECT read of the same bytes into a page-aligned buffer, 8 MiB "
+             "reads, 1 thread (reference: the disk's floor)", m("ref", "direct_read_s"),
+             None),
+            ("the same, 2 threads (reference)", m("ref", "direct_read2_s"), None)]
     out += [f"Restore, {size} (into the live model and optimizer):", "",
             "| restore | time | GB/s | vs torch.load warm | vs dcp.load warm | vs memcpy | "
             "page cache dropped GiB |", "|---|---|---|---|---|---|---|"]
@@ -1189,7 +1289,8 @@ def per_size(size: str, per: Dict[str, Dict[str, Any]], targets: list) -> List[s
                        "not a target, the disk's own speed)")
     hot = m("snapd_wait", "restore_hot_s")
     p_copy = m("snapd_wait", "paired_hot_copy_s")
-    if hot is not None and p_copy:
+    if hot is not None and p_copy and parse_size(size) > 256 * MiB:
+        # At 100M the target is against the kernel's copy (issue 15's targets table).
         targets.append(("snapd hot restore ≤ 2× memcpy (paired)", size,
                         f"{hot / p_copy:.2f}× ({fs(hot)} vs {fs(p_copy)})",
                         hot <= 2 * p_copy))
@@ -1300,7 +1401,7 @@ def main() -> None:
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--json", default="/tmp/snapd-bench.json",
                     help="every raw figure, as JSON (default /tmp/snapd-bench.json)")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS + MEMORY))
     ap.add_argument("--no-slowdown", action="store_true")
     ap.add_argument("--slow-size", default=None)
     ap.add_argument("--step-seconds", type=float, default=None)
@@ -1308,7 +1409,16 @@ def main() -> None:
                     help="steps per block of the slowdown loop (default 2)")
     ap.add_argument("--slow-rounds", type=int, default=None,
                     help="baseline/snapshot block pairs (default 2; 1 with --quick)")
-    ap.add_argument("--cold-reps", type=int, default=1)
+    ap.add_argument("--cold-reps", type=int, default=3)
+    ap.add_argument("--no-loop", action="store_true",
+                    help="skip the overlap-mode forward/backward loop")
+    ap.add_argument("--loop-sizes", default=None,
+                    help="state sizes of that loop (default 100M,1G; 100M with --quick)")
+    ap.add_argument("--loop-steps", type=int, default=None,
+                    help="steps of each kind in that loop (default 15 up to 256M, 7 "
+                         "above; 4 with --quick)")
+    ap.add_argument("--before", default=None,
+                    help="an earlier run's --json: its issue 15 figures as 'before'")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900)
     # worker mode
