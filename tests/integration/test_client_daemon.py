@@ -396,13 +396,12 @@ def test_hot_restore_when_the_daemon_holds_the_latest_snapshot(env):
     assert (step, fresh.restored_from) == (1, "disk")
     assert_same(state, expected)
 
-    # No daemon: restore reads the files, and does not wait for the daemon that
-    # track()'s warm-up starts for the snapshots to come (it holds no copy).
+    # No daemon: restore reads the files and starts none.
     stop(daemon.pid)
     step, state, fresh = restored_state(env)
     assert (step, fresh.restored_from) == (1, "disk")
     assert_same(state, expected)
-    assert fresh.daemon_pid != daemon.pid   # the teardown stops it (the root's lock)
+    assert env.lock_pid() is None and fresh.daemon_pid is None
 
 
 def committed_step_one(env) -> dict:
