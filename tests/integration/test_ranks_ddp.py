@@ -53,8 +53,10 @@ def run_job(tmp_path, env, nproc: int = 2):
          f"--nproc-per-node={nproc}", str(script), env.root, env.run],
         env=proc_env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines()
-            if "RESULT " in line]
+    # Two ranks print to one pipe: their lines may run together, so each result is
+    # found by its marker, not by line.
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(part)[0] for part in out.stdout.split("RESULT ")[1:]]
 
 
 def tensors(manifest):
