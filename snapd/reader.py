@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import xxhash
 
@@ -217,15 +217,21 @@ class SnapshotReader:
                 os.close(fd)
         return out
 
-    def _open_file(self, obj: Dict[str, Any], tensors: List[Optional[torch.Tensor]],
-                   fds: List[int]) -> fastread.FileRead:
-        """The object's file opened and checked up to its chunks: type, size (again:
-        it may have changed since the manifest was read), tiling, header, file digest."""
+    def _tiled_file(self, obj: Dict[str, Any]) -> Tuple[str, str, Dict[str, Any], int]:
+        """An object's file: its name, path, manifest entry and format version, its
+        chunks' tiling checked from the manifest before it is opened."""
         file_name = obj["file"]
         full = os.path.join(self.path, file_name)
         entry = self.manifest["files"][file_name]
         version = self.manifest["format"]
         _check_tiling(obj["tensors"], entry["size"], full, fmt.chunk_alignment(version))
+        return file_name, full, entry, version
+
+    def _open_file(self, obj: Dict[str, Any], tensors: List[Optional[torch.Tensor]],
+                   fds: List[int]) -> fastread.FileRead:
+        """The object's file opened and checked up to its chunks: type, size (again:
+        it may have changed since the manifest was read), tiling, header, file digest."""
+        file_name, full, entry, version = self._tiled_file(obj)
         fd = open_regular(full)
         fds.append(fd)
         _check_size(full, os.fstat(fd).st_size, entry["size"], file_name)
@@ -251,11 +257,7 @@ class SnapshotReader:
         obj = self.objects[name]
         if obj.get("file") is None:
             return [None] * len(obj["tensors"])
-        file_name = obj["file"]
-        full = os.path.join(self.path, file_name)
-        entry = self.manifest["files"][file_name]
-        version = self.manifest["format"]
-        _check_tiling(obj["tensors"], entry["size"], full, fmt.chunk_alignment(version))
+        file_name, full, entry, version = self._tiled_file(obj)
         fd = open_regular(full)
         try:
             header = os.pread(fd, fmt.HEADER_BYTES, 0)
