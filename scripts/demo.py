@@ -119,6 +119,21 @@ def deterministic_device(device: str) -> None:
             getattr(torch.backends.cuda, name)(False)
 
 
+def update(model, opt, sched, batches, accumulate: int, device: str = "cpu") -> float:
+    """One optimizer update over ``accumulate`` batches; returns the loss."""
+    for _ in range(accumulate):
+        x, y = next(batches)
+        # input noise from every global RNG, as augmentation would draw it
+        x = ((x + torch.randint(0, 2, x.shape)) % VOCAB).to(device)
+        loss = nn.functional.cross_entropy(model(x), y.to(device)) / accumulate
+        loss = loss * (1 + 0.01 * random.random()) * (1 + 0.01 * float(np.random.rand()))
+        loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    return loss.item() * accumulate
+
+
 def train(root: str, run: str, steps: int, every: int, accumulate: int = 2,
           device: str = "cpu") -> dict:
     deterministic_device(device)
@@ -135,21 +150,12 @@ def train(root: str, run: str, steps: int, every: int, accumulate: int = 2,
     step = ckpt.restore()
     print(f"[{run}] starting at step {step}", flush=True)
     while step < steps:
-        for _ in range(accumulate):
-            x, y = next(batches)
-            # input noise from every global RNG, as augmentation would draw it
-            x = ((x + torch.randint(0, 2, x.shape)) % VOCAB).to(device)
-            loss = nn.functional.cross_entropy(model(x), y.to(device)) / accumulate
-            loss = loss * (1 + 0.01 * random.random()) * (1 + 0.01 * float(np.random.rand()))
-            loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        loss = update(model, opt, sched, batches, accumulate, device)
         step += 1
-        ckpt.log(step, loss=loss.item() * accumulate, lr=sched.get_last_lr()[0])
+        ckpt.log(step, loss=loss, lr=sched.get_last_lr()[0])
         if step % every == 0:
             ckpt.snapshot(step).wait()
-        print(f"[{run}] step {step} loss {loss.item() * accumulate:.4f}", flush=True)
+        print(f"[{run}] step {step} loss {loss:.4f}", flush=True)
     ckpt.close()
     return state_digest(model, opt, sched, batches, device)
 

@@ -32,12 +32,11 @@ import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from demo import Sequences, TinyTransformer, _show, state_digest, warmup_cosine
+from demo import Sequences, TinyTransformer, _show, state_digest, update, warmup_cosine
 from snapd.recovery import read_progress
 from snapd.store import RunStore
 from snapd_client import Client
@@ -62,21 +61,13 @@ def train_rank(root: str, run: str, steps: int, every: int, accumulate: int = 2)
     step = ckpt.restore()            # every rank: the same globally committed step
     print(f"[{run}] rank {rank} starting at step {step}", flush=True)
     while step < steps:
-        for _ in range(accumulate):
-            x, y = next(batches)
-            x = (x + torch.randint(0, 2, x.shape)) % 64   # per-rank input noise
-            loss = nn.functional.cross_entropy(model(x), y) / accumulate
-            loss = loss * (1 + 0.01 * random.random()) * (1 + 0.01 * float(np.random.rand()))
-            loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        loss = update(model, opt, sched, batches, accumulate)   # per-rank input noise
         step += 1
-        ckpt.log(step, loss=loss.item() * accumulate, lr=sched.get_last_lr()[0])
+        ckpt.log(step, loss=loss, lr=sched.get_last_lr()[0])
         if step % every == 0:
             ckpt.snapshot(step).wait()   # this rank's part durable; no collective
         if rank == 0:
-            print(f"[{run}] step {step} loss {loss.item() * accumulate:.4f}", flush=True)
+            print(f"[{run}] step {step} loss {loss:.4f}", flush=True)
     ckpt.close()   # waits (bounded) for the newest snapshot's global commit
     digest = state_digest(model, opt, sched, batches)
     dist.destroy_process_group()

@@ -89,11 +89,11 @@ def check_references(parts: Dict[int, Dict[str, Any]], where: str) -> None:
         for name, obj in manifest["objects"].items():
             for t in obj["tensors"]:
                 if "ref" not in t:
-                    held[(rank, name, t["path"], _offset(t))] = (t["dtype"], t["shape"])
+                    held[(rank, name, t["path"], shard_offset(t))] = (t["dtype"], t["shape"])
     for rank, manifest in parts.items():
         for name, obj in manifest["objects"].items():
             for t in obj["tensors"]:
-                if "ref" in t and held.get((t["ref"], name, t["path"], _offset(t))) \
+                if "ref" in t and held.get((t["ref"], name, t["path"], shard_offset(t))) \
                         != (t["dtype"], t["shape"]):
                     raise DanglingReference(
                         f"{where}: rank {rank}'s objects.{name}{t['path']} is replicated "
@@ -104,7 +104,9 @@ def check_references(parts: Dict[int, Dict[str, Any]], where: str) -> None:
                         path=where, field=f"objects.{name}{t['path']}.ref")
 
 
-def _offset(t: Dict[str, Any]) -> Optional[tuple]:
+def shard_offset(t: Dict[str, Any]) -> Optional[tuple]:
+    """Where a tensor entry's piece starts in the whole tensor (None: unsharded); with
+    the object and path, what a ``ref`` entry and the entry it names share."""
     return tuple(t["shard"]["offset"]) if "shard" in t else None
 
 

@@ -7,13 +7,10 @@ size and xxh3 the record lists, and the run, step, lineage, world size and sessi
 the record has. A part's entries may be pieces of a sharded tensor (``shard``) or
 refer to a replicated tensor another rank stores (``ref``).
 
-Two views:
-
-- per rank (restore at the same world size): :meth:`GlobalSnapshot.resolve_object`,
-  one rank's tensors with every ``ref`` replaced by the tensor its rank stores;
-- whole (``snapd export``, ``diff``, ``inspect``; a reshard): :meth:`load_object`, each
-  tensor whole, its shards assembled, in rank 0's entry order; :meth:`shards` lists
-  the saved pieces of one tensor for a reader that wants only some of them.
+:meth:`GlobalSnapshot.load_object` gives each tensor whole (``snapd export``, ``diff``,
+``inspect``), its shards assembled, in rank 0's entry order; :meth:`shards` lists the
+saved pieces of one tensor for a reader that wants only some of them (a restore,
+snapd_client/distrestore.py, which also resolves each rank's ``ref`` entries).
 
 :func:`open_snapshot` opens either kind of snapshot directory.
 """
@@ -175,22 +172,6 @@ class GlobalSnapshot:
             out.append(tensor)
         return out
 
-    def resolve_object(self, rank: int, name: str, progress: Progress = None
-                       ) -> List["torch.Tensor"]:
-        """Rank ``rank``'s tensors of object ``name`` as that rank held them (local
-        pieces of sharded tensors), each ``ref`` read from the part storing it."""
-        entries = self.part(rank).objects[name]["tensors"]
-        tensors = self.part(rank).load_object(name, progress)
-        loaded: Dict[int, List[Any]] = {}
-        for i, t in enumerate(entries):
-            if "ref" not in t:
-                continue
-            owner = t["ref"]
-            if owner not in loaded:
-                loaded[owner] = self.part(owner).load_object(name, progress)
-            tensors[i] = loaded[owner][_stored_index(self.part(owner), name, t, self.path)]
-        return tensors
-
     def verify(self, progress: Progress = None) -> None:
         """Every part's every file and checksum, and every reference."""
         self.check_references()
@@ -207,18 +188,6 @@ def _whole_entry(t: Dict[str, Any]) -> Dict[str, Any]:
     return {"path": t["path"], "dtype": t["dtype"], "shape": shape, "nbytes": nbytes,
             "device": t.get("device"), "chunks": [], "xxh3": 0,
             "sharded": "shard" in t}
-
-
-def _stored_index(owner: SnapshotReader, name: str, t: Dict[str, Any], where: str) -> int:
-    offset = t.get("shard", {}).get("offset")
-    for i, s in enumerate(owner.objects.get(name, {}).get("tensors", [])):
-        if s["path"] == t["path"] and "ref" not in s and \
-                s.get("shard", {}).get("offset") == offset:
-            return i
-    raise CorruptSnapshot(f"{owner.path}: holds no objects.{name}{t['path']} that another "
-                          f"rank's part refers to; the snapshot {where} is damaged",
-                          path=os.path.join(owner.path, fmt.MANIFEST_NAME),
-                          field=f"objects.{name}{t['path']}.ref")
 
 
 def _check_cover(pieces: List[Piece], shape: List[int], where: str, field: str) -> None:

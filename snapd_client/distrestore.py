@@ -39,6 +39,7 @@ import torch
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, IncompatibleState, SnapdError
+from snapd.globalcommit import shard_offset
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.reader import SnapshotReader, check_name_matches
 from snapd.skeleton import unflatten
@@ -89,14 +90,14 @@ class Parts:
         if key not in self._stored:
             reader = self.part(rank)
             entries = reader.objects[name]["tensors"]
-            self._stored[key] = {(t["path"], _offset(t)): v for t, v in
+            self._stored[key] = {(t["path"], shard_offset(t)): v for t, v in
                                  zip(entries, reader.load_object(name)) if v is not None}
         return self._stored[key]
 
     def tensor(self, rank: int, name: str, t: Dict[str, Any]) -> torch.Tensor:
         """Entry ``t`` of rank ``rank``'s part, read where its bytes lie."""
         holder = t.get("ref", rank)
-        found = self.stored(holder, name).get((t["path"], _offset(t))) \
+        found = self.stored(holder, name).get((t["path"], shard_offset(t))) \
             if name in self.part(holder).objects else None
         if found is None or list(found.shape) != list(t["shape"]) or \
                 fmt.dtype_name(found.dtype) != t["dtype"]:
@@ -115,10 +116,6 @@ class Parts:
         return [((p.offset, p.shape), p.rank,
                  self.part(p.rank).objects[name]["tensors"][p.index])
                 for p in self.snapshot.shards(name, path)]
-
-
-def _offset(t: Dict[str, Any]) -> Optional[tuple]:
-    return tuple(t["shard"]["offset"]) if "shard" in t else None
 
 
 def _box(t: Dict[str, Any]) -> reshard.Box:

@@ -20,6 +20,7 @@ from snapd.reader import SnapshotReader
 from snapd.retention import apply_retention
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import write_snapshot
+from snapd_client.distrestore import Parts
 
 LINEAGE = {"id": 0, "mode": "fresh", "parent": None}
 WHOLE = torch.arange(24, dtype=torch.float32).reshape(6, 4)   # sharded on dim 0
@@ -72,7 +73,8 @@ def test_the_whole_snapshot_reads_back_shards_assembled_and_refs_resolved(store)
     assert isinstance(snap, GlobalSnapshot) and snap.world_size == 2
     whole, shared = snap.load_object("model")
     assert torch.equal(whole, WHOLE) and torch.equal(shared, SHARED)
-    local, shared1 = snap.resolve_object(1, "model")
+    parts, entries = Parts(snap.path), snap.part(1).objects["model"]["tensors"]
+    local, shared1 = (parts.tensor(1, "model", t) for t in entries)   # rank 1's view
     assert torch.equal(local, WHOLE[3:]) and torch.equal(shared1, SHARED)
     assert snap.objects["model"]["tensors"][0]["shape"] == [6, 4]
     assert snap.manifest["metric"] == 0.5
