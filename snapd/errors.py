@@ -14,6 +14,7 @@
     ├── SnapshotExists       (FileExistsError) another history holds the snapshot's name
     ├── InsufficientSpace    (OSError)       the root's disk cannot hold the snapshot
     ├── DaemonUnavailable    (ConnectionError) no daemon answers for the root
+    ├── RemoteUnavailable    (ConnectionError) the remote tier cannot be reached or used
     │   └── DaemonStartFailed                  the daemon started for the root exited
     ├── AlreadyServing       (RuntimeError)  another daemon holds the root's lock
     ├── ProtocolError        (ValueError)    a peer sent a frame or message that is invalid
@@ -40,8 +41,8 @@ __all__ = [
     "AlreadyServing", "CorruptLog", "CorruptSnapshot", "DaemonStartFailed",
     "DaemonUnavailable", "DistributedNotReady", "IncompatibleState", "IncompleteSnapshot",
     "InsufficientSpace", "InvalidOption", "MissingRngStream", "ProtocolError",
-    "ReplayDivergence", "RunInUse", "SnapdError", "SnapshotExists", "SnapshotFailed",
-    "UnknownOption", "UnsupportedState",
+    "RemoteUnavailable", "ReplayDivergence", "RunInUse", "SnapdError", "SnapshotExists",
+    "SnapshotFailed", "UnknownOption", "UnsupportedState",
 ]
 
 
@@ -124,6 +125,11 @@ class InsufficientSpace(SnapdError, OSError):
 
 class DaemonUnavailable(SnapdError, ConnectionError):
     """No daemon answers for this root, or it stopped answering."""
+
+
+class RemoteUnavailable(SnapdError, ConnectionError):
+    """The remote tier (an fsspec URL) cannot be reached, is not installed, or refused
+    a request; ``path`` is the URL without credentials."""
 
 
 class DaemonStartFailed(DaemonUnavailable):

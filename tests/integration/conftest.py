@@ -33,3 +33,31 @@ def harness(daemon_env, tmp_path):
     h = Harness(daemon_env, str(tmp_path))
     yield h
     h.cleanup()
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """One moto S3 server per test module (tests/integration/s3server.py); each test
+    takes its own prefix with ``s3_server.url()``. A test that kills the server uses
+    ``own_s3_server`` instead."""
+    from s3server import S3Server
+    server = S3Server().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_s3_server():
+    """A moto S3 server of this test alone, to kill and restart."""
+    from s3server import S3Server
+    server = S3Server().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """This process reaches the module's S3 server through the AWS variables."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return s3_server
