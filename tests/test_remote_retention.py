@@ -93,3 +93,17 @@ def test_the_log_sends_only_segments_whose_size_changed(tmp_path, remote):
     assert remote.fs.cat_file(remote_seg) == b"a" * 10 + b"b" * 5
     # A restarted daemon learns what is up from the remote, and sends nothing again.
     assert LogSync(remote, store.root).sync(RUN) == 0
+
+
+def test_the_remote_lag_is_written_one_line_per_run():
+    from snapd.liveview import remote_lines
+    status = {"url": "s3://b/p", "last_error": None, "runs": {"r": {
+        "last": {"name": "00000100", "step": 100, "at": 990.0}, "pending": "00000300",
+        "uploading": "00000200", "steps_behind": 200, "bytes_behind": 3_000_000,
+        "last_error": "RemoteUnavailable: down"}}}
+    head, line = remote_lines(status, now=1000.0)
+    assert head == "remote s3://b/p"
+    assert "last remote commit 00000100" in line and "200 steps" in line
+    assert "3.0 MB behind" in line and "uploading 00000200" in line
+    assert "next 00000300" in line and "last error: RemoteUnavailable: down" in line
+    assert remote_lines(None, 0.0) == []

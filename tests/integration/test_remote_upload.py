@@ -6,6 +6,7 @@ and after its restart the newest snapshot is committed remotely."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,9 +14,12 @@ import sys
 import pytest
 import torch
 
+from click.testing import CliRunner
+
 from harness import Peer
 from helpers import plan_for, wait_until
 from snapd import protocol as p
+from snapd.cli import main as cli
 from snapd.options import Options
 from snapd.remote.layout import RemoteRoot
 from snapd.remote.upload import local_files
@@ -147,6 +151,9 @@ def test_the_remote_killed_while_training_never_stops_it(env, own_s3_server, mon
                    "the remote's failure in status")
         _, run = remote_status(env.root, env.run)
         assert run["last"]["name"] == "00000001" and run["steps_behind"] == 3
+        shown = CliRunner().invoke(cli, ["status", env.root, "--json"])
+        lag = json.loads(shown.output)["remote"]["runs"][env.run]
+        assert lag["last_error"] and lag["steps_behind"] == 3
         own_s3_server.restart()   # empty, as a store that lost everything
         wait_until(lambda: remote.commits(env.run) == [SnapshotId(0, 4)], 60,
                    "the newest snapshot up after the restart")
