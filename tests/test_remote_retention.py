@@ -17,7 +17,11 @@ RUN = "r"
 
 @pytest.fixture
 def remote(tmp_path):
-    return RemoteRoot(f"file://{tmp_path}/remote")
+    """A file:// remote with a filesystem of its own: fsspec shares one instance per
+    set of arguments, and these tests replace its methods."""
+    from fsspec.implementations.local import LocalFileSystem
+    fs = LocalFileSystem(auto_mkdir=True, skip_instance_cache=True)
+    return RemoteRoot(f"file://{tmp_path}/remote", fs=fs)
 
 
 def put(remote, step, *, record=True, lineage=0):

@@ -32,7 +32,11 @@ def store(tmp_path):
 
 @pytest.fixture
 def remote(tmp_path):
-    return RemoteRoot(f"file://{tmp_path}/remote")
+    """A file:// remote with a filesystem of its own: fsspec shares one instance per
+    set of arguments, and these tests replace its methods."""
+    from fsspec.implementations.local import LocalFileSystem
+    fs = LocalFileSystem(auto_mkdir=True, skip_instance_cache=True)
+    return RemoteRoot(f"file://{tmp_path}/remote", fs=fs)
 
 
 def commit(store, step, n=2048):
@@ -232,10 +236,9 @@ def test_remote_options_from_the_environment():
     assert Options.resolve(environ={"SNAPD_REMOTE": ""}).remote is None
 
 
-def test_a_missing_remote_is_a_transfer_error(tmp_path, store):
+def test_a_missing_remote_is_a_transfer_error(store, remote):
     """What the uploader retries: an unreachable remote is RemoteUnavailable."""
     sid = commit(store, 1)
-    remote = RemoteRoot(f"file://{tmp_path}/remote")
     remote.fs.put_file = lambda *a, **k: (_ for _ in ()).throw(ConnectionError("down"))
     with pytest.raises(RemoteUnavailable):
         upload_snapshot(remote, store, sid.name)
