@@ -55,6 +55,7 @@ from snapd.commit import Commit, CommitService
 from snapd.errors import AlreadyServing, SnapdError
 from snapd.options import Options
 from snapd.plan import used_bytes
+from snapd.remote.uploader import Uploader
 from snapd.rootlock import RootLock
 from snapd.server import Server, Submission
 from snapd.store import RunStore, list_runs
@@ -153,6 +154,8 @@ class Daemon:
         self.writes = WriteQueue(self.options.writer_threads, self._write)
         self.hot_cache = HotCache(max_bytes=self.options.hot_max_bytes)
         self.runs: Dict[str, Dict[str, Any]] = {}
+        # The remote tier (docs/remote.md): its own thread, never in a write's way.
+        self.uploader = Uploader(self.root, self.options) if self.options.remote else None
         self._process = psutil.Process()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -171,13 +174,18 @@ class Daemon:
             self._collect_abandoned()
             self.server.bind()
             self._install_signals()
-            log(f"serving {self.root} (protocol {p.PROTOCOL_VERSION})")
+            if self.uploader is not None:
+                self.uploader.start()
+            remote = f", replicating to {self.uploader.remote.url}" if self.uploader else ""
+            log(f"serving {self.root} (protocol {p.PROTOCOL_VERSION}){remote}")
             self.server.serve(self._wake_r, check_every=self._check_every(),
                               keep_serving=self._keep_serving)
             self.server.stop_accepting()
             pending = len(self.writes.snapshot())
             log(f"stopping: finishing {pending} accepted snapshot(s)")
             self.writes.drain()
+            if self.uploader is not None:   # what is not up yet, the next daemon resumes
+                self.uploader.stop()
             self.server.close_connections()
             self.hot_cache.close()
         finally:
@@ -217,7 +225,9 @@ class Daemon:
         limit = self.options.idle_exit_seconds
         if limit <= 0:
             return False
-        if self.writes.snapshot() or any(c.run for c in self.server.live_connections()):
+        uploading = self.uploader is not None and self.uploader.busy()
+        if self.writes.snapshot() or uploading or \
+                any(c.run for c in self.server.live_connections()):
             self._last_busy = time.monotonic()
             return False
         if time.monotonic() - self._last_busy < limit:
@@ -295,6 +305,7 @@ class Daemon:
                                 done.result.sid.name, done.result.bytes_written,
                                 done.result.seconds, done.result.complete)
             self._note_commit(sub, done)
+            self._replicate(sub, done)
             segment, hot = _joined(hot), None   # the copy is done; published or dropped
             self._publish_hot(sub, done.result, segment)
         except Exception as e:
@@ -342,6 +353,18 @@ class Daemon:
                               "bytes": result.bytes_written,
                               "seconds": round(result.seconds, 3),
                               "committed_at": time.time()}
+
+    def _replicate(self, sub: Submission, done: Commit) -> None:
+        """File the commit for upload (returns at once; the uploader's thread works)."""
+        if self.uploader is not None:
+            result = done.result
+            self.uploader.committed(sub.run, sub.rank, result.sid, result.bytes_written,
+                                    result.complete)
+
+    @property
+    def remote_url(self) -> str:
+        """The remote this daemon replicates to (redacted), or "" (hello, status)."""
+        return self.uploader.remote.url if self.uploader is not None else ""
 
     def _failure(self, sub: Submission, error: BaseException) -> p.Failed:
         """The ``failed`` event for an error, with its path, field and extras."""
@@ -403,6 +426,7 @@ class Daemon:
                 "cpu_percent": self._process.cpu_percent(interval=None),
                 "rss": self._process.memory_info().rss,
                 "disk_free": diskguard.free_bytes(self.root),
+                "remote": self.uploader.status() if self.uploader is not None else None,
                 "stopping": self._stopping}
 
     def _progress(self, sub: Submission) -> Dict[str, Any]:

@@ -14,8 +14,8 @@
     ├── SnapshotExists       (FileExistsError) another history holds the snapshot's name
     ├── InsufficientSpace    (OSError)       the root's disk cannot hold the snapshot
     ├── DaemonUnavailable    (ConnectionError) no daemon answers for the root
-    ├── RemoteUnavailable    (ConnectionError) the remote tier cannot be reached or used
     │   └── DaemonStartFailed                  the daemon started for the root exited
+    ├── RemoteUnavailable    (ConnectionError) the remote tier cannot be reached or used
     ├── AlreadyServing       (RuntimeError)  another daemon holds the root's lock
     ├── ProtocolError        (ValueError)    a peer sent a frame or message that is invalid
     ├── RunInUse             (RuntimeError)  another process writes this run and rank

@@ -277,7 +277,31 @@ def collect(root: str, status: Any = _QUERY, *, now: Optional[float] = None
             for rank in statelog.list_ranks(os.path.join(root, run)) or [0]]
     flights = [flight_model(e, now) for e in (status or {}).get("in_flight") or []]
     return {"root": root, "time": now, "disk": disk, "daemon": daemon_model(root, status),
-            "runs": runs, "jobs": jobs_of(root, runs), "in_flight": flights}
+            "runs": runs, "jobs": jobs_of(root, runs), "in_flight": flights,
+            "remote": (status or {}).get("remote")}
+
+
+def remote_lines(remote: Optional[Dict[str, Any]], now: float) -> List[str]:
+    """The remote tier's lag, one line per run (pure; ``remote`` is status_reply's)."""
+    if not remote:
+        return []
+    head = f"remote {remote.get('url')}"
+    lines = [head + (f": {remote['last_error']}" if remote.get("last_error") else "")]
+    for run, r in sorted((remote.get("runs") or {}).items()):
+        last = r.get("last") or {}
+        at = last.get("at")
+        said = [f"  {run}: last remote commit {last.get('name') or 'none'}"
+                + (f" ({age(now - at)} ago)" if at else ""),
+                f"{count(r.get('steps_behind') or 0, 'step')} and "
+                f"{si_bytes(r.get('bytes_behind') or 0)} behind"]
+        if r.get("uploading"):
+            said.append(f"uploading {r['uploading']}")
+        if r.get("pending"):
+            said.append(f"next {r['pending']}")
+        if r.get("last_error"):
+            said.append(f"last error: {r['last_error']}")
+        lines.append(", ".join(said))
+    return lines
 
 
 # --- the render (pure) ---------------------------------------------------------------
@@ -397,6 +421,10 @@ def render(model: Dict[str, Any], width: int = 100) -> Group:
         parts += [Text(""), Text("ranks", style="bold")]
         parts += [Text(line, style="yellow" if "INCOMPLETE" in line else "")
                   for line in jobs]
+    remote = remote_lines(model.get("remote"), model["time"])
+    if remote:
+        parts += [Text("")] + [Text(line, style="red" if "error" in line else "")
+                               for line in remote]
     flights = model.get("in_flight") or []
     parts += [Text(""), Text("in flight" if flights else "in flight: none", style="bold")]
     parts += [_flight_line(f, width) for f in flights] + _history(runs)

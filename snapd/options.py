@@ -52,6 +52,14 @@ class Options:
     daemon: bool = True           # snapshot through the root's daemon; False: in-process
     writer_threads: int = 2
     hot_restore: bool = True
+    # Remote tier (docs/remote.md): committed snapshots replicated to an fsspec URL.
+    remote: Optional[str] = None  # s3://bucket/prefix or file:///shared/path; None: off
+    remote_keep_last: int = 2     # remote retention: the newest N remote commits; 0: all
+    remote_keep_every: Optional[int] = None  # ... and every snapshot whose step is a
+    #                               multiple of N; the newest remote commit is never deleted
+    remote_upload_threads: int = 4   # files uploaded at once
+    remote_retry_max_seconds: float = 60.0  # longest wait between retries of a failure
+    remote_log_interval: float = 5.0  # how often the state log is replicated
     # State log.
     log_flush_interval: float = 1.0
     log_segment_bytes: int = 64 << 20
@@ -109,6 +117,7 @@ class Options:
                 raise InvalidOption(f"{name}={getattr(self, name)}: zero or more",
                                     field=name)
         _check_verify_steps(self.verify_steps, self.keep_last)
+        _check_remote(self)
         if self.slots not in (1, 2):
             raise InvalidOption(f"slots={self.slots}: the staging arena has 1 or 2 slots",
                                 field="slots")
@@ -166,6 +175,29 @@ def _check_verify_steps(k: int, keep_last: Optional[int]) -> None:
                             field="verify_steps")
 
 
+def _check_remote(o: "Options") -> None:
+    if o.remote is not None:
+        if not isinstance(o.remote, str) or "://" not in o.remote:
+            raise InvalidOption(f"remote={o.remote!r}: an fsspec URL such as "
+                                "s3://bucket/prefix or file:///shared/path", field="remote")
+        netloc = o.remote.split("://", 1)[1].split("/", 1)[0]
+        if "@" in netloc:   # never kept in Options: it would reach logs, status, argv
+            raise InvalidOption("remote=<a URL with user:password@>: put credentials in "
+                                "the environment (AWS_ACCESS_KEY_ID, "
+                                "AWS_SECRET_ACCESS_KEY) or fsspec's configuration, and "
+                                "give the URL without them", field="remote")
+    if o.remote_keep_last < 0:
+        raise InvalidOption(f"remote_keep_last={o.remote_keep_last}: 0 (keep every remote "
+                            "commit) or more", field="remote_keep_last")
+    if o.remote_keep_every is not None and o.remote_keep_every < 1:
+        raise InvalidOption(f"remote_keep_every={o.remote_keep_every}: a positive step "
+                            "count, or None", field="remote_keep_every")
+    for name in ("remote_upload_threads", "remote_retry_max_seconds",
+                 "remote_log_interval"):
+        if not getattr(o, name) > 0:
+            raise InvalidOption(f"{name}={getattr(o, name)}: a positive number", field=name)
+
+
 # SNAPD_* variables that are not options (scripts and tests read them).
 _OTHER_VARIABLES = {"SNAPD_ROOT", "SNAPD_FUZZ_SEED", "SNAPD_SESSION"}
 
@@ -189,11 +221,13 @@ def _warn_env_typos(environ: Mapping[str, str], known: list[str]) -> None:
 def _parse(name: str, raw: str, default: Any) -> Any:
     """Turn one environment string into the field's type, naming the variable on error."""
     try:
+        if name == "remote":   # SNAPD_REMOTE= (empty): off
+            return raw or None
         if name == "compression":
             return raw if raw in ("off", "auto") else int(raw)
         if isinstance(default, bool):
             return raw.strip().lower() in ("1", "true", "yes", "on")
-        if isinstance(default, int) or (default is None and name.startswith("keep_")):
+        if isinstance(default, int) or (default is None and "keep_" in name):
             return int(raw)
         if isinstance(default, float):
             return float(raw)

@@ -129,6 +129,7 @@ class Welcome:
     protocol: int
     daemon_pid: int
     root: str
+    remote: str = ""   # the remote tier it replicates to (redacted URL), "" for none
 
 
 @dataclass

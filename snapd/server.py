@@ -148,6 +148,7 @@ class Handler(Protocol):
 
     root: str
     options: Options
+    remote_url: str   # the remote it replicates to (redacted), "" for none
 
     def enqueue(self, sub: Submission) -> None: ...
     def status(self) -> Dict[str, Any]: ...
@@ -328,7 +329,8 @@ class Connection:
         self.pid, self.run, self.rank = m.pid, m.run, m.rank
         if m.run:
             self.handler.log(f"client pid {m.pid} run {m.run!r} rank {m.rank} connected")
-        return p.Welcome(p.PROTOCOL_VERSION, os.getpid(), self.handler.root)
+        return p.Welcome(p.PROTOCOL_VERSION, os.getpid(), self.handler.root,
+                         getattr(self.handler, "remote_url", ""))
 
     def _on_attach(self, m: p.Attach, rid: int) -> Any:
         _check_run(m.run, m.rank)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import psutil
@@ -25,6 +26,7 @@ import psutil
 from snapd import peer
 from snapd import protocol as proto
 from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
+from snapd.remote.layout import redact
 
 SOCKET_NAME = proto.SOCKET_NAME
 LOG_NAME = ".snapd.log"
@@ -43,18 +45,22 @@ def try_connect(root: str) -> Optional[socket.socket]:
                                 path=f"{root}/{SOCKET_NAME}") from e
 
 
-def daemon_command(root: str) -> List[str]:
-    """``snapd serve --detach`` for ``root``, immune to the trainer's directory.
+def daemon_command(root: str, remote: Optional[str] = None) -> List[str]:
+    """``snapd serve --detach`` for ``root`` (``--remote URL`` when the client replicates
+    to a remote tier), immune to the trainer's directory.
 
     ``python -m`` puts the working directory first on sys.path, where a folder named
     ``snapd`` (a checkpoint root, a source tree) would shadow the installed package:
     ``-P`` (3.11+) leaves it out, and the daemon runs in ``/`` on older Pythons.
     """
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-    return [sys.executable, *safe_path, "-m", "snapd", "serve", "--root", root, "--detach"]
+    extra = ["--remote", remote] if remote else []
+    return [sys.executable, *safe_path, "-m", "snapd", "serve", "--root", root, "--detach",
+            *extra]
 
 
-def connect_or_spawn(root: str, timeout: float = SPAWN_TIMEOUT) -> socket.socket:
+def connect_or_spawn(root: str, timeout: float = SPAWN_TIMEOUT,
+                     remote: Optional[str] = None) -> socket.socket:
     """A socket connected to the root's daemon, starting one when none answers.
 
     A daemon that is stopping (idle, ``snapd stop``, SIGTERM) still holds the root's
@@ -65,7 +71,7 @@ def connect_or_spawn(root: str, timeout: float = SPAWN_TIMEOUT) -> socket.socket
     while True:
         sock = try_connect(root)
         if sock is None:
-            sock = spawn_daemon(root, max(1.0, deadline - time.monotonic()))
+            sock = spawn_daemon(root, max(1.0, deadline - time.monotonic()), remote)
         if sock is not None:
             return sock
         if time.monotonic() >= deadline:
@@ -77,7 +83,8 @@ def connect_or_spawn(root: str, timeout: float = SPAWN_TIMEOUT) -> socket.socket
         time.sleep(POLL)
 
 
-def spawn_daemon(root: str, timeout: float = SPAWN_TIMEOUT) -> Optional[socket.socket]:
+def spawn_daemon(root: str, timeout: float = SPAWN_TIMEOUT,
+                 remote: Optional[str] = None) -> Optional[socket.socket]:
     """Start the root's daemon detached (it outlives us) and connect to it; None when
     another daemon holds the root but nobody answers (it is stopping).
 
@@ -87,7 +94,7 @@ def spawn_daemon(root: str, timeout: float = SPAWN_TIMEOUT) -> Optional[socket.s
     log_path = os.path.join(root, LOG_NAME)
     try:
         with open(log_path, "ab") as log:
-            code = subprocess.run(daemon_command(root), cwd="/", stdin=subprocess.DEVNULL,
+            code = subprocess.run(daemon_command(root, remote), cwd="/", stdin=subprocess.DEVNULL,
                                   stdout=log, stderr=log, close_fds=True,
                                   start_new_session=True, timeout=timeout).returncode
     except subprocess.TimeoutExpired as e:
@@ -136,8 +143,9 @@ class DaemonConnection:
     def __init__(self, root: str, run: str, rank: int, timeout: float, *,
                  on_event: Callable[[Any], None] = lambda m: None,
                  on_lost: Callable[[BaseException], None] = lambda e: None,
-                 spawn: bool = True) -> None:
+                 spawn: bool = True, remote: Optional[str] = None) -> None:
         self.root = os.path.abspath(root)
+        self.remote = remote      # the client's remote tier: a daemon it starts serves it
         self.run, self.rank, self.timeout = run, rank, timeout
         self.on_event, self.on_lost = on_event, on_lost
         self._ids = itertools.count(1)
@@ -160,7 +168,8 @@ class DaemonConnection:
             if sock is None:
                 if not spawn:
                     raise DaemonUnavailable(f"no daemon is serving {self.root}")
-                sock = connect_or_spawn(self.root, max(SPAWN_TIMEOUT, self.timeout))
+                sock = connect_or_spawn(self.root, max(SPAWN_TIMEOUT, self.timeout),
+                                        self.remote)
             self._sock = sock
             try:
                 return self._hello()
@@ -190,7 +199,18 @@ class DaemonConnection:
             raise DaemonUnavailable(f"the daemon for {self.root} answered hello with "
                                     f"{reply.op!r}")
         self._sock.settimeout(None)
+        self._check_remote(reply.remote)
         return reply.daemon_pid
+
+    def _check_remote(self, served: str) -> None:
+        """A daemon already serving the root replicates where it was started to: say
+        so when that is not this client's remote (its snapshots go there, or nowhere)."""
+        if self.remote and redact(self.remote.rstrip("/")) != served:
+            where = served or "no remote tier"
+            warnings.warn(f"the daemon (serving {self.root}) replicates to {where}, not "
+                          f"to {redact(self.remote)}: this run's snapshots follow the "
+                          f"daemon; stop it (`snapd stop {self.root}`) to start one with "
+                          "this client's remote", stacklevel=2)
 
     # --- the reader thread ---------------------------------------------------------
 

@@ -219,7 +219,8 @@ class Handoff:
             self.recovery.connecting()
             self.conn = DaemonConnection(self.store.root, self.store.run, self.rank,
                                          self.options.timeout, on_event=self._on_event,
-                                         on_lost=self._on_lost, spawn=spawn)
+                                         on_lost=self._on_lost, spawn=spawn,
+                                         remote=self.options.remote)
         return self.conn
 
     def recover(self) -> bool:

@@ -20,7 +20,12 @@ import click
               help="Exit once no trainer has been connected and nothing has been in "
                    "flight for SECONDS; 0: never. Default: never in the foreground; "
                    "with --detach, idle_exit_seconds ($SNAPD_IDLE_EXIT_SECONDS, 600).")
-def serve(root: str, detach: bool, idle_exit: Optional[float]) -> None:
+@click.option("--remote", default=None, metavar="URL",
+              help="Replicate every committed snapshot to this fsspec URL in the "
+                   "background (s3://bucket/prefix, file:///shared/path; docs/remote.md). "
+                   "Default: $SNAPD_REMOTE, else none. Credentials come from the "
+                   "environment, never the URL.")
+def serve(root: str, detach: bool, idle_exit: Optional[float], remote: Optional[str]) -> None:
     """Serve ROOT: write the snapshots clients hand over, apply retention. Runs in
     this process, logging to stderr, unless --detach.
 
@@ -30,13 +35,17 @@ def serve(root: str, detach: bool, idle_exit: Optional[float]) -> None:
     Exit code 0 after a clean stop (SIGTERM/SIGINT, `snapd stop`, or idle: accepted
     snapshots are finished first), 2 when another daemon already serves the root.
 
-    Example: snapd serve --root checkpoints
+    Example: snapd serve --root checkpoints --remote s3://bucket/snapd
     """
     # Here, so that `snapd --help` stays fast.
     from snapd.daemon import detached, main
+    from snapd.errors import SnapdError
     from snapd.options import Options
 
     if idle_exit is None and not detach:
         idle_exit = 0.0   # an operator's daemon: never exits unasked
-    options = Options.resolve({"idle_exit_seconds": idle_exit})
+    try:
+        options = Options.resolve({"idle_exit_seconds": idle_exit, "remote": remote})
+    except SnapdError as e:
+        raise click.UsageError(str(e)) from e
     sys.exit(detached(root, options) if detach else main(root, options))

@@ -18,14 +18,14 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import click
 from rich.table import Table
 
 from snapd import statelog
 from snapd.commands.common import console, emit_json, resolve_root
-from snapd.liveview import job_lines, jobs_of
+from snapd.liveview import DaemonProbe, job_lines, jobs_of, remote_lines
 from snapd.recovery import RunProgress, read_progress
 from snapd.store import RunStore, list_runs
 from snapd.text import age, count
@@ -97,15 +97,18 @@ def status(root: str | None, as_json: bool) -> None:
     """Runs, last step, steps/s, last committed snapshot and its age, updates at risk,
     last resume and its replay verdict; for a multi-rank run, its world size, each
     rank's last step, the last global commit and incomplete snapshots (ranks
-    missing). Reads only logs, manifests and commit records.
+    missing). Reads only logs, manifests and commit records; with a daemon serving
+    ROOT with a remote tier, also each run's remote lag (last remote commit, steps and
+    bytes behind, last error), from the daemon.
 
     Example: snapd status checkpoints --json
     """
     base = resolve_root(root)
     rows = collect(base)
     jobs = jobs_of(base, rows)
+    remote = _remote_status(base)
     if as_json:
-        emit_json({"runs": rows, "jobs": jobs})
+        emit_json({"runs": rows, "jobs": jobs, "remote": remote})
         return
     _say_damage(rows)
     if not rows:
@@ -115,3 +118,15 @@ def status(root: str | None, as_json: bool) -> None:
         out.print(render(rows))
         for line in (line for job in jobs for line in job_lines(job)):
             out.print(line, highlight=False, markup=False, soft_wrap=True)
+    for line in remote_lines(remote, time.time()):
+        console().print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _remote_status(root: str) -> Optional[Dict[str, Any]]:
+    """The remote lag as the daemon serving ``root`` knows it (None: no daemon, or no
+    remote tier); asked once, never starting a daemon."""
+    probe = DaemonProbe(root)
+    try:
+        return (probe.status() or {}).get("remote")
+    finally:
+        probe.close()

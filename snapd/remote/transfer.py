@@ -21,18 +21,18 @@ def put_files(fs: Any, pairs: Pairs, *, threads: int = 4, sizes: Sequence[int] =
               progress: Progress = None, where: str = "") -> None:
     """Upload each local path in ``pairs`` to its remote path."""
     _each(lambda src, dst: fs.put_file(src, dst), pairs, threads, sizes, progress,
-          f"uploading to {where}")
+          f"uploading to {where}", where)
 
 
 def get_files(fs: Any, pairs: Pairs, *, threads: int = 4, sizes: Sequence[int] = (),
               progress: Progress = None, where: str = "") -> None:
     """Download each remote path in ``pairs`` to its local path."""
     _each(lambda src, dst: fs.get_file(src, dst), pairs, threads, sizes, progress,
-          f"downloading from {where}")
+          f"downloading from {where}", where)
 
 
 def _each(move: Callable[[str, str], Any], pairs: Pairs, threads: int,
-          sizes: Sequence[int], progress: Progress, what: str) -> None:
+          sizes: Sequence[int], progress: Progress, what: str, where: str) -> None:
     sizes = list(sizes) or [0] * len(pairs)
 
     def one(i: int) -> None:

@@ -1,0 +1,80 @@
+"""Remote retention: which remote commits a run keeps, and sweeping what no record names.
+
+The rules are the local ones (snapd/retention.py's :func:`plan_retention`, pure) with
+the remote tier's own numbers: ``remote_keep_last`` (0: keep every remote commit) and
+``remote_keep_every``. The newest remote commit is always kept: a job restarted on
+another node always finds one. Order is (lineage, step) from the record names.
+
+A deletion is the record first, then the files (RemoteRoot.delete_snapshot): a crash
+in between leaves files without a record, which no reader looks at and :func:`sweep`
+removes. The sweep removes ``snapshots/<name>/`` without a record only when ``name``
+is older than the newest record: a newer name without one may be an upload still in
+progress (here or on another node), and an older one will never be committed, since
+an upload always takes the newest local snapshot (newest wins). Its rank part records
+(``parts/<name>/``, node-local roots) go first, so that a rank uploading late cannot
+complete a snapshot whose files were swept.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+from snapd.remote.layout import RemoteRoot
+from snapd.retention import SnapshotInfo, plan_retention
+from snapd.store import SnapshotId
+
+log = logging.getLogger(__name__)
+
+
+def plan(commits: List[SnapshotId], keep_last: int,
+         keep_every: Optional[int]) -> List[SnapshotId]:
+    """The remote commits to delete (pure): neither among the last ``keep_last`` nor a
+    multiple of ``keep_every``, and never the newest."""
+    if not keep_last and not keep_every:
+        return []
+    infos = [SnapshotInfo(sid, sid.lineage, sid.step) for sid in commits]
+    # keep_last=0 with keep_every set: only the multiples and the newest are kept.
+    chosen = plan_retention(infos, keep_last=keep_last or None, keep_every=keep_every)
+    return [i.sid for i in chosen.delete]
+
+
+def apply(remote: RemoteRoot, run: str, keep_last: int,
+          keep_every: Optional[int]) -> List[str]:
+    """Delete the run's remote commits the rules do not keep, then sweep; returns the
+    names deleted."""
+    commits = remote.commits(run)
+    doomed = plan(commits, keep_last, keep_every)
+    for sid in doomed:
+        remote.delete_snapshot(run, sid.name)
+    if doomed:
+        log.info("run %r: remote retention deleted %s", run,
+                 ", ".join(s.name for s in doomed))
+    sweep(remote, run, [s for s in commits if s not in doomed])
+    return [s.name for s in doomed]
+
+
+def sweep(remote: RemoteRoot, run: str, commits: Optional[List[SnapshotId]] = None) -> List[str]:
+    """Remove files under ``snapshots/<name>/`` that no record names and never will
+    (older than the newest record); returns the names swept."""
+    commits = remote.commits(run) if commits is None else commits
+    if not commits:
+        return []
+    newest, committed = max(commits), set(commits)
+    swept = []
+    for name in remote.snapshot_names(run):
+        sid = SnapshotId.parse(name)
+        if sid is not None and sid < newest and sid not in committed:
+            _remove_parts(remote, run, name)   # first: no late rank can complete it
+            remote.remove_files(run, name)
+            swept.append(name)
+    if swept:
+        log.info("run %r: removed uncommitted remote files of %s", run, ", ".join(swept))
+    return swept
+
+
+def _remove_parts(remote: RemoteRoot, run: str, name: str) -> None:
+    try:
+        remote.fs.rm(remote.parts_path(run, name), recursive=True)
+    except FileNotFoundError:
+        pass
