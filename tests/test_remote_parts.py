@@ -192,8 +192,8 @@ def test_a_part_is_never_uploaded_over_a_remote_commit(remote, nodes):
 def test_the_daemons_marker_is_what_the_client_checks_and_never_a_snapshot(remote, nodes):
     a, _ = nodes
     older = SnapshotId(0, 5)
-    write_snapshot(a, SnapshotPlan("r", 5, LINEAGE, plan(0).objects, rng={"torch": b"0"}, rank=0,
-                                   world_size=2, session="s"), Options())
+    write_snapshot(a, SnapshotPlan("r", 5, LINEAGE, plan(0).objects, rng={"torch": b"0"},
+                                   rank=0, world_size=2, session="s"), Options())
     write(a, 0)
     assert not parts.remote_committed(a, SID)
     parts.note_remote_commit(a, NAME)

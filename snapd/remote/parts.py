@@ -47,7 +47,8 @@ MARKER_PREFIX = ".remote-"
 KEEP_MARKERS = 8
 PART_FIELDS = SHARED_FIELDS + ("rank", "manifest_size", "manifest_xxh3", "files")
 
-Found = Tuple[Dict[str, Any], bytes, Dict[str, Any]]   # a part's manifest, its bytes, record
+# A part as the remote holds it: its manifest, the manifest's bytes, its part record.
+Found = Tuple[Dict[str, Any], bytes, Dict[str, Any]]
 
 
 def _root(remote: Union[str, RemoteRoot]) -> RemoteRoot:
@@ -137,8 +138,9 @@ def _already_up(remote: RemoteRoot, run: str, name: str, part: Dict[str, Any],
         return False
     manifest = remote.file_path(run, name, f"{fmt.part_dir_name(part['rank'])}/"
                                            f"{fmt.MANIFEST_NAME}")
-    return (found.get("manifest_size"), found.get("manifest_xxh3")) == \
-        (part["manifest_size"], part["manifest_xxh3"]) and _same_bytes(remote, manifest, data)
+    same = (found.get("manifest_size"), found.get("manifest_xxh3")) == \
+        (part["manifest_size"], part["manifest_xxh3"])
+    return same and _same_bytes(remote, manifest, data)
 
 
 def _put_part_files(remote: RemoteRoot, run: str, name: str, part_dir: str,
