@@ -110,11 +110,16 @@ def shard_offset(t: Dict[str, Any]) -> Optional[tuple]:
     return tuple(t["shard"]["offset"]) if "shard" in t else None
 
 
-def commit_record(parts: Dict[int, Tuple[Dict[str, Any], bytes]]) -> Dict[str, Any]:
+def commit_record(parts: Dict[int, Tuple[Dict[str, Any], bytes]],
+                  created: Optional[float] = None) -> Dict[str, Any]:
+    """The ``commit.snapd`` of a complete set of parts. ``created``: now by default;
+    the remote commit passes a time drawn from the parts, so that every committer
+    encodes the same bytes (snapd/remote/parts.py)."""
     first = parts[0][0]
     return {"format": fmt.FORMAT_VERSION, "run": first["run"], "step": first["step"],
             "lineage": first["lineage"], "world_size": first["world_size"],
-            "session": first["session"], "created": time.time(),
+            "session": first["session"],
+            "created": time.time() if created is None else created,
             "metric": first.get("metric"), "data_version": first.get("data_version"),
             "parts": [{"rank": r, "dir": fmt.part_dir_name(r), "manifest_size": len(data),
                        "manifest_xxh3": fmt.checksum(data)}

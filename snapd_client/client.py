@@ -120,7 +120,7 @@ class Client:
         self._summary: Optional[CloseSummary] = None
         self.lineage: Dict[str, Any] = {"id": 0, "mode": "fresh", "parent": None}
         self.restored: Optional[Loaded] = None
-        self.restored_from: Optional[str] = None  # "hot" (daemon memory) or "disk"
+        self.restored_from: Optional[str] = None  # "hot" (daemon memory), "disk", "remote"
         self.daemon = self.options.daemon if daemon is None else daemon
         self._handoff = Handoff(self.store, self.rank, self.options) if self.daemon else None
         self._outcomes = Outcomes(self.store, self._handoff,
@@ -322,7 +322,7 @@ class Client:
             loaded = restore_ranks(self, set(_omit), world)
             if loaded is None:
                 return self._nothing_to_resume()
-            self.restored_from, self.restored = "disk", loaded
+            self.restored = loaded   # restore_ranks set restored_from: disk or remote
             self.lineage = dict(loaded.manifest["lineage"])
             if loaded.mode == "reshard":
                 return begin_reshard(self, loaded, sorted(_omit), world)

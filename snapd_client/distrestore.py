@@ -324,7 +324,10 @@ def restore_ranks(client: Any, omit: set, world_size: int) -> Optional[Loaded]:
     client._settle_daemon_writes()
     client.recovery = read_progress(client.store, client.rank)
     # The group is not destroyed here: see GlooGroup.
-    agreed = agree(GlooGroup(),
+    coll = GlooGroup()
+    pulled = pull_from_remote(coll, client) if getattr(client.options, "remote", None) \
+        else set()
+    agreed = agree(coll,
                    lambda: plan(client.store, client.recovery.furthest,
                                 client.options.verify_steps),
                    lambda name: _read_candidate(client, name, omit, world_size),
@@ -334,11 +337,87 @@ def restore_ranks(client: Any, omit: set, world_size: int) -> Optional[Loaded]:
         client.journal.world_size = world_size
     if agreed.name is None:
         return None
+    client.restored_from = "remote" if agreed.name in pulled else "disk"
     loaded = agreed.prepared
     loaded.refused, loaded.passed_over = agreed.refused, agreed.passed_over
     apply(loaded, client._tracked, client.rng, client._stream,
           omit | ({"cursor"} if loaded.manifest["cursor"] is None else set()))
     return loaded
+
+
+# --- node-local roots: the remote commit brought down first ---------------------------
+
+def pull_from_remote(coll: Collective, client: Any) -> set:
+    """Before the agreement: rank 0 lists the remote commits and broadcasts them; the
+    lowest rank of each root (host and directory) pulls the newest one newer than its
+    root's newest local snapshot (snapd/remote/pull.py), trying older ones still newer
+    on damage; a barrier; then every root holds it, and the agreement goes on as with
+    one root. Returns the names pulled anywhere. An unreachable remote is warned of,
+    and restore goes on from the local roots."""
+    listed = json.loads(coll.broadcast_bytes(
+        _remote_listing(client) if coll.rank == 0 else None, src=0))
+    if listed.get("error"):
+        warnings.warn(f"restore(): the remote {listed['url']} could not be listed "
+                      f"({listed['error']}); resuming from the local roots only",
+                      FallbackWarning, stacklevel=4)
+    keys = coll.allgather_bytes(_root_key(client).encode())
+    mine = None
+    if keys.index(keys[coll.rank]) == coll.rank and listed.get("names"):
+        try:   # the lowest rank on this root
+            mine = _pull_newest(client, listed["names"])
+        except Exception as e:   # the others wait at the barrier: nothing escapes
+            warnings.warn(f"restore(): pulling from {listed['url']} failed ({e!r}); "
+                          "going on from the local root", FallbackWarning, stacklevel=4)
+    got = coll.allgather_bytes((mine or "").encode())   # also the barrier
+    return {g.decode() for g in got if g}
+
+
+def _remote_listing(client: Any) -> bytes:
+    from snapd.remote.layout import RemoteRoot
+    url = client.options.remote
+    try:
+        remote = RemoteRoot(url)
+        names = [sid.name for sid in reversed(remote.commits(client.store.run))]
+        return json.dumps({"url": remote.url, "names": names}).encode()
+    except Exception as e:   # sent, so that the others go on from local too
+        from snapd.remote.layout import redact
+        return json.dumps({"url": redact(str(url)), "error": f"{type(e).__name__}: {e}",
+                           "names": []}).encode()
+
+
+def _root_key(client: Any) -> str:
+    """Which ranks share a root: a node's hostname and the root's path (two nodes
+    may mount different disks at the same path)."""
+    import socket
+    return json.dumps([socket.gethostname(), client.store.root])
+
+
+def _pull_newest(client: Any, names: List[str]) -> Optional[str]:
+    """The first of ``names`` (newest first) newer than this root's newest committed
+    snapshot, pulled; None when the local one is as new, or none could be pulled."""
+    from snapd.remote.layout import RemoteRoot
+    from snapd.remote.pull import pull
+    store = client.store
+    local = store.committed()
+    remote = RemoteRoot(client.options.remote)
+    for name in names:
+        sid = SnapshotId.parse(name)
+        if sid is None or (local and sid <= local[-1]):
+            return None
+        try:
+            pull(remote, store, name,
+                 threads=getattr(client.options, "remote_upload_threads", 4))
+            logger.info(f"run {client.run}: rank {client.rank}: pulled {name} from "
+                        f"{remote.url} into {store.root}")
+            return name
+        except CorruptSnapshot as e:
+            warnings.warn(f"remote snapshot {name} is damaged ({e}); trying an older "
+                          "one", FallbackWarning, stacklevel=5)
+        except SnapdError as e:   # unreachable (RemoteUnavailable), no space
+            warnings.warn(f"remote snapshot {name} could not be pulled ({e}); going on "
+                          "from the local root", FallbackWarning, stacklevel=5)
+            return None
+    return None
 
 
 def _read_candidate(client: Any, name: str, omit: set, world_size: int) -> Loaded:
@@ -360,7 +439,8 @@ def begin_reshard(client: Any, loaded: Loaded, omitted: List[str], world_size: i
     if not client.read_only:
         client.journal.resume(step=step, snapshot=loaded.sid.name, mode="reshard",
                               lineage=client.lineage, reached=client.recovery.furthest,
-                              recompute=0, restored_from="disk", refused=loaded.refused,
+                              recompute=0, restored_from=client.restored_from,
+                              refused=loaded.refused,
                               omitted=omitted, world_size=world_size,
                               old_world_size=loaded.old_world_size)
     logger.info(f"run {client.run}: rank {client.rank}: resharded step {step} saved on "

@@ -12,7 +12,9 @@ In a job of many ranks a durable part is not a committed snapshot: the log recor
 event ``part`` when this rank's part is durable, and ``committed`` (the record
 recovery reads) only once ``<run>/snapshots/<name>`` exists, which is looked for by a
 stat while parts are pending, at snapshot(), log() and close() (no collective:
-another rank's writer commits, through the shared root). close() waits for the
+another rank's writer commits, through the shared root; with node-local roots the
+commit is remote, and the daemon marks it with ``<run>/snapshots/.remote-<name>``,
+docs/remote.md "Many nodes"). close() waits for the
 newest snapshot's global commit at most ``Options.global_commit_timeout``.
 """
 
@@ -28,7 +30,8 @@ from typing import Deque, Dict, List, Optional
 from snapd.errors import IncompleteSnapshot
 from snapd.format import part_dir_name
 from snapd.globalcommit import read_part
-from snapd.store import RunStore
+from snapd.remote.parts import remote_committed
+from snapd.store import RunStore, SnapshotId
 from snapd_client.handle import CloseSummary, SnapshotHandle, SnapshotWarning
 
 POLL = 0.05   # seconds between looks for a global commit at close()
@@ -176,10 +179,10 @@ class Outcomes:
             pending = sorted(self._parts.items())
         newest_done = None
         for step, handle in reversed(pending):
-            if newest_done is None and os.path.isdir(self.store.snapshot_path(handle.sid)):
+            if newest_done is None and committed_globally(self.store, handle.sid):
                 newest_done = step
-            if newest_done is not None and (step == newest_done or os.path.isdir(
-                    self.store.snapshot_path(handle.sid))):
+            if newest_done is not None and (step == newest_done or committed_globally(
+                    self.store, handle.sid)):
                 self._global_done(handle)
         if newest_done is not None:
             with self._parts_lock:
@@ -224,6 +227,13 @@ class Outcomes:
             f"every rank called snapshot({handle.step}); if one is only slow, raise "
             "global_commit_timeout (SNAPD_GLOBAL_COMMIT_TIMEOUT)",
             path=parts_dir, field="parts")
+
+
+def committed_globally(store: RunStore, sid: SnapshotId) -> bool:
+    """Whether multi-rank snapshot ``sid`` is committed: its directory on this root
+    (the rename is the commit), or, on a node-local root, the marker the daemon
+    writes once it sees the remote commit (snapd/remote/parts.py)."""
+    return os.path.isdir(store.snapshot_path(sid)) or remote_committed(store, sid)
 
 
 def _has_part(parts_dir: str, rank: int, session: str) -> bool:

@@ -31,7 +31,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from snapd.errors import RemoteUnavailable, SnapdError
 from snapd.options import Options
@@ -45,6 +45,13 @@ log = logging.getLogger(__name__)
 
 UPLOAD_PREFIX = f"{TMP_PREFIX}upload-"
 FIRST_RETRY_S = 1.0
+# A part waiting for other nodes' parts looks at the remote again after 0.25 s, then
+# up to every 2 s: one listing each time.
+PARTS_POLL_FIRST_S, PARTS_POLL_MAX_S = 0.25, 2.0
+
+
+class _PartsPending(Exception):
+    """A part is up; the snapshot is not committed remotely yet."""
 Key = Tuple[str, Optional[int]]   # (run, None) a snapshot; (run, rank) a rank's part
 
 
@@ -54,6 +61,7 @@ class Job:
     sid: SnapshotId
     nbytes: int = 0
     rank: Optional[int] = None   # a part of a multi-rank snapshot not committed locally
+    uploaded: bool = False       # the part is up; waiting for the other nodes' parts
 
     @property
     def key(self) -> Key:
@@ -227,6 +235,8 @@ class Uploader:
                     log.info("run %r: %s is not committed remotely yet; uploading it",
                              run, local[-1].name)
                     self._file(Job(run, local[-1], state.local[1]))
+                for job in _unfinished_parts(RunStore(self.root, run), last, local):
+                    self._file(job)
         self._resumed = True
 
     def _run(self, job: Job) -> None:
@@ -236,6 +246,9 @@ class Uploader:
             state.uploading, state.left = job.sid.name, job.nbytes
         try:
             record = self._upload(store, job, state)
+        except _PartsPending:
+            self._wait_for_parts(job)
+            return
         except RemoteUnavailable as e:
             self._failed(job, state, e)
             return
@@ -258,13 +271,26 @@ class Uploader:
         threads = self.options.remote_upload_threads
         if job.rank is not None and not os.path.isdir(store.snapshot_path(job.sid)):
             from snapd.remote import parts   # node-local roots (docs/remote.md)
-            parts.upload_part(self.remote, store, job.sid.name, job.rank, threads=threads)
-            if not parts.try_remote_commit(self.remote, store, job.sid.name):
-                return None   # the other ranks' parts are not all up yet
+            if not job.uploaded:   # a job waiting for other nodes only looks again
+                parts.upload_part(self.remote, store, job.sid.name, job.rank,
+                                  threads=threads)
+                job.uploaded = True
+            if not parts.settle_part(self.remote, store, job.sid.name):
+                raise _PartsPending()   # another node's parts are not all up yet
             return self.remote.read_record(job.run, job.sid.name)
         with pinned(store, job.sid) as pin:
             return upload_snapshot(self.remote, pin, job.sid.name, threads=threads,
                                    progress=progress)
+
+    def _wait_for_parts(self, job: Job) -> None:
+        """A part is up but the set is not: look again later (not an error; a newer
+        snapshot's part replaces the job, newest wins)."""
+        with self._cond:
+            retry = self._retry.setdefault(job.key, _Retry())
+            retry.delay = min(PARTS_POLL_MAX_S, max(PARTS_POLL_FIRST_S, retry.delay * 2))
+            retry.at = self.clock() + retry.delay
+            if job.key not in self._pending:
+                self._pending[job.key] = job
 
     def _failed(self, job: Job, state: RunState, error: BaseException) -> None:
         with self._cond:
@@ -311,6 +337,21 @@ class Uploader:
             except Exception as e:
                 log.warning("run %r: replicating the state log failed: %r", run, e)
                 return   # the remote is likely down: try again next interval
+
+
+def _unfinished_parts(store: RunStore, last: Optional[SnapshotId],
+                      local: List[SnapshotId]) -> List[Job]:
+    """Node-local roots: each rank's part in the newest ``.parts-*`` directory newer
+    than every commit, local or remote (a daemon killed before it uploaded them)."""
+    found = store.parts_dirs()
+    if not found:
+        return []
+    sid, path = found[-1]
+    if (last is not None and sid <= last) or (local and sid <= local[-1]):
+        return []
+    ranks = [int(n[len("rank-"):]) for n in os.listdir(path)
+             if n.startswith("rank-") and n[len("rank-"):].isdigit()]
+    return [Job(store.run, sid, 0, rank) for rank in sorted(ranks)]
 
 
 def _dir_bytes(store: RunStore, sid: SnapshotId) -> int:

@@ -12,7 +12,9 @@ Settings (JSON, all optional but root/run/out): ``steps``, ``snapshot_every``,
 ``batch_size`` (per rank), ``samples`` (dataset size), ``hidden``; ``pause_at``: after
 step k (its log and snapshot), write ``paused-<rank>`` in out and wait forever, for
 the test to SIGKILL the job; ``skip_part_at``: rank 1 does not take the snapshot of
-step k (a rank that never submits its part). At the end each rank writes
+step k (a rank that never submits its part); ``roots``: node-local roots, the ranks
+split evenly over them in order (rank R uses roots[R * len(roots) // world]), each
+with its daemon, as on nodes of their own. At the end each rank writes
 ``rank-<R>.npz`` (dump.py's keys) and ``rank-<R>.close.json`` (what close() raised,
 and how long it took); every step appends a line to ``rank-<R>.steps.jsonl``.
 """
@@ -129,7 +131,8 @@ def main() -> None:
     ckpt = None
     if cfg["snapd"]:
         from snapd_client import Client
-        ckpt = Client(cfg["root"], cfg["run"], cfg["data_version"])
+        roots = cfg.get("roots") or [cfg["root"]]
+        ckpt = Client(roots[rank * len(roots) // world], cfg["run"], cfg["data_version"])
         ckpt.track(model=ddp, optimizer=opt, scheduler=sched)
         batches = ckpt.batches(loader)
         step = ckpt.restore()
