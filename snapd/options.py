@@ -52,6 +52,8 @@ class Options:
     daemon: bool = True           # snapshot through the root's daemon; False: in-process
     writer_threads: int = 2
     hot_restore: bool = True
+    # Remote tier (docs/remote.md): committed snapshots replicated to an fsspec URL.
+    remote: Optional[str] = None  # s3://bucket/prefix or file:///shared/path; None: off
     # State log.
     log_flush_interval: float = 1.0
     log_segment_bytes: int = 64 << 20
