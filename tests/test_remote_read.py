@@ -317,3 +317,107 @@ def test_a_url_with_credentials_is_refused(tmp_path):
     with pytest.raises(RemoteUnavailable) as e:
         restore_on(str(tmp_path / "node-b"), url)
     assert "secret" not in str(e.value) and "environment" in str(e.value)
+
+
+# --- the commands on a remote URL ---------------------------------------------------
+
+def cli(*args: str):
+    from click.testing import CliRunner
+    from snapd.cli import main
+    return CliRunner().invoke(main, list(args), env={"COLUMNS": "200"},
+                              catch_exceptions=False)
+
+
+def test_ls_lists_remote_commits_and_names_an_upload_in_progress(remote):
+    remote.fs.pipe_file(remote.file_path(RUN, "00000006", "model.tensors"), b"half")
+    url = f"file://{remote.base}"
+    result = cli("ls", url, "--json")
+    assert result.exit_code == 0, result.output
+    import json
+    data = json.loads(result.output)
+    assert [(r["name"], r["step"], r["marks"], r["verified"]) for r in data["snapshots"]] \
+        == [("00000002", 2, [], "record ok"), ("00000004", 4, ["NEWEST"], "record ok")]
+    assert [w["name"] for w in data["incomplete"]] == ["00000006"]
+    table = cli("ls", RUN, "--root", url)
+    assert "00000004" in table.output and "upload in progress" in table.output
+
+
+def test_ls_verify_and_verify_name_a_damaged_remote_snapshot(remote):
+    damaged = remote_file(remote, "00000004", fmt.TENSOR_FILE_SUFFIX)
+    flip_byte(damaged, os.path.getsize(damaged) - 4096 + 7)
+    url = f"file://{remote.base}"
+    listed = cli("ls", url, "--verify")
+    assert listed.exit_code == 1 and "DAMAGED" in listed.output
+    one = cli("verify", f"{url}/{RUN}@2")
+    assert one.exit_code == 0 and "ok" in one.output
+    every = cli("verify", "--all", "--root", url)
+    assert every.exit_code == 1
+    assert f"DAMAGED {url}/{RUN}@4" in every.output and damaged in every.output
+
+
+def test_pull_brings_a_snapshot_down_that_local_commands_then_read(trained, tmp_path):
+    _, remote = trained
+    url, root = f"file://{remote.base}", str(tmp_path / "node-b")
+    result = cli("pull", url, f"{RUN}@2", "--root", root)
+    assert result.exit_code == 0, result.output
+    assert "verified" in result.output
+    assert RunStore(root, RUN).committed() == [SnapshotId(0, 2)]
+    assert cli("verify", f"{RUN}@latest", "--root", root).exit_code == 0
+    newest = cli("pull", url, RUN, "--root", root)
+    assert newest.exit_code == 0 and RunStore(root, RUN).read_pointer("LATEST") == \
+        SnapshotId(0, 4)
+
+
+def test_pull_of_a_damaged_or_absent_remote_snapshot_leaves_nothing(remote, tmp_path):
+    damaged = remote_file(remote, "00000004", fmt.TENSOR_FILE_SUFFIX)
+    flip_byte(damaged, os.path.getsize(damaged) - 4096 + 7)
+    url, root = f"file://{remote.base}", str(tmp_path / "node-b")
+    result = cli("pull", url, f"{RUN}@4", "--root", root)
+    assert result.exit_code == 1 and damaged in result.output
+    assert leftovers(root) == []
+    absent = cli("pull", url, f"{RUN}@3", "--root", root)
+    assert absent.exit_code == 2 and "00000002, 00000004" in absent.output
+
+
+def test_inspect_and_export_read_a_remote_snapshot(trained, tmp_path):
+    import json
+    from safetensors.torch import load_file
+    root, remote = trained
+    url = f"file://{remote.base}"
+    info = json.loads(cli("inspect", f"{url}/{RUN}@4", "--json").output)
+    assert (info["step"], sorted(info["objects"]), info["files_problem"]) == \
+        (4, ["model", "optimizer"], None)
+    assert info["path"] == f"file://{remote.snapshot_path(RUN, '00000004')}"
+    out = str(tmp_path / "w.safetensors")
+    result = cli("export", f"{RUN}@4", "--root", url, "-o", out)
+    assert result.exit_code == 0, result.output
+    model = train(str(tmp_path / "again"), steps=4, snapshot_at=())
+    saved = load_file(out)
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    assert not any(n.startswith("snapd-pull-") for n in os.listdir(tempfile_dir()))
+
+
+def tempfile_dir():
+    import tempfile
+    return tempfile.gettempdir()
+
+
+def test_status_of_a_remote_root_counts_from_the_newest_remote_commit(tmp_path):
+    import json
+    node_a = str(tmp_path / "node-a")
+    train(node_a, steps=5, snapshot_at=(3,))
+    remote = RemoteRoot(f"file://{tmp_path}/remote")
+    copy_up(remote, node_a, "00000003")
+    log_up(remote, node_a)
+    result = cli("status", f"file://{tmp_path}/remote", "--json")
+    assert result.exit_code == 0, result.output
+    [row] = json.loads(result.output)["runs"]
+    assert (row["run"], row["reached"], row["committed"], row["at_risk"],
+            row["remote_commits"]) == (RUN, 5, "00000003", 2, 1)
+    assert "00000003" in cli("status", f"file://{tmp_path}/remote").output
+
+
+def test_a_url_with_credentials_is_refused_by_the_commands():
+    result = cli("ls", "s3://AKIA:secret@bucket/prefix")
+    assert result.exit_code == 1 and "secret" not in result.output
+    assert "environment" in result.output

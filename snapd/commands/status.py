@@ -24,6 +24,7 @@ import click
 from rich.table import Table
 
 from snapd import statelog
+from snapd.commands import remote
 from snapd.commands.common import console, emit_json, resolve_root
 from snapd.liveview import job_lines, jobs_of
 from snapd.recovery import RunProgress, read_progress
@@ -97,13 +98,18 @@ def status(root: str | None, as_json: bool) -> None:
     """Runs, last step, steps/s, last committed snapshot and its age, updates at risk,
     last resume and its replay verdict; for a multi-rank run, its world size, each
     rank's last step, the last global commit and incomplete snapshots (ranks
-    missing). Reads only logs, manifests and commit records.
+    missing). Reads only logs, manifests and commit records. On a remote root
+    (snapd status s3://bucket/prefix): each run's replicated log against its newest
+    remote commit ("at risk": what a restore from the remote would recompute).
 
     Example: snapd status checkpoints --json
     """
-    base = resolve_root(root)
-    rows = collect(base)
-    jobs = jobs_of(base, rows)
+    if remote.is_url(root):   # the replicated logs against the remote commits
+        rows, jobs = remote.status_rows(root), []
+    else:
+        base = resolve_root(root)
+        rows = collect(base)
+        jobs = jobs_of(base, rows)
     if as_json:
         emit_json({"runs": rows, "jobs": jobs})
         return

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
@@ -39,6 +40,10 @@ from snapd.remote.layout import RemoteRoot, check_relpath, record_files, redact
 from snapd.store import DIR_MODE, RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
+
+# The names the log's readers list (snapd/statelog.py): anything else under the
+# remote log is ignored, never written locally.
+_RANK, _SEGMENT = re.compile(r"^rank-(\d{5,})$"), re.compile(r"^\d{12}\.log$")
 
 Progress = transfer.Progress
 
@@ -94,7 +99,7 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
         return final
     with reaching(remote, f"reading the record of {store.run}/{name}"):
         record = remote.read_record(store.run, name)                       # 1.
-        _check_listing(remote, store.run, name, record)                    # 2.
+        check_listing(remote, store.run, name, record)                    # 2.
     store.ensure()
     need = int(record["bytes"])
     min_free = Options().min_free_bytes if min_free_bytes is None else min_free_bytes
@@ -113,11 +118,11 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
     latest = store.read_pointer("LATEST")
     if latest is None or latest not in store.committed() or sid > latest:
         store.write_pointer("LATEST", sid)
-    log.info("run %r: pulled %s from %s (%d bytes)", store.run, name, remote.url, need)
+    log.debug("run %r: pulled %s from %s (%d bytes)", store.run, name, remote.url, need)
     return final
 
 
-def _check_listing(remote: RemoteRoot, run: str, name: str,
+def check_listing(remote: RemoteRoot, run: str, name: str,
                    record: Dict[str, Any]) -> None:
     """Step 2: what is under ``snapshots/<name>/`` has every file the record lists,
     at its size."""
@@ -251,24 +256,23 @@ def pull_log(remote: RemoteRoot, store: RunStore) -> List[int]:
                     os.unlink(tmp)
         pulled.append(rank)
     if pulled:
-        log.info("run %r: state log of rank(s) %s pulled from %s", store.run,
+        log.debug("run %r: state log of rank(s) %s pulled from %s", store.run,
                  ", ".join(map(str, pulled)), remote.url)
     return pulled
 
 
 def _remote_log(remote: RemoteRoot, run: str) -> Dict[int, List[tuple]]:
-    """rank -> [(segment name, remote path)], names checked as the log's readers
-    check them (anything else on the remote is ignored, never written locally)."""
+    """rank -> [(segment name, remote path)] of the run's replicated log."""
     from snapd import statelog
     out: Dict[int, List[tuple]] = {}
     for path in remote._ls(remote.log_path(run)):
         leaf = path.rstrip("/").rsplit("/", 1)[-1]
-        match = statelog._RANK_NAME.match(leaf)
+        match = _RANK.match(leaf)
         if match is None or statelog.rank_dir("", int(match.group(1))).name != leaf:
             continue
         rank = int(match.group(1))
         segs = sorted((p.rstrip("/").rsplit("/", 1)[-1], p) for p in remote._ls(path))
-        segs = [(n, p) for n, p in segs if statelog._SEGMENT_NAME.match(n)]
+        segs = [(n, p) for n, p in segs if _SEGMENT.match(n)]
         if segs:
             out[rank] = segs
     return out
