@@ -16,11 +16,15 @@ what the lost node logged.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Optional
 
 from snapd.errors import CorruptSnapshot, InsufficientSpace, RemoteUnavailable
 from snapd.store import RunStore, SnapshotId
+
+
+logger = logging.getLogger(__name__)
 
 
 class RemoteWarning(UserWarning):
@@ -39,7 +43,8 @@ def pull_newer(store: RunStore, url: str, *, min_free_bytes: int,
         remote = RemoteRoot(url)
         with reaching(remote, f"listing the commits of {store.run}"):
             commits = remote.commits(store.run)
-        pull_log(remote, store)
+        if pull_log(remote, store):
+            logger.info(f"run {store.run}: state log brought down from {remote.url}")
     except RemoteUnavailable as e:
         _warn(f"the remote tier is not reachable, restoring from the local disk only: {e}")
         return None
@@ -48,6 +53,7 @@ def pull_newer(store: RunStore, url: str, *, min_free_bytes: int,
     for sid in newer:
         try:
             pull(remote, store, sid.name, threads=threads, min_free_bytes=min_free_bytes)
+            logger.info(f"run {store.run}: pulled {sid.name} from {remote.url}, verified")
             return sid
         except CorruptSnapshot as e:
             _warn(f"remote snapshot {store.run}/{sid.name} refused: {e}; trying an older "
