@@ -8,8 +8,11 @@ and the record written last, as the daemon's uploader does (docs/remote.md).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
+import tempfile
 import warnings
 
 import pytest
@@ -98,7 +101,6 @@ def trained(tmp_path_factory):
 @pytest.fixture
 def remote(trained, tmp_path):
     """A private copy of the remote, free to damage."""
-    import shutil
     shutil.copytree(trained[1].base, str(tmp_path / "remote"))
     return RemoteRoot(f"file://{tmp_path}/remote")
 
@@ -269,7 +271,6 @@ def test_a_damaged_newest_remote_snapshot_falls_back_to_the_older(remote, tmp_pa
 
 def test_an_unreachable_remote_warns_and_restores_from_the_local_disk(trained, tmp_path):
     root, _ = trained
-    import shutil
     local = str(tmp_path / "node-a")
     shutil.copytree(root, local)
     blocker = tmp_path / "not-a-directory"
@@ -283,7 +284,6 @@ def test_an_unreachable_remote_warns_and_restores_from_the_local_disk(trained, t
 
 def test_a_local_snapshot_as_new_as_the_remote_is_not_pulled(trained, tmp_path):
     root, remote = trained
-    import shutil
     local = str(tmp_path / "node-a")
     shutil.copytree(root, local)
     url = f"file://{remote.base}"
@@ -333,7 +333,6 @@ def test_ls_lists_remote_commits_and_names_an_upload_in_progress(remote):
     url = f"file://{remote.base}"
     result = cli("ls", url, "--json")
     assert result.exit_code == 0, result.output
-    import json
     data = json.loads(result.output)
     assert [(r["name"], r["step"], r["marks"], r["verified"]) for r in data["snapshots"]] \
         == [("00000002", 2, [], "record ok"), ("00000004", 4, ["NEWEST"], "record ok")]
@@ -380,7 +379,6 @@ def test_pull_of_a_damaged_or_absent_remote_snapshot_leaves_nothing(remote, tmp_
 
 
 def test_inspect_and_export_read_a_remote_snapshot(trained, tmp_path):
-    import json
     from safetensors.torch import load_file
     root, remote = trained
     url = f"file://{remote.base}"
@@ -398,12 +396,10 @@ def test_inspect_and_export_read_a_remote_snapshot(trained, tmp_path):
 
 
 def tempfile_dir():
-    import tempfile
     return tempfile.gettempdir()
 
 
 def test_status_of_a_remote_root_counts_from_the_newest_remote_commit(tmp_path):
-    import json
     node_a = str(tmp_path / "node-a")
     train(node_a, steps=5, snapshot_at=(3,))
     remote = RemoteRoot(f"file://{tmp_path}/remote")
@@ -421,3 +417,23 @@ def test_a_url_with_credentials_is_refused_by_the_commands():
     result = cli("ls", "s3://AKIA:secret@bucket/prefix")
     assert result.exit_code == 1 and "secret" not in result.output
     assert "environment" in result.output
+
+
+def test_a_pull_that_loses_the_race_to_another_keeps_the_first(trained, tmp_path):
+    """Two pulls of one snapshot (two ranks of a node): the second rename finds the
+    first one's directory, keeps it and leaves no tmp dir."""
+    _, remote = trained
+    store = RunStore(str(tmp_path / "node-b"), RUN)
+    first = pull(remote, store, "00000004")
+    inode = os.stat(first).st_ino
+    os.rename(first, first + "-aside")   # let the second pull run its whole course ...
+    real = os.rename
+
+    def rename_after_the_other(src, dst):
+        if dst == first:
+            real(first + "-aside", first)   # ... and the first win the rename
+        return real(src, dst)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "rename", rename_after_the_other)
+        assert pull(remote, store, "00000004") == first
+    assert os.stat(first).st_ino == inode and leftovers(store.root) == ["00000004"]

@@ -109,7 +109,8 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
         _download(remote, store.run, name, record, tmp, threads, progress)  # 4.
         _verify(remote, store.run, sid, record, tmp)                        # 5.
         _fsync_tree(tmp)                                                    # 6.
-        fsio.publish_directory(tmp, final)
+        if _publish(tmp, final):
+            return final
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and diskguard.is_enospc(e):
@@ -120,6 +121,19 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
         store.write_pointer("LATEST", sid)
     log.debug("run %r: pulled %s from %s (%d bytes)", store.run, name, remote.url, need)
     return final
+
+
+def _publish(tmp: str, final: str) -> bool:
+    """The rename that commits; True when another pull (a second rank of this node)
+    committed the same snapshot first: ours is dropped and theirs kept."""
+    try:
+        fsio.publish_directory(tmp, final)
+        return False
+    except OSError:
+        if not os.path.isdir(final):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return True
 
 
 def check_listing(remote: RemoteRoot, run: str, name: str,
