@@ -26,6 +26,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "gc": ("gc", "Apply retention; never deletes the last verified snapshot."),
     "export": ("export", "Model weights only, as safetensors, with lineage metadata."),
     "plot": ("plot", "Loss over steps from the log, snapshots and resumes marked."),
+    "pull": ("pull", "Bring one remotely committed snapshot down into a root, verified."),
 }
 
 

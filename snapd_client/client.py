@@ -33,10 +33,11 @@ from snapd.errors import InvalidOption
 from snapd.options import Options
 from snapd.recovery import RunProgress, read_progress
 from snapd.runlock import RunLock
-from snapd.store import RunStore
+from snapd.store import RunStore, SnapshotId
 from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
 from snapd_client.distrestore import begin_reshard, restore_ranks, world_size_of
+from snapd_client.fromremote import pull_newer
 from snapd_client import tracking
 from snapd_client.handle import CloseSummary, SnapshotHandle, part_of
 from snapd_client.handoff import Handoff
@@ -120,7 +121,8 @@ class Client:
         self._summary: Optional[CloseSummary] = None
         self.lineage: Dict[str, Any] = {"id": 0, "mode": "fresh", "parent": None}
         self.restored: Optional[Loaded] = None
-        self.restored_from: Optional[str] = None  # "hot" (daemon memory), "disk", "remote"
+        # "hot" (daemon memory), "disk", or "remote" (pulled from the remote tier)
+        self.restored_from: Optional[str] = None
         self.daemon = self.options.daemon if daemon is None else daemon
         self._handoff = Handoff(self.store, self.rank, self.options) if self.daemon else None
         self._outcomes = Outcomes(self.store, self._handoff,
@@ -328,6 +330,7 @@ class Client:
                 return begin_reshard(self, loaded, sorted(_omit), world)
             return self._begin_resume(loaded, sorted(_omit))
         self._settle_daemon_writes()
+        pulled = self._pull_from_remote()
         hot = None
         if self._handoff is not None and self.options.hot_restore:
             hot = self._handoff.hot_source()  # never starts a daemon just to restore
@@ -343,11 +346,21 @@ class Client:
                 hot.close()
         if loaded is None:
             return self._nothing_to_resume()
-        self.restored_from = "hot" if hot is not None and hot.used else "disk"
+        self.restored_from = "remote" if loaded.sid == pulled else \
+            "hot" if hot is not None and hot.used else "disk"
         self._apply(loaded, set(_omit))
         self.restored = loaded
         self.lineage = dict(loaded.manifest["lineage"])
         return self._begin_resume(loaded, sorted(_omit))
+
+    def _pull_from_remote(self) -> Optional[SnapshotId]:
+        """With ``remote`` set, a newer remote commit (and an empty log's replica)
+        brought down first (snapd_client/fromremote.py); a read-only client writes
+        nothing, so it restores from what is local."""
+        if not self.options.remote or self.read_only:
+            return None
+        return pull_newer(self.store, self.options.remote,
+                          min_free_bytes=self.options.min_free_bytes)
 
     def _nothing_to_resume(self) -> int:
         if self.recovery.furthest:

@@ -38,7 +38,8 @@ import torch
 
 from snapd.commands.common import (ROOT_HELP, Snapshot as SnapshotReader, fail, open_reader,
                                    optional_import, state_leaves)
-from snapd.commands.locate import Located, locate
+from snapd.commands import remote
+from snapd.commands.locate import Located
 from snapd.errors import CorruptSnapshot
 from snapd.skeleton import unflatten
 from snapd.text import count, human_bytes
@@ -233,15 +234,16 @@ def export(snapshot: str, fmt: str, output: str, wanted: Optional[str],
     model's keys lose their "module." prefix, so they load into the bare model.
 
     SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), RUN or
-    RUN@latest (its LATEST), or RUN@best, relative to --root.
+    RUN@latest (its LATEST), or RUN@best, relative to --root; or URL/RUN@STEP on a
+    remote root (pulled into a temporary directory, every checksum checked).
 
     Example: snapd export gpt-small@best -o gpt-small.safetensors --root checkpoints
     """
     save_file = None if fmt == "dcp" else \
         optional_import("safetensors.torch", "export", "export").save_file
-    loc = locate(snapshot, root)
-    reader = open_reader(loc.path, objects=[wanted] if wanted else [])  # files on read
-    if fmt == "dcp":
-        export_dcp(loc, reader, wanted, output)
-    else:
-        export_safetensors(loc, reader, wanted, output, save_file)
+    with remote.located(snapshot, root) as loc:   # a remote one pulled, then removed
+        reader = open_reader(loc.path, objects=[wanted] if wanted else [])  # files on read
+        if fmt == "dcp":
+            export_dcp(loc, reader, wanted, output)
+        else:
+            export_safetensors(loc, reader, wanted, output, save_file)

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from snapd.commands import inspectparts
+from snapd.commands import inspectparts, remote
 from snapd.commands.common import (ROOT_HELP, console, emit_json, files_bytes, is_multirank,
                                    read_manifest)
 from snapd.commands.locate import locate
@@ -143,14 +143,18 @@ def inspect(snapshot: str, root: Optional[str], as_json: bool) -> None:
     are sharded and which replicated (stored once, by which rank).
 
     SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), RUN or
-    RUN@latest (its LATEST), or RUN@best, relative to --root.
+    RUN@latest (its LATEST), or RUN@best, relative to --root; or URL/RUN@STEP on a
+    remote root (its manifest, the files checked in the remote listing).
 
     Example: snapd inspect gpt-small@latest --root checkpoints
     """
-    loc = locate(snapshot, root)
-    info = inspectparts.summary(loc.path) if is_multirank(loc.path) else \
-        summary(loc.path, read_manifest(loc.path))
-    info["snapshot"] = loc.label
+    if remote.is_url(snapshot) or remote.is_url(root):
+        info = remote.inspect_info(snapshot, root)
+    else:
+        loc = locate(snapshot, root)
+        info = inspectparts.summary(loc.path) if is_multirank(loc.path) else \
+            summary(loc.path, read_manifest(loc.path))
+        info["snapshot"] = loc.label
     if as_json:
         emit_json(info)
     else:

@@ -20,6 +20,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
+from snapd.commands import remote
 from snapd.commands.common import (ROOT_HELP, console as out_console, emit_json, files_bytes,
                                    resolve_root, run_dir)
 from snapd.commands.locate import Located
@@ -123,13 +124,22 @@ def ls(run: Optional[str], root: Optional[str], verify: bool, as_json: bool) -> 
     incomplete multi-rank snapshots (ranks present and missing). Exit code 1 if
     --verify (or a manifest) finds damage.
 
+    On a remote root (snapd ls s3://bucket/prefix, or RUN --root URL): its remote
+    commits, from their records (--verify pulls each and checks every checksum).
+
     Example: snapd ls gpt-small --root checkpoints --verify
     """
-    base = resolve_root(root)
-    if run is not None:
-        run_dir(base, run)
-    runs = [run] if run else list_runs(base)
-    rows, waiting = collect(base, runs, verify), incomplete_rows(base, runs)
+    if remote.is_url(run) or remote.is_url(root):   # a remote root (snapd/commands/remote.py)
+        base, run = (root, run) if remote.is_url(root) else (run, None)
+        rows, waiting = remote.ls_rows(base, run, verify)
+        say_waiting = remote.waiting_line
+    else:
+        base = resolve_root(root)
+        if run is not None:
+            run_dir(base, run)
+        runs = [run] if run else list_runs(base)
+        rows, waiting = collect(base, runs, verify), incomplete_rows(base, runs)
+        say_waiting = incomplete_line
     if as_json:
         emit_json({"root": base, "snapshots": rows, "incomplete": waiting})
     else:
@@ -144,6 +154,6 @@ def ls(run: Optional[str], root: Optional[str], verify: bool, as_json: bool) -> 
                 console.print(f"[red]{r['run']}/{r['name']}[/red]: {escape(r['error'])}",
                               highlight=False, soft_wrap=True)
         for entry in waiting:
-            console.print(escape(incomplete_line(entry)), highlight=False, soft_wrap=True)
+            console.print(escape(say_waiting(entry)), highlight=False, soft_wrap=True)
     if any(r["verified"] == "DAMAGED" for r in rows):
         raise SystemExit(1)

@@ -24,6 +24,7 @@ import click
 from rich.table import Table
 
 from snapd import statelog
+from snapd.commands import remote
 from snapd.commands.common import console, emit_json, resolve_root
 from snapd.liveview import DaemonProbe, job_lines, jobs_of, remote_lines
 from snapd.recovery import RunProgress, read_progress
@@ -99,16 +100,21 @@ def status(root: str | None, as_json: bool) -> None:
     rank's last step, the last global commit and incomplete snapshots (ranks
     missing). Reads only logs, manifests and commit records; with a daemon serving
     ROOT with a remote tier, also each run's remote lag (last remote commit, steps and
-    bytes behind, last error), from the daemon.
+    bytes behind, last error), from the daemon. On a remote root (snapd status
+    s3://bucket/prefix): each run's replicated log against its newest remote commit
+    ("at risk": what a restore from the remote would recompute).
 
     Example: snapd status checkpoints --json
     """
-    base = resolve_root(root)
-    rows = collect(base)
-    jobs = jobs_of(base, rows)
-    remote = _remote_status(base)
+    if remote.is_url(root):   # the replicated logs against the remote commits
+        rows, jobs, lag = remote.status_rows(root), [], None
+    else:
+        base = resolve_root(root)
+        rows = collect(base)
+        jobs = jobs_of(base, rows)
+        lag = _remote_status(base)
     if as_json:
-        emit_json({"runs": rows, "jobs": jobs, "remote": remote})
+        emit_json({"runs": rows, "jobs": jobs, "remote": lag})
         return
     _say_damage(rows)
     if not rows:
@@ -118,7 +124,7 @@ def status(root: str | None, as_json: bool) -> None:
         out.print(render(rows))
         for line in (line for job in jobs for line in job_lines(job)):
             out.print(line, highlight=False, markup=False, soft_wrap=True)
-    for line in remote_lines(remote, time.time()):
+    for line in remote_lines(lag, time.time()):
         console().print(line, highlight=False, markup=False, soft_wrap=True)
 
 

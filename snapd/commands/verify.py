@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
 
+from snapd.commands import remote
 from snapd.commands.common import ROOT_HELP, emit_json, resolve_root, run_dir
 from snapd.commands.locate import Located, committed_of, locate
 from snapd.errors import CorruptSnapshot, SnapdError
@@ -149,16 +150,25 @@ def verify(snapshot: Optional[str], all_: bool, run: Optional[str], root: Option
     there is nothing to verify.
 
     SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), RUN or
-    RUN@latest (its LATEST), or RUN@best, relative to --root.
+    RUN@latest (its LATEST), or RUN@best, relative to --root. On a remote root,
+    URL/RUN@STEP (or RUN@STEP --root URL; --all --root URL): pulled into a temporary
+    directory and checked there.
 
     Example: snapd verify --all --root checkpoints
     """
-    targets = _targets(snapshot, all_, run, root)
+    if remote.is_url(snapshot) or remote.is_url(root):   # pulled, then checked
+        if not (snapshot or all_ or run):
+            raise click.UsageError("give a SNAPSHOT to verify, or --all (--run RUN: one run)")
+        targets = remote.verify_targets(snapshot, all_, run, root)
+        check_one = remote.verify_one
+    else:
+        targets = _targets(snapshot, all_, run, root)
+        check_one = None
     if not targets:
         click.echo("no committed snapshot to verify", err=True)
         raise SystemExit(2)
     show = sys.stderr.isatty() if progress is None else progress
-    results = run_checks(targets, show)
+    results = [check_one(t) for t in targets] if check_one else run_checks(targets, show)
     bad = [r for r in results if not r["ok"]]
     if as_json:
         emit_json({"ok": not bad, "snapshots": results})

@@ -1,0 +1,292 @@
+"""Bringing a remotely committed snapshot, and the replicated log, onto the local disk.
+
+A pull is a local commit whose bytes come from the remote root (docs/remote.md,
+"Reading"), in this order:
+
+1. The remote commit record, decoded and checked (layout.decode_record: names,
+   sizes, the top file). Nothing else on the remote is looked at without it.
+2. The listing of ``snapshots/<name>/`` against the record: a file missing or of
+   another size is damage, found before a byte is downloaded.
+3. Free space on the local disk for the record's bytes (snapd/diskguard.py).
+4. Every file downloaded into a tmp dir of the local run (the store's ``.tmp-``
+   naming: no reader lists it, ``gc --collect-tmp`` removes an abandoned one), its
+   size checked again and the top file's xxh3 against the record's.
+5. Every checksum verified by the local readers (SnapshotReader, or GlobalSnapshot
+   for many ranks), the manifest's run, step and lineage against the name.
+6. The files and the tmp dir fsynced, then the rename that commits it, as a local
+   commit does (fsio.publish_directory); LATEST moved when the snapshot is newer.
+
+Any failure removes the tmp dir. Damage raises CorruptSnapshot naming the remote
+file; a remote that cannot be reached raises RemoteUnavailable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional
+
+from snapd import diskguard, fsio
+from snapd import format as fmt
+from snapd.errors import CorruptSnapshot, RemoteUnavailable, SnapdError
+from snapd.globalsnap import GlobalSnapshot
+from snapd.options import Options
+from snapd.reader import SnapshotReader
+from snapd.remote import transfer
+from snapd.remote.layout import RemoteRoot, check_relpath, record_files, redact
+from snapd.store import DIR_MODE, RunStore, SnapshotId
+
+log = logging.getLogger(__name__)
+
+# The names the log's readers list (snapd/statelog.py): anything else under the
+# remote log is ignored, never written locally.
+_RANK, _SEGMENT = re.compile(r"^rank-(\d{5,})$"), re.compile(r"^\d{12}\.log$")
+
+Progress = transfer.Progress
+
+
+def refuse_credentials(url: str, *, where: str) -> str:
+    """A URL the user gave, refused when it carries ``user:password@``: credentials
+    come from the environment and are never written where snapd writes."""
+    if isinstance(url, str) and redact(url) != url:
+        raise RemoteUnavailable(f"{where}: {redact(url)} was given with a user or password "
+                                "in the URL; put credentials in the environment (AWS_* "
+                                "variables, fsspec configuration) and give the URL "
+                                "without them", path=redact(url), field="remote")
+    return url
+
+
+def is_remote_failure(error: BaseException) -> bool:
+    """An error of reaching the store (network, server, permissions), not of what it
+    holds: the caller goes on without the remote."""
+    if isinstance(error, RemoteUnavailable):
+        return True
+    if isinstance(error, SnapdError):
+        return False
+    module = type(error).__module__ or ""
+    return isinstance(error, (OSError, ConnectionError, TimeoutError)) or \
+        module.startswith(("botocore", "aiobotocore", "aiohttp", "s3fs"))
+
+
+@contextmanager
+def reaching(remote: RemoteRoot, what: str) -> Iterator[None]:
+    """Errors of reaching the store inside, as RemoteUnavailable naming the URL."""
+    try:
+        yield
+    except BaseException as e:
+        if not is_remote_failure(e) or isinstance(e, RemoteUnavailable):
+            raise
+        raise RemoteUnavailable(f"remote {remote.url}: {what} failed: {e!r}; check the "
+                                "URL, the network and the AWS variables (the remote is "
+                                "left as it is)", path=remote.url, field="remote") from e
+
+
+def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
+         progress: Progress = None,
+         min_free_bytes: Optional[int] = None) -> str:
+    """Commit remote snapshot ``name`` of ``store.run`` locally (the module's steps);
+    returns its local directory. One already committed locally is kept as it is."""
+    sid = SnapshotId.parse(name)
+    if sid is None:
+        raise SnapdError(f"{name!r} is not a snapshot name (8+ digits, optionally "
+                         "'.L<lineage>')", path=str(name), field="name")
+    final = store.snapshot_path(sid)
+    if os.path.isdir(final):
+        log.info("run %r: %s is already committed locally; not pulled", store.run, name)
+        return final
+    with reaching(remote, f"reading the record of {store.run}/{name}"):
+        record = remote.read_record(store.run, name)                       # 1.
+        check_listing(remote, store.run, name, record)                    # 2.
+    store.ensure()
+    need = int(record["bytes"])
+    min_free = Options().min_free_bytes if min_free_bytes is None else min_free_bytes
+    diskguard.ensure_space(store.root, need, min_free)                     # 3.
+    tmp = store.new_tmp_dir(sid)
+    try:
+        _download(remote, store.run, name, record, tmp, threads, progress)  # 4.
+        _verify(remote, store.run, sid, record, tmp)                        # 5.
+        _fsync_tree(tmp)                                                    # 6.
+        if _publish(tmp, final):
+            return final
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and diskguard.is_enospc(e):
+            raise diskguard.from_enospc(e, store.root, need) from e
+        raise
+    latest = store.read_pointer("LATEST")
+    if latest is None or latest not in store.committed() or sid > latest:
+        store.write_pointer("LATEST", sid)
+    log.debug("run %r: pulled %s from %s (%d bytes)", store.run, name, remote.url, need)
+    return final
+
+
+def _publish(tmp: str, final: str) -> bool:
+    """The rename that commits; True when another pull (a second rank of this node)
+    committed the same snapshot first: ours is dropped and theirs kept."""
+    try:
+        fsio.publish_directory(tmp, final)
+        return False
+    except OSError:
+        if not os.path.isdir(final):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return True
+
+
+def check_listing(remote: RemoteRoot, run: str, name: str,
+                   record: Dict[str, Any]) -> None:
+    """Step 2: what is under ``snapshots/<name>/`` has every file the record lists,
+    at its size."""
+    found = remote.uploaded_files(run, name)
+    for f in record_files(record):
+        where = remote.where(remote.file_path(run, name, f.relpath))
+        if f.relpath not in found:
+            raise CorruptSnapshot(f"{where}: listed in the remote commit record but "
+                                  "missing; the remote snapshot is damaged, use an older "
+                                  "one", path=where, field="files")
+        if found[f.relpath] != f.size:
+            raise CorruptSnapshot(f"{where}: {found[f.relpath]} bytes, the remote commit "
+                                  f"record says {f.size} (field files); the remote "
+                                  "snapshot is damaged, use an older one", path=where,
+                                  field="size")
+
+
+def _download(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
+              tmp: str, threads: int, progress: Progress) -> None:
+    """Step 4: every file into ``tmp``, owner-only, each size checked after."""
+    files = record_files(record)
+    for sub in sorted({f.relpath.split("/")[0] for f in files if "/" in f.relpath}):
+        os.mkdir(os.path.join(tmp, sub), DIR_MODE)
+    pairs = [(remote.file_path(run, name, f.relpath),
+              os.path.join(tmp, check_relpath(f.relpath, where=remote.url)))
+             for f in files]
+    with reaching(remote, f"downloading {run}/{name}"):
+        transfer.get_files(remote.fs, pairs, threads=threads,
+                           sizes=[f.size for f in files], progress=progress,
+                           where=remote.url)
+    for f, (source, local) in zip(files, pairs):
+        os.chmod(local, fsio.FILE_MODE)
+        size = os.lstat(local).st_size
+        if size != f.size:
+            where = remote.where(source)
+            raise CorruptSnapshot(f"{where}: {size} bytes downloaded, the remote commit "
+                                  f"record says {f.size}; the remote snapshot changed or "
+                                  "is damaged, use an older one", path=where, field="size")
+    top = os.path.join(tmp, record["top"])
+    with open(top, "rb") as handle:
+        if fmt.checksum(handle.read()) != record["top_xxh3"]:
+            where = remote.where(remote.file_path(run, name, record["top"]))
+            raise CorruptSnapshot(f"{where}: its xxh3 is not the remote commit record's "
+                                  "top_xxh3; the remote snapshot is damaged, use an older "
+                                  "one", path=where, field="top_xxh3")
+
+
+def _verify(remote: RemoteRoot, run: str, sid: SnapshotId, record: Dict[str, Any],
+            tmp: str) -> None:
+    """Step 5: every checksum, as ``snapd verify`` checks them; damage is named by the
+    remote file it came from."""
+    base = remote.where(remote.snapshot_path(run, sid.name))
+    try:
+        if record["world_size"] > 1:
+            snap = GlobalSnapshot(tmp)
+            snap.verify()
+            found = snap.record
+        else:
+            reader = SnapshotReader(tmp)
+            reader.verify()
+            found = reader.manifest
+        _check_identity(found, run, sid, record, os.path.join(tmp, record["top"]))
+    except CorruptSnapshot as e:
+        where = _remote_name(e.path, tmp, base)
+        raise CorruptSnapshot(str(e).replace(tmp, base), path=where,
+                              field=e.field) from e
+
+
+def _check_identity(found: Dict[str, Any], run: str, sid: SnapshotId,
+                    record: Dict[str, Any], top: str) -> None:
+    """The top file is of this run, step, lineage and world size: a record must not
+    vouch for another snapshot's files."""
+    lineage = found.get("lineage") or {}
+    theirs = (found.get("run"), found.get("step"), lineage.get("id", 0),
+              found.get("world_size", 1))
+    want = (run, sid.step, sid.lineage, record["world_size"])
+    for field, a, b in zip(("run", "step", "lineage", "world_size"), theirs, want):
+        if a != b:
+            raise CorruptSnapshot(f"{top}: field {field} is {a!r}, but the snapshot is "
+                                  f"filed as {b!r}; the remote snapshot was moved or is "
+                                  "hostile, use an older one", path=top, field=field)
+
+
+def _remote_name(path: Optional[str], tmp: str, base: str) -> str:
+    if path and (path == tmp or path.startswith(tmp + os.sep)):
+        return base + path[len(tmp):]
+    return base
+
+
+def _fsync_tree(tmp: str) -> None:
+    """Step 6's first half: each file's bytes and each directory's entries durable
+    before the rename publishes them."""
+    for directory, _, names in os.walk(tmp, topdown=False):
+        for n in names:
+            fd = os.open(os.path.join(directory, n), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsio.fsync_dir(directory)
+
+
+# --- the state log -----------------------------------------------------------------
+
+def pull_log(remote: RemoteRoot, store: RunStore) -> List[int]:
+    """The replicated state log of ``store.run``, for each rank whose local log has no
+    segment (a new node): so that recovery planning and the replay check see what
+    the lost node logged. Returns the ranks brought down; a local log is never
+    replaced or mixed with the remote one."""
+    from snapd import statelog   # the log's naming rules, one place
+    pulled = []
+    with reaching(remote, f"listing the log of {store.run}"):
+        ranks = _remote_log(remote, store.run)
+    for rank, segments in sorted(ranks.items()):
+        local = statelog.rank_dir(store.path, rank)
+        if statelog.list_segments(store.path, rank):
+            continue
+        store.ensure()
+        os.makedirs(local, mode=DIR_MODE, exist_ok=True)
+        tmp_pairs = [(src, os.path.join(local, f".pull-{leaf}")) for leaf, src in segments]
+        try:
+            with reaching(remote, f"downloading the log of {store.run} rank {rank}"):
+                transfer.get_files(remote.fs, tmp_pairs, where=remote.url)
+            for (_, tmp), (leaf, _) in zip(tmp_pairs, segments):
+                os.chmod(tmp, fsio.FILE_MODE)
+                os.replace(tmp, os.path.join(local, leaf))
+            fsio.fsync_dir(str(local))
+        finally:
+            for _, tmp in tmp_pairs:
+                if os.path.lexists(tmp):
+                    os.unlink(tmp)
+        pulled.append(rank)
+    if pulled:
+        log.debug("run %r: state log of rank(s) %s pulled from %s", store.run,
+                 ", ".join(map(str, pulled)), remote.url)
+    return pulled
+
+
+def _remote_log(remote: RemoteRoot, run: str) -> Dict[int, List[tuple]]:
+    """rank -> [(segment name, remote path)] of the run's replicated log."""
+    from snapd import statelog
+    out: Dict[int, List[tuple]] = {}
+    for path in remote._ls(remote.log_path(run)):
+        leaf = path.rstrip("/").rsplit("/", 1)[-1]
+        match = _RANK.match(leaf)
+        if match is None or statelog.rank_dir("", int(match.group(1))).name != leaf:
+            continue
+        rank = int(match.group(1))
+        segs = sorted((p.rstrip("/").rsplit("/", 1)[-1], p) for p in remote._ls(path))
+        segs = [(n, p) for n, p in segs if _SEGMENT.match(n)]
+        if segs:
+            out[rank] = segs
+    return out
