@@ -148,10 +148,13 @@ class RemoteRoot:
         if fs is None:
             import fsspec  # imported here: a root with no remote never pays for it
             # A local (shared, mounted) filesystem makes parent directories as it
-            # writes, as object stores do.
+            # writes, as object stores do. fsspec would hand back one instance per
+            # set of arguments, made under the environment of its first use (the
+            # endpoint, the credentials); a remote root takes the environment of now.
             local = url.startswith(("file://", "local://"))
+            kwargs = {"auto_mkdir": True} if local else {}
             try:
-                fs, base = fsspec.core.url_to_fs(url, **({"auto_mkdir": True} if local else {}))
+                fs, base = fsspec.core.url_to_fs(url, skip_instance_cache=True, **kwargs)
             except (ImportError, ValueError) as e:
                 raise RemoteUnavailable(f"remote {self.url}: {e}; for s3:// install s3fs "
                                   "(pip install 'snapd[remote]')", path=self.url,
