@@ -67,13 +67,16 @@ class Hello:
 
 @dataclass
 class Attach:
-    """Map the client's staging arena: a shared-memory segment of ``slots`` slots."""
+    """Map the client's staging arena: a shared-memory segment of ``slots`` slots.
+    ``hot``: one slot is to spare, and the daemon holds the slot of the latest
+    commit as the run's hot copy (it renames the file instead of unlinking it)."""
     op = "attach"
     run: str
     rank: int
     shm: str
     size: int
     slots: int
+    hot: bool = False
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 from snapd import protocol as p
-from snapd.arena_map import MappedArena, check_arena_owner
+from snapd.arena_map import MappedArena, check_arena_owner, hot_segment_name
 from snapd.errors import DaemonUnavailable, InvalidOption, ProtocolError, SnapdError
 from snapd.options import SUBMIT_OPTIONS, Options
 from snapd.plan import SnapshotPlan, from_descriptor
@@ -333,7 +333,17 @@ class Connection:
     def _on_attach(self, m: p.Attach, rid: int) -> Any:
         _check_run(m.run, m.rank)
         arena = MappedArena(check_arena_owner(m.shm, self.peer_pid), m.size, m.slots)
-        arena.unlink_name()   # mapped on both sides: no death can leak it now
+        try:
+            if m.hot is True and m.slots >= 2:
+                # A hot copy is read by name after its trainer died: the daemon's
+                # name, which the daemon unlinks when it lets go (or the next daemon,
+                # if this one is SIGKILLed: see HotCache.reclaim_orphans).
+                arena.take_name(hot_segment_name(m.run, m.rank))
+                arena.hot = True
+        except SnapdError as e:   # no hot copy then; the snapshots go on
+            self.handler.log(f"run {m.run!r} rank {m.rank}: no hot copy: {e}")
+        if not arena.hot:
+            arena.unlink_name()   # mapped on both sides: no death can leak it now
         old = self.arenas.get((m.run, m.rank))
         self.arenas[(m.run, m.rank)] = arena
         if old is not None:   # replaced: unmap once its submitted slots are done

@@ -24,6 +24,7 @@ import sys
 import time
 import warnings
 import weakref
+from contextlib import nullcontext
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
@@ -40,6 +41,7 @@ from snapd_client.distrestore import begin_reshard, restore_ranks, world_size_of
 from snapd_client import tracking
 from snapd_client.handle import CloseSummary, SnapshotHandle, part_of
 from snapd_client.handoff import Handoff
+from snapd_client.staging import layout
 from snapd_client.lostdaemon import settle_writes
 from snapd_client.journal import Journal
 from snapd_client.outcomes import Outcomes
@@ -122,7 +124,8 @@ class Client:
         self.restored: Optional[Loaded] = None
         self.restored_from: Optional[str] = None  # "hot" (daemon memory) or "disk"
         self.daemon = self.options.daemon if daemon is None else daemon
-        self._handoff = Handoff(self.store, self.rank, self.options) if self.daemon else None
+        self._handoff = Handoff(self.store, self.rank, self.options, self.world_size) \
+            if self.daemon else None
         self._outcomes = Outcomes(self.store, self._handoff,
                                   global_timeout=self.options.global_commit_timeout)
         self._hooks: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook
@@ -166,7 +169,18 @@ class Client:
         ``None`` values are ignored, so optional objects need no ``if``.
         """
         tracking.track(self._tracked, self.rng, objects)
+        self._warm_up()
         return self
+
+    def _warm_up(self) -> None:
+        """The daemon and an arena for the tracked state, readied in the background
+        (handoff.py, "Warm-up"), so that the first snapshot() costs what later ones do."""
+        if self._handoff is not None and not self.read_only and not self._closed:
+            try:
+                capture = self.capture(0)
+            except Exception:   # snapshot() will say what is wrong, where it belongs
+                return
+            self._handoff.warm_up(layout(capture.tensors, capture.stored)[1])
 
     def values(self, *, name: str = "values", **initial: Any) -> Values:
         """Loop values with a home: ``loop = ckpt.values(best_val_loss=1e9, lr=0.1)``,
@@ -327,27 +341,33 @@ class Client:
             if loaded.mode == "reshard":
                 return begin_reshard(self, loaded, sorted(_omit), world)
             return self._begin_resume(loaded, sorted(_omit))
-        self._settle_daemon_writes()
-        hot = None
-        if self._handoff is not None and self.options.hot_restore:
-            hot = self._handoff.hot_source()  # never starts a daemon just to restore
-        try:
-            self.recovery = read_progress(self.store, self.rank)  # the log: no tensor file
-            loaded = load_for_resume(self.store, self._tracked, self.rng,
-                                     data_version=self.data_version,
-                                     need_cursor=self._stream is not None, tensor_source=hot,
-                                     omit=set(_omit), reached=self.recovery.furthest,
-                                     verify_steps=self.options.verify_steps)
-        finally:
-            if hot is not None:
-                hot.close()
-        if loaded is None:
-            return self._nothing_to_resume()
-        self.restored_from = "hot" if hot is not None and hot.used else "disk"
-        self._apply(loaded, set(_omit))
+        with self._paused_warm_up():   # the restore has the machine to itself
+            self._settle_daemon_writes()
+            hot = None
+            if self._handoff is not None and self.options.hot_restore:
+                hot = self._handoff.hot_source()  # never starts a daemon just to restore
+            try:
+                self.recovery = read_progress(self.store, self.rank)  # the log only
+                loaded = load_for_resume(self.store, self._tracked, self.rng,
+                                         data_version=self.data_version,
+                                         need_cursor=self._stream is not None,
+                                         tensor_source=hot, omit=set(_omit),
+                                         reached=self.recovery.furthest,
+                                         verify_steps=self.options.verify_steps)
+            finally:
+                if hot is not None:
+                    hot.close()
+            if loaded is None:
+                return self._nothing_to_resume()
+            self.restored_from = "hot" if hot is not None and hot.used else "disk"
+            self._apply(loaded, set(_omit))
+        self._warm_up()   # sized for the restored state (an optimizer's moments)
         self.restored = loaded
         self.lineage = dict(loaded.manifest["lineage"])
         return self._begin_resume(loaded, sorted(_omit))
+
+    def _paused_warm_up(self):
+        return self._handoff.paused() if self._handoff is not None else nullcontext()
 
     def _nothing_to_resume(self) -> int:
         if self.recovery.furthest:

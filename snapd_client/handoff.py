@@ -17,13 +17,31 @@ CUDA fence, overlap mode's background copy); the hand-off reserves the slot, giv
 to the stager with the capture, and submits once the stager says every copy has
 landed. In overlap mode the client's optimizer step pre-hook calls
 ``Handoff.stager.synchronize()``, so no update starts before its copy is done.
+
+The hot copy is a slot of the arena: with ``hot_restore`` (and one rank) the arena
+has one slot more than ``Options.slots``, and the slot of the latest commit is
+*kept* (``_kept``): the daemon holds it as the run's hot copy from before its
+``committed`` event until the next commit's, and the client stages into the others
+meanwhile. /dev/shm thus holds the state twice (once without ``hot_restore``).
+
+Warm-up (:meth:`Handoff.warm_up`, from ``track()`` and ``restore()``): one
+background thread starts (or connects to) the daemon and allocates, faults in and
+attaches an arena for the tracked state's bytes, so that the first snapshot() pays
+for none of it. snapshot() and close() join it first; a daemon that could not be
+started is raised by the first snapshot(), as it would have been without the
+warm-up (any other failure, the first snapshot() meets again itself and reports as
+usual). ``restore()`` pauses it before the allocation (:meth:`paused`): the restore
+then has the CPUs and memory bandwidth, and the arena is sized for the restored
+state (an optimizer's moments appear at restore).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Any, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional, Tuple
 
 from snapd import protocol as proto
 from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
@@ -38,17 +56,32 @@ from snapd_client.hot import HotSource
 from snapd_client.lostdaemon import Recovery, Staged, wait_for_writes
 from snapd_client.staging import Arena, Stager, layout, slot_size_for
 
+logger = logging.getLogger(__name__)
+
 
 class Handoff:
     """One client's link to the daemon: connection, arena, slots, in-flight handles."""
 
-    def __init__(self, store: RunStore, rank: int, options: Options) -> None:
+    def __init__(self, store: RunStore, rank: int, options: Options,
+                 world_size: int = 1) -> None:
         self.store, self.rank, self.options = store, rank, options
+        # The committed slot serves as the hot copy; a multi-rank job restores from
+        # the files only, so its arena has no slot to spare.
+        self.hot = bool(options.hot_restore) and world_size == 1
         self.conn: Optional[DaemonConnection] = None
         self.arena: Optional[Arena] = None
         self.skipped: List[int] = []          # steps skipped by on_busy="skip"
         self._inflight: dict = {}             # slot -> SnapshotHandle
+        self._kept: Optional[int] = None      # the latest commit's slot: the hot copy
         self._cond = threading.Condition()    # reentrant: _lose may run inside a wait
+        self._connecting = threading.RLock()  # the warm-up's thread and restore's
+        self._warm: Optional[threading.Thread] = None
+        self._warm_need = 0
+        self._warm_error: Optional[BaseException] = None
+        self._warm_gate = threading.Event()   # cleared while a restore runs
+        self._warm_gate.set()
+        self._spawning = False                # the warm-up is starting a daemon
+        self._closing = False                 # close() began: the warm-up stops
         self.recovery = Recovery(store, self._cond)  # what a lost daemon takes with it
         self.stager = Stager(options.mode)    # copy order, fence, overlap thread
 
@@ -61,6 +94,7 @@ class Handoff:
         that cannot be started at all (DaemonStartFailed: no snapshot can be taken).
         """
         self.stager.synchronize()
+        self._join_warm_up()
         offsets, need = layout(capture.tensors, capture.stored)  # stored bytes only
         try:
             conn, stall = self._room(capture.step, need)
@@ -147,7 +181,9 @@ class Handoff:
     def _has_room(self, need: int) -> bool:
         if self.arena is None or need > self.arena.slot_bytes:
             return not self._inflight  # a new arena replaces this one once idle
-        return len(self._inflight) < self.arena.slots
+        # At most Options.slots in flight; the kept slot is the hot copy's.
+        return len(self._inflight) < self.options.slots and \
+            len(self._inflight) + (self._kept is not None) < self.arena.slots
 
     def _wait_for_room(self, step: int, need: int) -> Optional[float]:
         """Backpressure: wait for a slot and return the seconds waited (the stall),
@@ -171,24 +207,32 @@ class Handoff:
     def _reserve(self, conn: DaemonConnection, need: int, handle: SnapshotHandle) -> int:
         """A free slot of an arena large enough, attached to the daemon."""
         if self.arena is None or need > self.arena.slot_bytes:
-            old, self.arena = self.arena, None
-            if old is not None:
-                old.close()  # idle (see _has_room); the daemon drops its mapping too
-            self.recovery.arena_dropped()
-            arena = Arena(slot_size_for(need), self.options.slots,
-                          self.options.copy_threads)
-            try:
-                conn.request(proto.Attach(self.store.run, self.rank, arena.name,
-                                          arena.size, arena.slots))
-            except BaseException:
-                arena.close()
-                raise
-            self.arena = arena
+            self._new_arena(conn, need)
         with self._cond:
-            slot = min(set(range(self.arena.slots)) - set(self._inflight))
+            kept = set() if self._kept is None else {self._kept}
+            slot = min(set(range(self.arena.slots)) - set(self._inflight) - kept)
             self._inflight[slot] = handle
             self.recovery.reserved(slot)
         return slot
+
+    def _new_arena(self, conn: DaemonConnection, need: int) -> None:
+        """Replace the (idle) arena with one whose slots hold ``need`` bytes, attached
+        to the daemon; hot: a slot more, for the latest commit."""
+        old, self.arena = self.arena, None
+        with self._cond:
+            self._kept = None   # the daemon holds the old arena's slot until the next commit
+        if old is not None:
+            old.close()  # idle (see _has_room); the daemon drops its mapping too
+        self.recovery.arena_dropped()
+        arena = Arena(slot_size_for(need), self.options.slots + self.hot,
+                      self.options.copy_threads)
+        try:
+            conn.request(proto.Attach(self.store.run, self.rank, arena.name,
+                                      arena.size, arena.slots, hot=self.hot))
+        except BaseException:
+            arena.close()
+            raise
+        self.arena = arena
 
     def _release(self, slot: int, handle: SnapshotHandle,
                  error: Optional[BaseException] = None, result=None) -> None:
@@ -211,16 +255,21 @@ class Handoff:
     def connect(self, spawn: bool = True) -> DaemonConnection:
         """The live connection; after a loss, recover (retries on a new daemon), then
         find (or start) a daemon."""
-        if self.conn is not None and self.conn.lost is None:
+        if not spawn and self._spawning:   # none served the root a moment ago
+            raise DaemonUnavailable(f"no daemon was serving {self.store.root}; the "
+                                    "warm-up is starting one")
+        with self._connecting:   # the warm-up's thread may be connecting too
+            if self.conn is not None and self.conn.lost is None:
+                return self.conn
+            if self.conn is not None:
+                self._recover()
+            if self.conn is None:
+                self.recovery.connecting()
+                self.conn = DaemonConnection(self.store.root, self.store.run, self.rank,
+                                             self.options.timeout,
+                                             on_event=self._on_event,
+                                             on_lost=self._on_lost, spawn=spawn)
             return self.conn
-        if self.conn is not None:
-            self._recover()
-        if self.conn is None:
-            self.recovery.connecting()
-            self.conn = DaemonConnection(self.store.root, self.store.run, self.rank,
-                                         self.options.timeout, on_event=self._on_event,
-                                         on_lost=self._on_lost, spawn=spawn)
-        return self.conn
 
     def recover(self) -> bool:
         """If the daemon was lost: recover now (the retries are in flight after it);
@@ -268,6 +317,9 @@ class Handoff:
         if handle is None or handle.step != event.step:
             return  # not ours (or already failed locally): nothing to free
         if isinstance(event, proto.Committed):
+            if self.hot:   # the daemon now holds this slot, and let go of the last
+                with self._cond:
+                    self._kept = event.slot
             sid = SnapshotId.parse(event.name)
             # complete False: a part, durable; the snapshot waits for other ranks.
             result = CommitResult(sid, self.store.snapshot_path(sid) if sid else event.name,
@@ -281,6 +333,7 @@ class Handoff:
         flight is settled (committed, lost or unknown: see Recovery.settle)."""
         with self._cond:
             handles, self._inflight = list(self._inflight.values()), {}
+            self._kept = None   # nobody holds a slot of it now
             self._cond.notify_all()
         self.recovery.settle(handles, error, self.conn)
 
@@ -309,8 +362,89 @@ class Handoff:
         """Finish every staging copy and submit started (submits are bounded)."""
         self.stager.drain()
 
+    # --- warm-up -----------------------------------------------------------------------
+
+    def warm_up(self, need: int) -> None:
+        """In the background: the daemon, and an arena attached for ``need`` bytes
+        (see the module's docstring). A warm-up already running takes the new size."""
+        with self._cond:
+            self._warm_need = need
+            if self._warm is not None:
+                return
+            self._warm = threading.Thread(target=self._warm_loop, daemon=True,
+                                          name="snapd-warm-up")
+            self._warm.start()
+
+    def _warm_loop(self) -> None:
+        done = None
+        try:
+            while True:
+                self._warm_connect()
+                self._warm_gate.wait()   # a restore reads first
+                with self._cond:
+                    need = self._warm_need
+                    if need == done or self._inflight or self._closing:
+                        self._warm = None
+                        return
+                self._warm_arena(need)
+                done = need
+        except BaseException as e:   # reported by the first snapshot() (see above)
+            self._warm_error = e
+            with self._cond:
+                self._warm = None
+
+    def _warm_connect(self) -> None:
+        """Connect, or start a daemon. While one is being started, a restore does not
+        wait for it: there was none to hold a hot copy or to finish a write."""
+        try:
+            self.connect(spawn=False)
+            return
+        except SnapdError:
+            pass
+        self._spawning = True
+        try:
+            self.connect()
+        finally:
+            self._spawning = False
+
+    def _warm_arena(self, need: int) -> None:
+        """An arena for ``need`` bytes (unless the one there holds them), faulted in
+        (Arena does it) and attached."""
+        if self.arena is not None and need <= self.arena.slot_bytes:
+            return
+        with self._connecting:
+            self._new_arena(self.connect(), need)
+
+    def _join_warm_up(self) -> None:
+        """Wait for the warm-up; raise a DaemonStartFailed it met (see above)."""
+        with self._cond:
+            thread = self._warm
+        if thread is not None:
+            thread.join()
+        error, self._warm_error = self._warm_error, None
+        if isinstance(error, DaemonStartFailed):
+            raise error
+        if error is not None:
+            logger.debug("the warm-up failed (%r); the snapshot does its work", error)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No warm-up allocation while this runs (a restore; the warm-up's connect may
+        go on, and the restore's own requests wait for it)."""
+        self._warm_gate.clear()
+        try:
+            yield
+        finally:
+            self._warm_gate.set()
+
     def close(self) -> None:
         """Unlink the arena and hang up (after the handles are resolved)."""
+        self._closing = True   # a warm-up that has not allocated yet stops now
+        self._warm_gate.set()
+        with self._cond:
+            thread = self._warm
+        if thread is not None:
+            thread.join()   # no thread of ours outlives close()
         self.drain()
         if self.arena is not None:
             self.arena.close()

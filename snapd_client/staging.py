@@ -8,7 +8,9 @@ Why one file and not a segment per tensor: the number of mappings and descriptor
 stays bounded (one) whatever the model, and the pages are faulted in once, at
 allocation, so that no snapshot pays for page faults on the training path.
 
-Layout: ``slots`` equal slots back to back, each a multiple of the page size. Inside a
+Layout: ``slots`` equal slots back to back, each a multiple of the page size (one
+more than ``Options.slots`` with ``hot_restore``: the latest commit's, which the
+daemon serves as the hot copy; see handoff.py). Inside a
 slot, in plan order, each tensor of 4096 bytes or more starts on a 4096-byte boundary
 (so that the daemon can write it to disk by direct I/O, which needs aligned source
 addresses), and each smaller one on a 64-byte boundary (cache lines, and any dtype's
@@ -126,8 +128,8 @@ class Arena:
     """
 
     def __init__(self, slot_bytes: int, slots: int = 1, copy_threads: int = 1) -> None:
-        if slots not in (1, 2):
-            raise ValueError(f"slots={slots}: the staging arena has 1 or 2 slots")
+        if slots not in (1, 2, 3):  # Options.slots, plus one for the hot copy
+            raise ValueError(f"slots={slots}: the staging arena has 1 to 3 slots")
         if copy_threads < 1:
             raise ValueError(f"copy_threads={copy_threads}: at least 1 (the caller)")
         self.slot_bytes = align_up(max(slot_bytes, 1), mmap.PAGESIZE)

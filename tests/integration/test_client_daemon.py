@@ -396,12 +396,13 @@ def test_hot_restore_when_the_daemon_holds_the_latest_snapshot(env):
     assert (step, fresh.restored_from) == (1, "disk")
     assert_same(state, expected)
 
-    # No daemon: restore reads the files and starts none.
+    # No daemon: restore reads the files, and does not wait for the daemon that
+    # track()'s warm-up starts for the snapshots to come (it holds no copy).
     stop(daemon.pid)
     step, state, fresh = restored_state(env)
     assert (step, fresh.restored_from) == (1, "disk")
     assert_same(state, expected)
-    assert env.lock_pid() is None and fresh.daemon_pid is None
+    assert fresh.daemon_pid != daemon.pid   # the teardown stops it (the root's lock)
 
 
 def committed_step_one(env) -> dict:
