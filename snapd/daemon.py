@@ -260,6 +260,13 @@ class Daemon:
         if self.hot_cache.drop(run, rank):
             log(f"released the hot copy of run {run!r} rank {rank}: its client is done")
 
+    def hot_release(self, run: str, rank: int) -> None:
+        """A restarted client of (run, rank) has restored: the earlier client's held
+        snapshot (its whole arena, once that client is gone) is released."""
+        if self.hot_cache.drop(run, rank):
+            log(f"released the hot copy of run {run!r} rank {rank}: its new client "
+                "has restored")
+
     def client_left(self, run: str, rank: int, clean: bool) -> None:
         """A client crashed (or hung up without bye): a restart on this node within
         hot_linger_seconds restores from memory; then the copy is released."""

@@ -153,6 +153,7 @@ class Handler(Protocol):
     def status(self) -> Dict[str, Any]: ...
     def hot(self, run: str, rank: int) -> p.HotReply: ...
     def client_done(self, run: str, rank: int) -> None: ...
+    def hot_release(self, run: str, rank: int) -> None: ...
     def client_left(self, run: str, rank: int, clean: bool) -> None: ...
     def stop(self) -> None: ...
     def log(self, message: str) -> None: ...
@@ -185,7 +186,8 @@ class Connection:
         self._requests: Dict[type, Callable[[Any, int], Optional[Any]]] = {
             p.Hello: self._on_hello, p.Attach: self._on_attach, p.Submit: self._on_submit,
             p.Status: lambda m, r: p.StatusReply(self.handler.status()),
-            p.HotGet: self._on_hot, p.Bye: self._on_bye, p.Stop: self._on_stop,
+            p.HotGet: self._on_hot, p.HotRelease: self._on_hot_release,
+            p.Bye: self._on_bye, p.Stop: self._on_stop,
             p.Ping: lambda m, r: p.Pong(os.getpid())}
         _set_timeout(sock, socket.SO_SNDTIMEO, self._timeout)
         _set_timeout(sock, socket.SO_RCVTIMEO, self._timeout)
@@ -383,6 +385,11 @@ class Connection:
     def _on_hot(self, m: p.HotGet, rid: int) -> Any:
         _check_run(m.run, m.rank)
         return self.handler.hot(m.run, m.rank)
+
+    def _on_hot_release(self, m: p.HotRelease, rid: int) -> Any:
+        _check_run(m.run, m.rank)
+        self.handler.hot_release(m.run, m.rank)
+        return p.Ok()
 
     def _on_bye(self, m: p.Bye, rid: int) -> Any:
         self.finished = True

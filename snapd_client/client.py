@@ -361,6 +361,8 @@ class Client:
                 return self._nothing_to_resume()
             self.restored_from = "hot" if hot is not None and hot.used else "disk"
             self._apply(loaded, set(_omit))
+            if hot is not None and not self.read_only:   # the old arena may go now,
+                self._handoff.release_hot()              # before this one's is made
         self._warm_up()   # sized for the restored state (an optimizer's moments)
         self.restored = loaded
         self.lineage = dict(loaded.manifest["lineage"])

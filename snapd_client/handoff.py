@@ -358,6 +358,15 @@ class Handoff:
             return None
         return HotSource(reply.shm, reply.snapshot, reply.plan)
 
+    def release_hot(self) -> None:
+        """After this client restored: the daemon lets go of the copy it held for an
+        earlier client of the run and rank (that client's arena leaves /dev/shm)."""
+        try:
+            self.connect(spawn=False).request(proto.HotRelease(self.store.run, self.rank))
+        except SnapdError as e:   # the copy then goes at the first commit, as before
+            logger.debug("run %s: the daemon did not release the old hot copy: %s",
+                         self.store.run, e)
+
     def drain(self) -> None:
         """Finish every staging copy and submit started (submits are bounded)."""
         self.stager.drain()

@@ -1,11 +1,14 @@
 """Shared memory of a run, with a real trainer process and its daemon: the state at
 most twice with hot restore (the slot being staged and the committed one, which the
 daemon serves as the hot copy), once without; and a SIGKILLed trainer's restart
-still restores from memory, bit for bit."""
+still restores from memory, bit for bit, after which the dead trainer's arena is let
+go: the restarted run holds the state at most twice as well, not four times (its new
+arena beside the old one until its first commit)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -76,7 +79,18 @@ def test_shared_memory_of_a_run_and_a_killed_trainers_restart(env, tmp_path, hot
     try:
         assert client.restore() == 4 and client.restored_from == source
         env.daemon(client)
+        client._handoff._join_warm_up()   # the new arena made, before any commit
+        assert run_shm_bytes(env.run) <= bound * measured["state"]
     finally:
         client.close()
     expected = torch.load(str(out) + ".pt")["weight"]
     assert torch.equal(model.weight, expected)   # bit for bit
+
+
+def run_shm_bytes(run: str) -> int:
+    """The /dev/shm files of ``run`` now: its hot copies and this process's arenas."""
+    uid, total = os.getuid(), 0
+    for name in os.listdir("/dev/shm"):
+        if name.startswith((f"snapd-hot-{uid}-{run}-", f"snapd-{uid}-{os.getpid()}-")):
+            total += os.stat(f"/dev/shm/{name}").st_size
+    return total
