@@ -173,8 +173,9 @@ class Client:
         return self
 
     def _warm_up(self) -> None:
-        """The daemon and an arena for the tracked state, readied in the background
-        (handoff.py, "Warm-up"), so that the first snapshot() costs what later ones do."""
+        """The daemon and an arena for the tracked state, readied here, on the
+        trainer's thread, the arena's pages faulted in in the background (handoff.py,
+        "Warm-up"), so that the first snapshot() costs what later ones do."""
         if self._handoff is not None and not self.read_only and not self._closed:
             try:
                 capture = self.capture(0)

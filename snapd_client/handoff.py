@@ -24,15 +24,18 @@ has one slot more than ``Options.slots``, and the slot of the latest commit is
 ``committed`` event until the next commit's, and the client stages into the others
 meanwhile. /dev/shm thus holds the state twice (once without ``hot_restore``).
 
-Warm-up (:meth:`Handoff.warm_up`, from ``track()`` and ``restore()``): one
-background thread starts (or connects to) the daemon and allocates, faults in and
-attaches an arena for the tracked state's bytes, so that the first snapshot() pays
-for none of it. snapshot() and close() join it first; a daemon that could not be
-started is raised by the first snapshot(), as it would have been without the
-warm-up (any other failure, the first snapshot() meets again itself and reports as
-usual). ``restore()`` pauses it before the allocation (:meth:`paused`): the restore
-then has the CPUs and memory bandwidth, and the arena is sized for the restored
-state (an optimizer's moments appear at restore).
+Warm-up (:meth:`Handoff.warm_up`, from ``track()`` and ``restore()``), so that the
+first snapshot() costs what later ones do: on the trainer's own thread, the daemon is
+connected (started when none serves the root) and an arena for the tracked state's
+bytes is created and attached; its pages are faulted in on a short-lived thread
+(prefault.py) that calls nothing but ``madvise``, is paused while the process forks
+(a DataLoader's workers) and while a restore runs, and is finished by the first
+snapshot(). Nothing else runs off the trainer's thread: the sizes come from the
+capture ``track()`` takes there. A daemon that could not be started is raised by the
+first snapshot(), as it would have been without the warm-up; any other failure, the
+first snapshot() meets again itself and reports as usual. A restarted trainer whose
+daemon still holds the earlier trainer's arena (its hot copy) gets its own arena
+only after ``restore()`` let that one go (``hot_release``): never both at once.
 """
 
 from __future__ import annotations
@@ -74,14 +77,8 @@ class Handoff:
         self._inflight: dict = {}             # slot -> SnapshotHandle
         self._kept: Optional[int] = None      # the latest commit's slot: the hot copy
         self._cond = threading.Condition()    # reentrant: _lose may run inside a wait
-        self._connecting = threading.RLock()  # the warm-up's thread and restore's
-        self._warm: Optional[threading.Thread] = None
-        self._warm_need = 0
-        self._warm_error: Optional[BaseException] = None
-        self._warm_gate = threading.Event()   # cleared while a restore runs
-        self._warm_gate.set()
-        self._spawning = False                # the warm-up is starting a daemon
-        self._closing = False                 # close() began: the warm-up stops
+        self._warm_error: Optional[BaseException] = None   # see _join_warm_up
+        self._closing = False                 # close() began: no more warm-up
         self.recovery = Recovery(store, self._cond)  # what a lost daemon takes with it
         self.stager = Stager(options.mode)    # copy order, fence, overlap thread
 
@@ -208,6 +205,7 @@ class Handoff:
         """A free slot of an arena large enough, attached to the daemon."""
         if self.arena is None or need > self.arena.slot_bytes:
             self._new_arena(conn, need)
+        self.arena.ready()   # a warm-up's pages: the rest faulted in now
         with self._cond:
             kept = set() if self._kept is None else {self._kept}
             slot = min(set(range(self.arena.slots)) - set(self._inflight) - kept)
@@ -215,7 +213,8 @@ class Handoff:
             self.recovery.reserved(slot)
         return slot
 
-    def _new_arena(self, conn: DaemonConnection, need: int) -> None:
+    def _new_arena(self, conn: DaemonConnection, need: int,
+                   background: bool = False) -> None:
         """Replace the (idle) arena with one whose slots hold ``need`` bytes, attached
         to the daemon; hot: a slot more, for the latest commit."""
         old, self.arena = self.arena, None
@@ -225,7 +224,7 @@ class Handoff:
             old.close()  # idle (see _has_room); the daemon drops its mapping too
         self.recovery.arena_dropped()
         arena = Arena(slot_size_for(need), self.options.slots + self.hot,
-                      self.options.copy_threads)
+                      self.options.copy_threads, background=background)
         try:
             conn.request(proto.Attach(self.store.run, self.rank, arena.name,
                                       arena.size, arena.slots, hot=self.hot))
@@ -255,21 +254,16 @@ class Handoff:
     def connect(self, spawn: bool = True) -> DaemonConnection:
         """The live connection; after a loss, recover (retries on a new daemon), then
         find (or start) a daemon."""
-        if not spawn and self._spawning:   # none served the root a moment ago
-            raise DaemonUnavailable(f"no daemon was serving {self.store.root}; the "
-                                    "warm-up is starting one")
-        with self._connecting:   # the warm-up's thread may be connecting too
-            if self.conn is not None and self.conn.lost is None:
-                return self.conn
-            if self.conn is not None:
-                self._recover()
-            if self.conn is None:
-                self.recovery.connecting()
-                self.conn = DaemonConnection(self.store.root, self.store.run, self.rank,
-                                             self.options.timeout,
-                                             on_event=self._on_event,
-                                             on_lost=self._on_lost, spawn=spawn)
+        if self.conn is not None and self.conn.lost is None:
             return self.conn
+        if self.conn is not None:
+            self._recover()
+        if self.conn is None:
+            self.recovery.connecting()
+            self.conn = DaemonConnection(self.store.root, self.store.run, self.rank,
+                                         self.options.timeout, on_event=self._on_event,
+                                         on_lost=self._on_lost, spawn=spawn)
+        return self.conn
 
     def recover(self) -> bool:
         """If the daemon was lost: recover now (the retries are in flight after it);
@@ -374,86 +368,60 @@ class Handoff:
     # --- warm-up -----------------------------------------------------------------------
 
     def warm_up(self, need: int) -> None:
-        """In the background: the daemon, and an arena attached for ``need`` bytes
-        (see the module's docstring). A warm-up already running takes the new size."""
-        with self._cond:
-            self._warm_need = need
-            if self._warm is not None:
+        """Ready the first snapshot: on the calling thread, the daemon connected
+        (started when none serves the root) and an arena for ``need`` bytes created
+        and attached; its pages are faulted in on prefault.py's thread (see the
+        module's docstring). Never raises (see _join_warm_up)."""
+        if self._closing:
+            return
+        self._warm_error = None
+        try:
+            conn = self.connect()
+            if self.arena is not None and need <= self.arena.slot_bytes:
+                self.arena.fault_in(background=True)   # resumed, if a restore paused it
                 return
-            self._warm = threading.Thread(target=self._warm_loop, daemon=True,
-                                          name="snapd-warm-up")
-            self._warm.start()
-
-    def _warm_loop(self) -> None:
-        done = None
-        try:
-            while True:
-                self._warm_connect()
-                self._warm_gate.wait()   # a restore reads first
-                with self._cond:
-                    need = self._warm_need
-                    if need == done or self._inflight or self._closing:
-                        self._warm = None
-                        return
-                self._warm_arena(need)
-                done = need
-        except BaseException as e:   # reported by the first snapshot() (see above)
-            self._warm_error = e
             with self._cond:
-                self._warm = None
+                busy = bool(self._inflight)
+            if busy or (self.arena is None and self._held_by_daemon(conn)):
+                return   # replaced once idle / made by restore(), after hot_release
+            self._new_arena(conn, need, background=True)
+        except DaemonStartFailed as e:   # no snapshot can be taken: the first says so
+            self._warm_error = e
+        except Exception as e:   # the first snapshot meets it again, and reports it
+            logger.debug("run %s: the warm-up failed (%r); the first snapshot does "
+                         "its work", self.store.run, e)
 
-    def _warm_connect(self) -> None:
-        """Connect, or start a daemon. While one is being started, a restore does not
-        wait for it: there was none to hold a hot copy or to finish a write."""
-        try:
-            self.connect(spawn=False)
-            return
-        except SnapdError:
-            pass
-        self._spawning = True
-        try:
-            self.connect()
-        finally:
-            self._spawning = False
-
-    def _warm_arena(self, need: int) -> None:
-        """An arena for ``need`` bytes (unless the one there holds them), faulted in
-        (Arena does it) and attached."""
-        if self.arena is not None and need <= self.arena.slot_bytes:
-            return
-        with self._connecting:
-            self._new_arena(self.connect(), need)
+    def _held_by_daemon(self, conn: DaemonConnection) -> bool:
+        """The daemon holds a hot copy of this run and rank (an earlier trainer's
+        arena): a restart's arena waits for restore() to let it go, so that /dev/shm
+        never holds both (4x the state)."""
+        if not self.hot:
+            return False
+        reply = conn.request(proto.HotGet(self.store.run, self.rank))
+        return bool(getattr(reply, "shm", None))
 
     def _join_warm_up(self) -> None:
-        """Wait for the warm-up; raise a DaemonStartFailed it met (see above)."""
-        with self._cond:
-            thread = self._warm
-        if thread is not None:
-            thread.join()
+        """Raise the DaemonStartFailed the warm-up met (the snapshot would meet it
+        again, after as long a wait); once."""
         error, self._warm_error = self._warm_error, None
-        if isinstance(error, DaemonStartFailed):
-            raise error
         if error is not None:
-            logger.debug("the warm-up failed (%r); the snapshot does its work", error)
+            raise error
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """No warm-up allocation while this runs (a restore; the warm-up's connect may
-        go on, and the restore's own requests wait for it)."""
-        self._warm_gate.clear()
+        """No faulting in of the arena while this runs (a restore has the CPUs and
+        the memory bandwidth); it goes on after."""
+        if self.arena is not None:
+            self.arena.pause_fault_in()
         try:
             yield
         finally:
-            self._warm_gate.set()
+            if self.arena is not None and not self.arena.closed:
+                self.arena.fault_in(background=True)
 
     def close(self) -> None:
         """Unlink the arena and hang up (after the handles are resolved)."""
-        self._closing = True   # a warm-up that has not allocated yet stops now
-        self._warm_gate.set()
-        with self._cond:
-            thread = self._warm
-        if thread is not None:
-            thread.join()   # no thread of ours outlives close()
+        self._closing = True   # no warm-up from here
         self.drain()
         if self.arena is not None:
             self.arena.close()

@@ -5,8 +5,9 @@ The *arena* is one shared-memory file, allocated once per client and reused.
 A snapshot's tensors are copied into a *slot* of the arena; the daemon maps the same
 file and writes the slot to disk, so the trainer's only cost is one memory copy.
 Why one file and not a segment per tensor: the number of mappings and descriptors
-stays bounded (one) whatever the model, and the pages are faulted in once, at
-allocation, so that no snapshot pays for page faults on the training path.
+stays bounded (one) whatever the model, and the pages are faulted in once, before
+the first copy (at allocation, or in the background: prefault.py), so that no
+snapshot pays for page faults on the training path.
 
 Layout: ``slots`` equal slots back to back, each a multiple of the page size (one
 more than ``Options.slots`` with ``hot_restore``: the latest commit's, which the
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import mmap
 import os
 import secrets
@@ -59,6 +61,9 @@ import torch
 from snapd.errors import InsufficientSpace, SnapdError
 from snapd.format import CHUNK_ALIGN, align_up
 from snapd.names import SHM_DIR, arena_prefix
+from snapd_client.prefault import Prefault
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 64                # every tensor
 BLOCK_ALIGN = CHUNK_ALIGN  # tensors of a block or more: direct I/O from the slot
@@ -127,7 +132,8 @@ class Arena:
     ``O_EXCL`` so that no other file is ever reused or followed.
     """
 
-    def __init__(self, slot_bytes: int, slots: int = 1, copy_threads: int = 1) -> None:
+    def __init__(self, slot_bytes: int, slots: int = 1, copy_threads: int = 1, *,
+                 background: bool = False) -> None:
         if slots not in (1, 2, 3):  # Options.slots, plus one for the hot copy
             raise ValueError(f"slots={slots}: the staging arena has 1 to 3 slots")
         if copy_threads < 1:
@@ -139,8 +145,10 @@ class Arena:
         self.path = os.path.join(SHM_DIR, self.name)
         self._map = self._create()
         self._u8: Optional[torch.Tensor] = torch.frombuffer(self._map, dtype=torch.uint8)
-        # Touch every page now, so the first snapshot copies into warm memory.
-        self._u8.zero_()
+        # Every page faulted in before the first copy (prefault.py): now, or, with
+        # ``background``, on a thread of prefault's that ready() finishes.
+        self._prefault = Prefault(self._u8.data_ptr(), self.size)
+        self.fault_in(background)
         self._registered = False
         self._register_tried = False
         self._stream = None
@@ -169,6 +177,27 @@ class Arena:
     @property
     def closed(self) -> bool:
         return self._u8 is None
+
+    def fault_in(self, background: bool = False) -> None:
+        """Fault every page in, so that no snapshot pays for page faults: on a thread
+        of prefault.py's (paused across forks and by :meth:`pause_fault_in`), or now."""
+        if background:
+            self._prefault.start()
+        else:
+            self.ready()
+
+    def pause_fault_in(self) -> None:
+        """Leave the CPUs and memory bandwidth to something else (a restore) for now;
+        :meth:`fault_in` goes on."""
+        self._prefault.pause()
+
+    def ready(self) -> None:
+        """Every page faulted in (the rest done here), before the first copy. A failure
+        is logged: the copy then faults the pages in as it goes."""
+        error = self._prefault.wait()
+        if error is not None:
+            logger.debug("arena %s: pages not faulted in ahead (%s); the first copy "
+                         "faults them in", self.name, error)
 
     def view(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)`` of a slot, as a uint8 tensor."""
@@ -281,6 +310,7 @@ class Arena:
         """Unmap and unlink. Safe to call twice."""
         if self._u8 is None:
             return
+        self._prefault.stop()   # no thread of ours touches the memory once unmapped
         self.wait()
         if self._helpers is not None:
             self._helpers.shutdown()

@@ -29,8 +29,8 @@ class StandIn:
         self.alive = True
 
     def request(self, message):
-        assert isinstance(message, (proto.Attach, proto.Bye)), message
-        return proto.Ok()
+        assert isinstance(message, (proto.Attach, proto.Bye, proto.HotGet)), message
+        return proto.HotReply() if isinstance(message, proto.HotGet) else proto.Ok()
 
     def send_request(self, message, on_reply) -> None:
         self.sent.append(message)
