@@ -711,7 +711,9 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
     # restore through the daemon reads the files too.
     hot, how, paired = [], [], []
     for _ in range(args.reps + 1):
-        c = Client(args.root, RUN)
+        # Read-only: a writing trainer that restores lets the daemon drop the copy
+        # (hot_release), and the next repetition would read the files.
+        c = Client(args.root, RUN, read_only=True)
         c.track(model=model, optimizer=opt)
         t0 = time.perf_counter()
         c.restore()

@@ -129,6 +129,8 @@ class Client:
         self._outcomes = Outcomes(self.store, self._handoff,
                                   global_timeout=self.options.global_commit_timeout)
         self._hooks: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook
+        self._warm_hooks: Dict[int, Any] = {}  # id(optimizer) -> its first step's hook
+        self._stepped: set = set()   # optimizers whose first step has been seen
         self._journal: Optional[Journal] = None
         self.recovery: Optional[RunProgress] = None
         self._closed = False
@@ -176,12 +178,34 @@ class Client:
         """The daemon and an arena for the tracked state, readied here, on the
         trainer's thread, the arena's pages faulted in in the background (handoff.py,
         "Warm-up"), so that the first snapshot() costs what later ones do."""
-        if self._handoff is not None and not self.read_only and not self._closed:
-            try:
-                capture = self.capture(0)
-            except Exception:   # snapshot() will say what is wrong, where it belongs
-                return
-            self._handoff.warm_up(layout(capture.tensors, capture.stored)[1])
+        if self._handoff is None or self.read_only or self._closed:
+            return
+        if self._before_first_step():
+            self._handoff.warm_up(None)   # the daemon now, the arena after the step
+            return
+        try:
+            capture = self.capture(0)
+        except Exception:   # snapshot() will say what is wrong, where it belongs
+            return
+        self._handoff.warm_up(layout(capture.tensors, capture.stored)[1])
+
+    def _before_first_step(self) -> bool:
+        """A tracked optimizer has no state yet (its moments appear at its first
+        step): the arena is sized after that step, by a step post-hook on the
+        trainer's thread, rather than made twice."""
+        fresh = [o for o in self._tracked.values() if isinstance(o, torch.optim.Optimizer)
+                 and not o.state and id(o) not in self._stepped]
+        for opt in fresh:
+            if id(opt) not in self._warm_hooks:
+                self._warm_hooks[id(opt)] = opt.register_step_post_hook(self._first_step)
+        return bool(fresh)
+
+    def _first_step(self, optimizer, args, kwargs) -> None:
+        self._stepped.add(id(optimizer))
+        hook = self._warm_hooks.pop(id(optimizer), None)
+        if hook is not None:
+            hook.remove()
+        self._warm_up()
 
     def values(self, *, name: str = "values", **initial: Any) -> Values:
         """Loop values with a home: ``loop = ckpt.values(best_val_loss=1e9, lr=0.1)``,
@@ -496,7 +520,7 @@ class Client:
             incomplete = self._outcomes.await_global_commit(newest)
             self._outcomes.report(stacklevel)
         finally:
-            for hook in self._hooks.values():
+            for hook in [*self._hooks.values(), *self._warm_hooks.values()]:
                 hook.remove()
             if self._handoff is not None:
                 self._handoff.close()

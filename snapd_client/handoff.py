@@ -205,7 +205,8 @@ class Handoff:
         """A free slot of an arena large enough, attached to the daemon."""
         if self.arena is None or need > self.arena.slot_bytes:
             self._new_arena(conn, need)
-        self.arena.ready()   # a warm-up's pages: the rest faulted in now
+        if not self.arena.ready():   # a warm-up's pages: the rest faulted in now
+            self._new_arena(conn, need)   # they could not be: allocated here, or raised
         with self._cond:
             kept = set() if self._kept is None else {self._kept}
             slot = min(set(range(self.arena.slots)) - set(self._inflight) - kept)
@@ -367,16 +368,18 @@ class Handoff:
 
     # --- warm-up -----------------------------------------------------------------------
 
-    def warm_up(self, need: int) -> None:
+    def warm_up(self, need: Optional[int]) -> None:
         """Ready the first snapshot: on the calling thread, the daemon connected
-        (started when none serves the root) and an arena for ``need`` bytes created
-        and attached; its pages are faulted in on prefault.py's thread (see the
-        module's docstring). Never raises (see _join_warm_up)."""
+        (started when none serves the root) and an arena for ``need`` bytes (None:
+        not yet) created and attached; its pages are faulted in on prefault.py's
+        thread (see the module's docstring). Never raises (see _join_warm_up)."""
         if self._closing:
             return
         self._warm_error = None
         try:
             conn = self.connect()
+            if need is None:
+                return
             if self.arena is not None and need <= self.arena.slot_bytes:
                 self.arena.fault_in(background=True)   # resumed, if a restore paused it
                 return

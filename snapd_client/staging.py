@@ -143,12 +143,11 @@ class Arena:
         self.size = self.slot_bytes * slots
         self.name = f"{arena_prefix(os.getpid())}{secrets.token_hex(4)}"
         self.path = os.path.join(SHM_DIR, self.name)
-        self._map = self._create()
+        self._map = self._create(allocate=not background)
         self._u8: Optional[torch.Tensor] = torch.frombuffer(self._map, dtype=torch.uint8)
         # Every page faulted in before the first copy (prefault.py): now, or, with
         # ``background``, on a thread of prefault's that ready() finishes.
         self._prefault = Prefault(self._u8.data_ptr(), self.size)
-        self.fault_in(background)
         self._registered = False
         self._register_tried = False
         self._stream = None
@@ -158,13 +157,18 @@ class Arena:
         self._helpers = ThreadPoolExecutor(self._helper_count,
                                            thread_name_prefix="snapd-copy") \
             if self._helper_count else None
+        self.fault_in(background)
 
-    def _create(self) -> mmap.mmap:
+    def _create(self, allocate: bool) -> mmap.mmap:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # fallocate, not ftruncate: a full /dev/shm is an error here, never a
-            # SIGBUS later while copying.
-            os.posix_fallocate(fd, 0, self.size)
+            # SIGBUS later while copying. In the background, the fault-in allocates
+            # (its failure makes ready() False: the arena is then never copied into).
+            if allocate:
+                os.posix_fallocate(fd, 0, self.size)
+            else:
+                os.ftruncate(fd, self.size)
             return mmap.mmap(fd, self.size)
         except OSError as e:
             os.unlink(self.path)
@@ -183,21 +187,25 @@ class Arena:
         of prefault.py's (paused across forks and by :meth:`pause_fault_in`), or now."""
         if background:
             self._prefault.start()
-        else:
-            self.ready()
+        elif not self.ready():
+            self.close()
+            raise InsufficientSpace(f"{self.path}: cannot fault in a {self.size}-byte "
+                                    f"staging arena; free space in {SHM_DIR} or use "
+                                    "slots=1", path=self.path)
 
     def pause_fault_in(self) -> None:
         """Leave the CPUs and memory bandwidth to something else (a restore) for now;
         :meth:`fault_in` goes on."""
         self._prefault.pause()
 
-    def ready(self) -> None:
-        """Every page faulted in (the rest done here), before the first copy. A failure
-        is logged: the copy then faults the pages in as it goes."""
+    def ready(self) -> bool:
+        """Every page faulted in (the rest done here), before the first copy; False if
+        that failed (a full /dev/shm): the arena must not be copied into."""
         error = self._prefault.wait()
         if error is not None:
-            logger.debug("arena %s: pages not faulted in ahead (%s); the first copy "
-                         "faults them in", self.name, error)
+            logger.info("staging arena %s: its pages could not be allocated (%s); a "
+                        "new arena is made", self.path, error)
+        return error is None
 
     def view(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)`` of a slot, as a uint8 tensor."""

@@ -109,3 +109,24 @@ def test_a_restarts_arena_waits_while_the_daemon_holds_the_earlier_one(tmp_path)
         c._closed = True
         c._handoff.close()
         c._lock.release()
+
+
+def test_an_optimizer_before_its_first_step_gets_its_arena_after_that_step(tmp_path):
+    c = Client(str(tmp_path), "r", daemon=True)
+    c._handoff.conn = daemon = Daemon()
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.Adam(model.parameters())
+    try:
+        c.track(model=model, optimizer=opt)
+        assert c._handoff.arena is None     # no moments yet: it would be made twice
+        model(torch.ones(1, 256)).sum().backward()
+        opt.step()
+        weights = sum(p.numel() * 4 for p in model.parameters())
+        assert daemon.asked == ["HotGet", "Attach"]
+        assert c._handoff.arena.slot_bytes >= 3 * weights   # weights and two moments
+        opt.step()
+        assert daemon.asked == ["HotGet", "Attach"]         # once
+    finally:
+        c._closed = True
+        c._handoff.close()
+        c._lock.release()
