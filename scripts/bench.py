@@ -629,11 +629,14 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
     t0 = time.perf_counter()
     ckpt.track(model=model, optimizer=opt)
     res["track_s"] = time.perf_counter() - t0
-    # The least a training loop does before its first snapshot: one optimizer step
-    # (snapd may start its daemon and arena in the background meanwhile).
+    # What a training loop does before its first snapshot: an optimizer step, then
+    # training for --first-gap seconds (snapshot_every steps; snapd starts its daemon
+    # and arena in the background from track() meanwhile). 0: a step and 50 ms only.
     t0 = time.perf_counter()
     opt.step()
     train_briefly()
+    while time.perf_counter() - t0 < args.first_gap:
+        train_briefly()
     res["gap_s"] = time.perf_counter() - t0
     # Warm-up, not counted with the others: starts the daemon and allocates the
     # staging arena unless track() has already; its stall is a target of its own.
@@ -708,7 +711,9 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
     # restore through the daemon reads the files too.
     hot, how, paired = [], [], []
     for _ in range(args.reps + 1):
-        c = Client(args.root, RUN)
+        # Read-only: a writing trainer that restores lets the daemon drop the copy
+        # (hot_release), and the next repetition would read the files.
+        c = Client(args.root, RUN, read_only=True)
         c.track(model=model, optimizer=opt)
         t0 = time.perf_counter()
         c.restore()
@@ -857,7 +862,8 @@ def run_worker(method: str, size: str, root: str, out: str, args, **extra) -> Di
     cmd = [sys.executable, os.path.abspath(__file__), "--method", method, "--size", size,
            "--root", root, "--out", out,
            "--reps", str(extra["reps"] if "reps" in extra else args.reps_for),
-           "--cold-reps", str(args.cold_reps), "--threads", str(args.threads)]
+           "--cold-reps", str(args.cold_reps), "--threads", str(args.threads),
+           "--first-gap", str(args.first_gap)]
     for k in ("step_seconds", "slow_steps", "slow_rounds"):
         if k in extra:
             cmd += [f"--{k.replace('_', '-')}", str(extra[k])]
@@ -1405,6 +1411,9 @@ def main() -> None:
     ap.add_argument("--no-slowdown", action="store_true")
     ap.add_argument("--slow-size", default=None)
     ap.add_argument("--step-seconds", type=float, default=None)
+    ap.add_argument("--first-gap", type=float, default=2.0,
+                    help="seconds of training between track() and the first snapshot "
+                         "(default 2; 0: one optimizer step and 50 ms of matmuls)")
     ap.add_argument("--slow-steps", type=int, default=None,
                     help="steps per block of the slowdown loop (default 2)")
     ap.add_argument("--slow-rounds", type=int, default=None,

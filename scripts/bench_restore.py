@@ -570,7 +570,10 @@ def first_line(per: Dict[str, Dict[str, Any]]) -> List[str]:
         return []
     later = statistics.median(sw["stall_s"])
     return [f"- first snapshot (mode=wait): track() took {_ms(sw.get('track_s'))}; then "
-            f"one optimizer step and 50 ms of matmuls ({_ms(sw.get('gap_s'))}); the "
+            f"an optimizer step and training until the first snapshot "
+            f"({_ms(sw.get('gap_s'))}: `--first-gap`, the steps before a loop's first "
+            "snapshot, while the daemon starts and the arena is made in the "
+            "background); the "
             f"first snapshot() stalled {_ms(sw['first_call_s'])}, "
             f"{sw['first_call_s'] / later:.1f}× the median of the later ones "
             f"({_ms(later)})"]

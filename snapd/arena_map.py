@@ -15,8 +15,13 @@ Slot ownership (docs/protocol.md): a slot is the daemon's from ``submit`` until 
 attach replaced, is *retired*: it stays mapped until its last busy slot is released,
 because the daemon finishes what was submitted even when the trainer died.
 
-The hot copy: after a commit the daemon may copy the slot into a segment of its own,
-so that a restarted trainer on the same node restores from memory instead of disk.
+The hot copy (:class:`HotCache`): a client that wants one attaches its arena as
+``hot``, with a slot to spare. The daemon then renames the file to a name of its own,
+``snapd-hot-<uid>-<run>-<rank>-<daemon pid>x<nonce>``, instead of unlinking it, and
+after each commit *holds* the committed slot: a restarted trainer on the same node
+reads it by that name instead of the files. The name says which daemon keeps it, so
+that the next daemon unlinks what a SIGKILLed one left (``reclaim_orphans``), and
+never what a live one holds.
 """
 
 from __future__ import annotations
@@ -31,14 +36,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-import numpy as np
 import psutil
 
-from snapd import fsio
 from snapd.errors import SnapdError
 from snapd.names import SHM_DIR, arena_prefix, hot_prefix
+from snapd.plan import used_bytes
 
-PREPARE_WAIT = 30.0  # at most this long for a spare being made, then make another
 _SHM_NAME = re.compile(r"^snapd-[A-Za-z0-9_.-]+$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _HOT_NONCE = re.compile(r"-(\d+)x[0-9a-f]+$")   # the pid of the daemon that made it
@@ -61,6 +64,14 @@ def check_arena_owner(name: str, pid: int) -> str:
         raise SnapdError(f"arena {name!r} refused: a client attaches only arenas it "
                          f"created, named {arena_prefix(pid)}<nonce> (its pid {pid})")
     return name
+
+
+def hot_segment_name(run: str, rank: int) -> str:
+    """The daemon's name for a held arena of (run, rank). It ends with the daemon's
+    pid, so that a later daemon can tell the arenas a dead (SIGKILLed) one held from
+    a live one's: see HotCache.reclaim_orphans."""
+    return (f"{hot_prefix()}{_UNSAFE.sub('_', run)}-{rank}-"
+            f"{os.getpid()}x{secrets.token_hex(4)}")
 
 
 def reclaim_dead_arenas(shm_dir: str = SHM_DIR) -> int:
@@ -87,8 +98,9 @@ def _unlink_quietly(path: str) -> None:
 
 
 class MappedArena:
-    """One client arena as the daemon maps it: ``slots`` equal slots and which of them
-    are busy. (The client's side, which creates and fills the arena, is
+    """One client arena as the daemon maps it: ``slots`` equal slots, which of them
+    are busy (submitted, being written) and which is held (the hot copy). (The
+    client's side, which creates and fills the arena, is
     ``snapd_client.staging.Arena``.)"""
 
     def __init__(self, name: str, size: int, slots: int, *, shm_dir: str = SHM_DIR):
@@ -100,10 +112,12 @@ class MappedArena:
         self.size, self.slots, self.slot_bytes = size, slots, size // slots
         self._map = self._open_and_map()
         self._busy: Set[int] = set()
+        self._held: Set[int] = set()   # committed slots served as hot copies
         self._lock = threading.Lock()
         self._retired = False
         self._unlink = False
         self.closed = False
+        self.hot = False   # attached as hot: its committed slot is held (server.py)
 
     def _open_and_map(self) -> mmap.mmap:
         try:  # O_NOFOLLOW: a symlink planted under the name is refused, not followed
@@ -131,6 +145,18 @@ class MappedArena:
         """Remove the name once mapped: the memory now goes with the last mapping."""
         _unlink_quietly(self.path)
 
+    def take_name(self, name: str) -> None:
+        """Rename the file to ``name`` (a hot arena: the daemon's name, which a
+        restarted trainer opens and the daemon unlinks when it lets go)."""
+        path = os.path.join(os.path.dirname(self.path), validate_shm_name(name))
+        try:
+            os.rename(self.path, path)
+        except OSError as e:
+            raise SnapdError(f"arena {self.path}: cannot rename it to {path} "
+                             f"({e.strerror})") from e
+        self.path, self.name = path, name
+        self._unlink = True   # the client no longer knows the name: ours to unlink
+
     def slot_view(self, slot: int) -> memoryview:
         start = slot * self.slot_bytes
         return memoryview(self._map)[start:start + self.slot_bytes]
@@ -146,13 +172,30 @@ class MappedArena:
             if slot in self._busy:
                 raise SnapdError(f"slot {slot} of arena {self.name} is busy: wait for "
                                  "the committed/failed event of the snapshot in it")
+            if slot in self._held:
+                raise SnapdError(f"slot {slot} of arena {self.name} holds the latest "
+                                 "committed snapshot (the hot copy): stage into another "
+                                 "until a newer snapshot commits", field="slot")
             self._busy.add(slot)
+
+    def hold(self, slot: int) -> None:
+        """Keep ``slot`` (a committed snapshot) mapped and unwritten: the hot copy."""
+        with self._lock:
+            self._held.add(slot)
+
+    def unhold(self, slot: int) -> None:
+        """The slot is no longer the hot copy; a retired arena closes with it."""
+        with self._lock:
+            self._held.discard(slot)
+            done = self._retired and not self._busy and not self._held
+        if done:
+            self._close()
 
     def release(self, slot: int) -> None:
         """The slot is the client's again; a retired arena closes with its last slot."""
         with self._lock:
             self._busy.discard(slot)
-            done = self._retired and not self._busy
+            done = self._retired and not self._busy and not self._held
         if done:
             self._close()
 
@@ -162,11 +205,12 @@ class MappedArena:
             return set(self._busy)
 
     def retire(self, *, unlink: bool) -> None:
-        """No more submits; unmap (and unlink, when the client is gone) once idle."""
+        """No more submits; unmap (and unlink, when the client is gone) once idle and
+        no slot is held (a dead trainer's hot copy waits for its restart)."""
         with self._lock:
             self._retired = True
             self._unlink = self._unlink or unlink
-            done = not self._busy
+            done = not self._busy and not self._held
         if done:
             self._close()
 
@@ -183,20 +227,41 @@ class MappedArena:
             _unlink_quietly(self.path)   # the client may have unlinked it first
 
 
+def rebased(desc: Dict[str, Any], base: int) -> Dict[str, Any]:
+    """A plan descriptor over a slot, its tensors' offsets made relative to the start
+    of the whole arena (``base``: the slot's start), so that a reader of the file
+    needs no slot number."""
+    objects = [dict(o, tensors=[t if "ref" in t else dict(t, offset=t["offset"] + base)
+                                for t in o["tensors"]]) for o in desc["objects"]]
+    return dict(desc, objects=objects)
+
+
 @dataclass
 class HotEntry:
-    shm: str
+    shm: str                 # the arena's name in /dev/shm
     snapshot: str
-    plan: Dict[str, Any]
+    plan: Dict[str, Any]     # offsets from the start of the arena file
     nbytes: int
+    arena: MappedArena
+    slot: int
     last_seen: float = field(default_factory=time.monotonic)   # publish, or client left
 
 
 class HotCache:
-    """The latest committed snapshot of each (run, rank), in a daemon-owned segment.
+    """The latest committed snapshot of each (run, rank): a slot of its client's own
+    arena, held.
 
-    What is held is bounded twice: by ``max_bytes`` for all segments together (the
-    copies least recently used by a client go first), and in time, by the daemon,
+    No byte is copied for it: a client that wants hot restores stages into an arena
+    with one slot more than it needs (``hot`` attach), and the slot of its latest
+    commit is *held* (:meth:`MappedArena.hold`): neither side writes it until a newer
+    snapshot of the run commits, which takes over. So /dev/shm holds the state twice
+    (the slot being staged and the committed one), not three times as with a copy
+    into segments of the daemon's own. The arena stays mapped, and named, while a
+    slot of it is held, even after its client died: that is what a restarted trainer
+    reads.
+
+    What is held is bounded twice: by ``max_bytes`` for all held arenas together,
+    each counted whole (those least recently used by a client go first), and in time, by the daemon,
     which drops a copy once its client closed cleanly, or ``hot_linger_seconds``
     after it left without saying so (:meth:`expire`).
     """
@@ -205,30 +270,11 @@ class HotCache:
         self.shm_dir = shm_dir
         self.max_bytes = max_bytes or psutil.virtual_memory().total // 4
         self._entries: Dict[Tuple[str, int], HotEntry] = {}
-        # The segment a newer commit replaced, kept to be written over by the next
-        # copy: its pages are already faulted in, and fresh pages cost this machine
-        # several times a warm memcpy (docs/benchmarks.md). Two segments per (run,
-        # rank) at most, which is what the copy-then-replace order needs anyway.
-        self._spares: Dict[Tuple[str, int], str] = {}
-        # Every segment stays mapped while it exists: the next copy into it is a
-        # memcpy (~4x cheaper here than write() into tmpfs pages, which looks each
-        # page up again), with the GIL released.
-        self._mapped: Dict[str, mmap.mmap] = {}
-        # After the first commit of a (run, rank) its spare is made in the background,
-        # so that no later commit pays for new pages (the first commit does, beside
-        # its disk write, like the client's first snapshot pays for its arena).
-        self._preparing: Dict[Tuple[str, int], threading.Event] = {}
         self._lock = threading.Lock()
 
-    def segment_name(self, run: str, rank: int) -> str:
-        # The nonce starts with the daemon's pid, so that a later daemon can tell
-        # the copies of a dead (SIGKILLed) one from a live one's: see reclaim_orphans.
-        safe_run = _UNSAFE.sub("_", run)
-        return (f"{hot_prefix()}{safe_run}-{rank}-"
-                f"{os.getpid()}x{secrets.token_hex(4)}")
-
     def reclaim_orphans(self) -> int:
-        """Unlink hot copies of this uid whose daemon is dead; returns how many."""
+        """Unlink held arenas (and hot copies of older versions) of this uid whose
+        daemon is dead; returns how many."""
         prefix, removed = hot_prefix(), 0
         try:
             names = [n for n in os.listdir(self.shm_dir) if n.startswith(prefix)]
@@ -241,131 +287,43 @@ class HotCache:
                 removed += 1
         return removed
 
-    def copy(self, run: str, rank: int, data: memoryview) -> str:
-        """Copy ``data`` into a segment (the spare, else a new one); returns its name,
-        not yet published. A restore that still reads the spare sees changing bytes
-        and falls back to the files: it verifies every tensor's checksum."""
+    def publish(self, run: str, rank: int, arena: MappedArena, slot: int,
+                desc: Dict[str, Any], snapshot: str) -> HotEntry:
+        """Make ``slot`` of ``arena`` (just committed as ``snapshot``) the held
+        snapshot of (run, rank); the slot it replaces is the client's again."""
+        entry = HotEntry(arena.name, snapshot, rebased(desc, slot * arena.slot_bytes),
+                         used_bytes(desc), arena, slot)
+        arena.hold(slot)
         with self._lock:
-            preparing = self._preparing.get((run, rank))
-        if preparing is not None:  # its spare is on the way: cheaper than another
-            preparing.wait(PREPARE_WAIT)
-        with self._lock:
-            name = self._spares.pop((run, rank), None)
-        mapping = self._mapped.get(name) if name is not None else None
-        try:
-            if mapping is not None and len(mapping) == max(len(data), 1):
-                if len(data):  # a memcpy into faulted-in pages, GIL released
-                    np.copyto(np.frombuffer(mapping, dtype=np.uint8, count=len(data)),
-                              np.frombuffer(data, dtype=np.uint8))
-                return name
-            if name is not None:
-                self._forget(name)  # another size: the state grew or shrank
-            name = self.segment_name(run, rank)
-            self._create(name, len(data), data)
-        except BaseException:
-            if name is not None:
-                self._forget(name)
-            raise
-        return name
-
-    def _create(self, name: str, size: int, data: Optional[memoryview] = None) -> None:
-        """A new segment of ``size`` bytes, ``data`` or zeros, kept mapped (populated)
-        for the copies to come. New pages are filled by write() or fallocate(), which
-        this machine does ~2-5x faster than faulting them in through a mapping."""
-        size = max(size, 1)  # mmap refuses empty files
-        path = os.path.join(self.shm_dir, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
-                     os.O_CLOEXEC, 0o600)
-        try:
-            if data is not None:
-                fsio.write_all(fd, data)
-                os.ftruncate(fd, size)
-            else:
-                os.posix_fallocate(fd, 0, size)
-            self._mapped[name] = mmap.mmap(
-                fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-
-    def _forget(self, name: str) -> None:
-        """Unmap and unlink a segment."""
-        mapping = self._mapped.pop(name, None)
-        if mapping is not None:
-            try:
-                mapping.close()
-            except BufferError:
-                pass  # a view is still referenced; the GC unmaps it
-        _unlink_quietly(os.path.join(self.shm_dir, name))
-
-    def publish(self, run: str, rank: int, name: str, plan: Dict[str, Any],
-                snapshot: str, size: int) -> HotEntry:
-        """Make a copied segment the held snapshot of (run, rank); the one it replaces
-        becomes the spare (an older spare is unlinked)."""
-        entry = HotEntry(name, snapshot, plan, size)
-        key = (run, rank)
-        with self._lock:
-            old = self._entries.get(key)
-            self._entries[key] = entry
-            extra = self._spares.pop(key, None)
-            if old is not None:
-                self._spares[key] = old.shm
-            prepare = old is None and extra is None and key not in self._preparing
-            if prepare:
-                self._preparing[key] = threading.Event()
-        if extra is not None:
-            self._forget(extra)
-        self._bound(key)
-        if prepare:
-            threading.Thread(target=self._prepare_spare, args=(key, size), daemon=True,
-                             name=f"snapd-hot-spare-{run}-{rank}").start()
+            old = self._entries.get((run, rank))
+            self._entries[(run, rank)] = entry
+        if old is not None:
+            old.arena.unhold(old.slot)
+        self._bound((run, rank))
         return entry
-
-    def _prepare_spare(self, key: Tuple[str, int], size: int) -> None:
-        """Make a faulted-in segment of ``size`` bytes the spare of ``key``, unless a
-        spare appeared meanwhile or the entry is gone. A hot copy is a hint: failure
-        (memory short) only means the next commit makes its own segment."""
-        name = self.segment_name(*key)
-        try:
-            if self.held_bytes() + max(size, 1) > self.max_bytes:
-                return   # no room for a spare: the next commit makes its own segment
-            self._create(name, size)
-            with self._lock:
-                if key in self._entries and key not in self._spares:
-                    self._spares[key], name = name, None
-        except OSError:
-            pass
-        finally:
-            if name is not None:
-                self._forget(name)
-            with self._lock:
-                done = self._preparing.pop(key, None)
-            if done is not None:
-                done.set()
-
-    def discard(self, name: str) -> None:
-        """Unlink a copied segment that will not be published (its write failed)."""
-        self._forget(name)
 
     def get(self, run: str, rank: int) -> Optional[HotEntry]:
         with self._lock:
             return self._entries.get((run, rank))
 
     def drop(self, run: str, rank: int) -> bool:
-        """Unlink the held copy of (run, rank) and its spare; False if none was held."""
+        """Let go of the held snapshot of (run, rank); False if none was held. An
+        arena whose client is gone is unmapped and unlinked with it."""
         with self._lock:
             old = self._entries.pop((run, rank), None)
-            spare = self._spares.pop((run, rank), None)
-        for name in ([old.shm] if old is not None else []) + ([spare] if spare else []):
-            self._forget(name)
+        if old is not None:
+            old.arena.unhold(old.slot)
         return old is not None
 
-    def fits(self, nbytes: int) -> bool:
-        """A copy of ``nbytes`` may be held at all (the bound is for all together)."""
-        return max(nbytes, 1) <= self.max_bytes
+    def fits(self, arena_bytes: int) -> bool:
+        """A slot of an arena of ``arena_bytes`` may be held at all (the bound is for
+        all together)."""
+        return max(arena_bytes, 1) <= self.max_bytes
 
     def held_bytes(self) -> int:
-        return sum(len(m) for m in list(self._mapped.values()))
+        """Each held arena whole: what holding keeps alive once its client is gone."""
+        with self._lock:
+            return sum(e.arena.size for e in self._entries.values())
 
     def touch(self, run: str, rank: int) -> None:
         """A client of (run, rank) was just seen (it left): its linger starts now."""
@@ -383,26 +341,19 @@ class HotCache:
         return [key for key in old if self.drop(*key)]
 
     def _bound(self, newest: Tuple[str, int]) -> None:
-        """Evict the least recently seen copies (then ``newest``'s spare) until all
-        segments together fit ``max_bytes``."""
+        """Drop the least recently seen held snapshots until all together fit
+        ``max_bytes`` (``newest`` is never dropped: it fits, see :meth:`fits`)."""
         while self.held_bytes() > self.max_bytes:
             with self._lock:
                 others = sorted((e.last_seen, key) for key, e in self._entries.items()
                                 if key != newest)
-                spare = self._spares.pop(newest, None) if not others else None
-            if others:
-                self.drop(*others[0][1])
-            elif spare is not None:
-                self._forget(spare)
-            else:
+            if not others:
                 return
+            self.drop(*others[0][1])
 
     def close(self) -> None:
-        """Unlink every hot segment (clean shutdown: the memory is returned)."""
+        """Let go of every held snapshot (clean shutdown: the memory is returned)."""
         with self._lock:
-            names = [e.shm for e in self._entries.values()] + list(self._spares.values())
-            self._entries, self._spares = {}, {}
-        for name in set(names) | set(self._mapped):
-            self._forget(name)
-
-
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            entry.arena.unhold(entry.slot)

@@ -23,7 +23,8 @@ Lifecycle of :meth:`Daemon.serve_forever`:
    trainer restarted within it still finds its hot copy.
 
 One snapshot (after ``accepted``): the commit service (snapd/commit.py: space check,
-write, error mapping, tmp cleanup, retention), then the hot copy published, then, in
+write, error mapping, tmp cleanup, retention), then the committed slot held as the
+run's hot copy (snapd/arena_map.py, ``HotCache``), then, in
 a ``finally``, the slot freed and exactly one event sent: ``committed`` when the
 snapshot is on disk (a later step that failed is logged as a warning; the snapshot
 stands), ``failed`` with the error otherwise. Snapshots of one run are written
@@ -54,7 +55,6 @@ from snapd.arena_map import HotCache, reclaim_dead_arenas
 from snapd.commit import Commit, CommitService
 from snapd.errors import AlreadyServing, SnapdError
 from snapd.options import Options
-from snapd.plan import used_bytes
 from snapd.remote.uploader import Uploader
 from snapd.rootlock import RootLock
 from snapd.server import Server, Submission
@@ -270,6 +270,13 @@ class Daemon:
         if self.hot_cache.drop(run, rank):
             log(f"released the hot copy of run {run!r} rank {rank}: its client is done")
 
+    def hot_release(self, run: str, rank: int) -> None:
+        """A restarted client of (run, rank) has restored: the earlier client's held
+        snapshot (its whole arena, once that client is gone) is released."""
+        if self.hot_cache.drop(run, rank):
+            log(f"released the hot copy of run {run!r} rank {rank}: its new client "
+                "has restored")
+
     def client_left(self, run: str, rank: int, clean: bool) -> None:
         """A client crashed (or hung up without bye): a restart on this node within
         hot_linger_seconds restores from memory; then the copy is released."""
@@ -286,16 +293,15 @@ class Daemon:
     # --- one snapshot ---------------------------------------------------------------
 
     def _write(self, sub: Submission) -> None:
-        """Commit, publish the hot copy, free the slot, send one event. Never raises.
+        """Commit, hold the slot as the hot copy, free it, send one event. Never raises.
 
         Exactly one event per accepted submit, by structure: the ``finally`` frees
         the slot and sends ``event``, which is ``committed`` from the moment the
         snapshot is on disk, whatever fails after it (that is logged), and
-        ``failed`` before. The hot copy (a memcpy of the slot) runs beside the disk
-        write, which is slower, so that it adds nothing to the time until durable.
+        ``failed`` before. The hot copy is the committed slot itself, held before
+        the event (the client then stages into its other slot): no byte is copied.
         """
         sub.started = time.time()
-        hot = _Background(self._hot_copy, sub) if self._hot_wanted(sub) else None
         event: Any = None
         done: Optional[Commit] = None
         try:
@@ -306,8 +312,7 @@ class Daemon:
                                 done.result.seconds, done.result.complete)
             self._note_commit(sub, done)
             self._replicate(sub, done)
-            segment, hot = _joined(hot), None   # the copy is done; published or dropped
-            self._publish_hot(sub, done.result, segment)
+            self._publish_hot(sub, done.result)
         except Exception as e:
             if event is None:
                 event = self._failure(sub, e)
@@ -315,23 +320,20 @@ class Daemon:
                 logger.warning("run %r step %d is committed as %s, but a step after "
                                "the commit failed: %r", sub.run, sub.step, event.name, e)
         finally:
-            self._finish(sub, hot, event)
+            self._finish(sub, event)
             self._last_busy = time.monotonic()
         if done is not None:
             done.purge()   # the slow part of retention's deletes, after the client knows
 
-    def _finish(self, sub: Submission, hot: Optional["_Background"], event: Any) -> None:
-        """Free the slot (once the hot copy no longer reads it), then send the event.
+    def _finish(self, sub: Submission, event: Any) -> None:
+        """Free the slot, then send the event.
 
         Never raises: each step runs whatever the one before did, and a failure is
         logged (a connection that cannot take the event is broken: its client learns
         from the lost connection).
         """
         try:
-            try:
-                self._discard_hot(hot)
-            finally:
-                sub.release()
+            sub.release()
         except Exception as e:
             log(f"run {sub.run!r} step {sub.step}: freeing slot {sub.slot} failed: {e!r}")
         if event is None:   # only a bug gets here: still, the client must hear
@@ -372,44 +374,26 @@ class Daemon:
             f"{type(error).__name__}: {error}")
         return p.Failed.of(sub.run, sub.rank, sub.step, sub.slot, error)
 
-    def _discard_hot(self, hot: Optional["_Background"]) -> None:
-        """An unpublished hot copy: wait for it (it reads the slot), then drop it."""
-        if hot is None:
-            return
-        segment = _joined(hot)
-        if segment is not None:
-            self.hot_cache.discard(segment)
-
     def _hot_wanted(self, sub: Submission) -> bool:
-        """Keep the snapshot in memory for a fast restore, when memory allows."""
+        """Hold the committed slot for a fast restore: the client asked for it (a hot
+        arena, a slot to spare) and the bound allows it."""
         # A multi-rank job restores from the files: every rank must read one snapshot.
-        return bool(sub.options.hot_restore) and not sub.conn.finished and \
-            sub.desc.get("world_size", 1) == 1 and \
-            self.hot_cache.fits(used_bytes(sub.desc)) and \
-            psutil.virtual_memory().available > 2 * sub.arena.slot_bytes
+        return bool(sub.options.hot_restore) and sub.arena.hot and \
+            not sub.conn.finished and sub.desc.get("world_size", 1) == 1 and \
+            self.hot_cache.fits(sub.arena.size)
 
-    def _hot_copy(self, sub: Submission) -> Optional[str]:
-        """The slot's used bytes copied into a new segment (None if that failed)."""
-        data = sub.view[:used_bytes(sub.desc)]
-        try:
-            return self.hot_cache.copy(sub.run, sub.rank, data)
-        except Exception as e:   # the copy is optional; the snapshot is not
-            log(f"no hot copy of {sub.run!r} step {sub.step}: {e}")
-            return None
-        finally:
-            data.release()
-
-    def _publish_hot(self, sub: Submission, result: CommitResult,
-                     segment: Optional[str]) -> None:
-        if segment is None:   # an older copy is no longer the latest snapshot
+    def _publish_hot(self, sub: Submission, result: CommitResult) -> None:
+        """The committed slot becomes the run's hot copy (the one it replaces is the
+        client's again); without one, an older copy is no longer the latest snapshot
+        and is dropped."""
+        if not self._hot_wanted(sub):
             self.hot_cache.drop(sub.run, sub.rank)
             return
         try:
-            self.hot_cache.publish(sub.run, sub.rank, segment, sub.desc, result.sid.name,
-                                   used_bytes(sub.desc))
+            self.hot_cache.publish(sub.run, sub.rank, sub.arena, sub.slot, sub.desc,
+                                   result.sid.name)
         except BaseException:   # no copy at all beats one that is not the latest
             self.hot_cache.drop(sub.run, sub.rank)
-            self.hot_cache.discard(segment)
             raise
         if sub.conn.finished:   # bye came while this was written: nobody will read it
             self.hot_cache.drop(sub.run, sub.rank)
@@ -434,40 +418,6 @@ class Daemon:
                 "bytes_total": sub.plan.nbytes,
                 "bytes_written": sub.bytes_done,   # raw bytes, like bytes_total
                 "accepted": sub.accepted, "started": sub.started}
-
-
-class _Background:
-    """Run ``fn(*args)`` on a thread now; ``result()`` joins and returns its value,
-    or raises what it raised."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._value: Any = None
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
-        try:
-            self._value = fn(*args)
-        except BaseException as e:   # handed to whoever asks for the result
-            self._error = e
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-def _joined(hot: Optional[_Background]) -> Optional[str]:
-    """The hot copy's segment, once its thread is done (None: none, or it failed)."""
-    if hot is None:
-        return None
-    try:
-        return hot.result()
-    except Exception as e:   # the copy is optional; the snapshot is not
-        log(f"no hot copy: {e!r}")
-        return None
 
 
 def _pid_alive(pid: Any) -> bool:

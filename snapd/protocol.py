@@ -67,13 +67,16 @@ class Hello:
 
 @dataclass
 class Attach:
-    """Map the client's staging arena: a shared-memory segment of ``slots`` slots."""
+    """Map the client's staging arena: a shared-memory segment of ``slots`` slots.
+    ``hot``: one slot is to spare, and the daemon holds the slot of the latest
+    commit as the run's hot copy (it renames the file instead of unlinking it)."""
     op = "attach"
     run: str
     rank: int
     shm: str
     size: int
     slots: int
+    hot: bool = False
 
 
 @dataclass
@@ -98,6 +101,17 @@ class Status:
 class HotGet:
     """Ask for the latest committed snapshot of a run still held in memory."""
     op = "hot"
+    run: str
+    rank: int = 0
+
+
+@dataclass
+class HotRelease:
+    """A restarted client has restored (from the held copy or the files): the
+    snapshot held for an earlier client of (run, rank) may go now. Without it the dead
+    client's arena stays in /dev/shm beside the new client's until the new one's
+    first commit takes over the hold: the state four times over instead of twice."""
+    op = "hot_release"
     run: str
     rank: int = 0
 
@@ -232,7 +246,7 @@ class Pong:
 
 
 MESSAGES: Dict[str, Type] = {cls.op: cls for cls in (
-    Hello, Attach, Submit, Status, HotGet, Ping, Stop, Bye, Welcome, Ok, Error, Accepted,
+    Hello, Attach, Submit, Status, HotGet, HotRelease, Ping, Stop, Bye, Welcome, Ok, Error, Accepted,
     Committed, Failed, StatusReply, HotReply, Pong)}
 
 

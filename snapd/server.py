@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 from snapd import protocol as p
-from snapd.arena_map import MappedArena, check_arena_owner
+from snapd.arena_map import MappedArena, check_arena_owner, hot_segment_name
 from snapd.errors import DaemonUnavailable, InvalidOption, ProtocolError, SnapdError
 from snapd.options import SUBMIT_OPTIONS, Options
 from snapd.plan import SnapshotPlan, from_descriptor
@@ -154,6 +154,7 @@ class Handler(Protocol):
     def status(self) -> Dict[str, Any]: ...
     def hot(self, run: str, rank: int) -> p.HotReply: ...
     def client_done(self, run: str, rank: int) -> None: ...
+    def hot_release(self, run: str, rank: int) -> None: ...
     def client_left(self, run: str, rank: int, clean: bool) -> None: ...
     def stop(self) -> None: ...
     def log(self, message: str) -> None: ...
@@ -186,7 +187,8 @@ class Connection:
         self._requests: Dict[type, Callable[[Any, int], Optional[Any]]] = {
             p.Hello: self._on_hello, p.Attach: self._on_attach, p.Submit: self._on_submit,
             p.Status: lambda m, r: p.StatusReply(self.handler.status()),
-            p.HotGet: self._on_hot, p.Bye: self._on_bye, p.Stop: self._on_stop,
+            p.HotGet: self._on_hot, p.HotRelease: self._on_hot_release,
+            p.Bye: self._on_bye, p.Stop: self._on_stop,
             p.Ping: lambda m, r: p.Pong(os.getpid())}
         _set_timeout(sock, socket.SO_SNDTIMEO, self._timeout)
         _set_timeout(sock, socket.SO_RCVTIMEO, self._timeout)
@@ -335,7 +337,17 @@ class Connection:
     def _on_attach(self, m: p.Attach, rid: int) -> Any:
         _check_run(m.run, m.rank)
         arena = MappedArena(check_arena_owner(m.shm, self.peer_pid), m.size, m.slots)
-        arena.unlink_name()   # mapped on both sides: no death can leak it now
+        try:
+            if m.hot is True and m.slots >= 2:
+                # A hot copy is read by name after its trainer died: the daemon's
+                # name, which the daemon unlinks when it lets go (or the next daemon,
+                # if this one is SIGKILLed: see HotCache.reclaim_orphans).
+                arena.take_name(hot_segment_name(m.run, m.rank))
+                arena.hot = True
+        except SnapdError as e:   # no hot copy then; the snapshots go on
+            self.handler.log(f"run {m.run!r} rank {m.rank}: no hot copy: {e}")
+        if not arena.hot:
+            arena.unlink_name()   # mapped on both sides: no death can leak it now
         old = self.arenas.get((m.run, m.rank))
         self.arenas[(m.run, m.rank)] = arena
         if old is not None:   # replaced: unmap once its submitted slots are done
@@ -375,6 +387,11 @@ class Connection:
     def _on_hot(self, m: p.HotGet, rid: int) -> Any:
         _check_run(m.run, m.rank)
         return self.handler.hot(m.run, m.rank)
+
+    def _on_hot_release(self, m: p.HotRelease, rid: int) -> Any:
+        _check_run(m.run, m.rank)
+        self.handler.hot_release(m.run, m.rank)
+        return p.Ok()
 
     def _on_bye(self, m: p.Bye, rid: int) -> Any:
         self.finished = True

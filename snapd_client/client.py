@@ -24,6 +24,7 @@ import sys
 import time
 import warnings
 import weakref
+from contextlib import nullcontext
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
@@ -41,6 +42,7 @@ from snapd_client.fromremote import pull_newer
 from snapd_client import tracking
 from snapd_client.handle import CloseSummary, SnapshotHandle, part_of
 from snapd_client.handoff import Handoff
+from snapd_client.staging import layout
 from snapd_client.lostdaemon import settle_writes
 from snapd_client.journal import Journal
 from snapd_client.outcomes import Outcomes
@@ -124,10 +126,13 @@ class Client:
         # "hot" (daemon memory), "disk", or "remote" (pulled from the remote tier)
         self.restored_from: Optional[str] = None
         self.daemon = self.options.daemon if daemon is None else daemon
-        self._handoff = Handoff(self.store, self.rank, self.options) if self.daemon else None
+        self._handoff = Handoff(self.store, self.rank, self.options, self.world_size) \
+            if self.daemon else None
         self._outcomes = Outcomes(self.store, self._handoff,
                                   global_timeout=self.options.global_commit_timeout)
         self._hooks: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook
+        self._warm_hooks: Dict[int, Any] = {}  # id(optimizer) -> its first step's hook
+        self._stepped: set = set()   # optimizers whose first step has been seen
         self._journal: Optional[Journal] = None
         self.recovery: Optional[RunProgress] = None
         self._closed = False
@@ -168,7 +173,41 @@ class Client:
         ``None`` values are ignored, so optional objects need no ``if``.
         """
         tracking.track(self._tracked, self.rng, objects)
+        self._warm_up()
         return self
+
+    def _warm_up(self) -> None:
+        """The daemon and an arena for the tracked state, readied here, on the
+        trainer's thread, the arena's pages faulted in in the background (handoff.py,
+        "Warm-up"), so that the first snapshot() costs what later ones do."""
+        if self._handoff is None or self.read_only or self._closed:
+            return
+        if self._before_first_step():
+            self._handoff.warm_up(None)   # the daemon now, the arena after the step
+            return
+        try:
+            capture = self.capture(0)
+        except Exception:   # snapshot() will say what is wrong, where it belongs
+            return
+        self._handoff.warm_up(layout(capture.tensors, capture.stored)[1])
+
+    def _before_first_step(self) -> bool:
+        """A tracked optimizer has no state yet (its moments appear at its first
+        step): the arena is sized after that step, by a step post-hook on the
+        trainer's thread, rather than made twice."""
+        fresh = [o for o in self._tracked.values() if isinstance(o, torch.optim.Optimizer)
+                 and not o.state and id(o) not in self._stepped]
+        for opt in fresh:
+            if id(opt) not in self._warm_hooks:
+                self._warm_hooks[id(opt)] = opt.register_step_post_hook(self._first_step)
+        return bool(fresh)
+
+    def _first_step(self, optimizer, args, kwargs) -> None:
+        self._stepped.add(id(optimizer))
+        hook = self._warm_hooks.pop(id(optimizer), None)
+        if hook is not None:
+            hook.remove()
+        self._warm_up()
 
     def values(self, *, name: str = "values", **initial: Any) -> Values:
         """Loop values with a home: ``loop = ckpt.values(best_val_loss=1e9, lr=0.1)``,
@@ -329,26 +368,31 @@ class Client:
             if loaded.mode == "reshard":
                 return begin_reshard(self, loaded, sorted(_omit), world)
             return self._begin_resume(loaded, sorted(_omit))
-        self._settle_daemon_writes()
-        pulled = self._pull_from_remote()
-        hot = None
-        if self._handoff is not None and self.options.hot_restore:
-            hot = self._handoff.hot_source()  # never starts a daemon just to restore
-        try:
-            self.recovery = read_progress(self.store, self.rank)  # the log: no tensor file
-            loaded = load_for_resume(self.store, self._tracked, self.rng,
-                                     data_version=self.data_version,
-                                     need_cursor=self._stream is not None, tensor_source=hot,
-                                     omit=set(_omit), reached=self.recovery.furthest,
-                                     verify_steps=self.options.verify_steps)
-        finally:
-            if hot is not None:
-                hot.close()
-        if loaded is None:
-            return self._nothing_to_resume()
-        self.restored_from = "remote" if loaded.sid == pulled else \
-            "hot" if hot is not None and hot.used else "disk"
-        self._apply(loaded, set(_omit))
+        with self._paused_warm_up():   # the restore has the machine to itself
+            self._settle_daemon_writes()
+            pulled = self._pull_from_remote()
+            hot = None
+            if self._handoff is not None and self.options.hot_restore:
+                hot = self._handoff.hot_source()  # never starts a daemon just to restore
+            try:
+                self.recovery = read_progress(self.store, self.rank)  # the log only
+                loaded = load_for_resume(self.store, self._tracked, self.rng,
+                                         data_version=self.data_version,
+                                         need_cursor=self._stream is not None,
+                                         tensor_source=hot, omit=set(_omit),
+                                         reached=self.recovery.furthest,
+                                         verify_steps=self.options.verify_steps)
+            finally:
+                if hot is not None:
+                    hot.close()
+            if loaded is None:
+                return self._nothing_to_resume()
+            self.restored_from = "remote" if loaded.sid == pulled else \
+                "hot" if hot is not None and hot.used else "disk"
+            self._apply(loaded, set(_omit))
+            if hot is not None and not self.read_only:   # the old arena may go now,
+                self._handoff.release_hot()              # before this one's is made
+        self._warm_up()   # sized for the restored state (an optimizer's moments)
         self.restored = loaded
         self.lineage = dict(loaded.manifest["lineage"])
         return self._begin_resume(loaded, sorted(_omit))
@@ -361,6 +405,9 @@ class Client:
             return None
         return pull_newer(self.store, self.options.remote,
                           min_free_bytes=self.options.min_free_bytes)
+
+    def _paused_warm_up(self):
+        return self._handoff.paused() if self._handoff is not None else nullcontext()
 
     def _nothing_to_resume(self) -> int:
         if self.recovery.furthest:
@@ -486,7 +533,7 @@ class Client:
             incomplete = self._outcomes.await_global_commit(newest)
             self._outcomes.report(stacklevel)
         finally:
-            for hook in self._hooks.values():
+            for hook in [*self._hooks.values(), *self._warm_hooks.values()]:
                 hook.remove()
             if self._handoff is not None:
                 self._handoff.close()

@@ -17,13 +17,34 @@ CUDA fence, overlap mode's background copy); the hand-off reserves the slot, giv
 to the stager with the capture, and submits once the stager says every copy has
 landed. In overlap mode the client's optimizer step pre-hook calls
 ``Handoff.stager.synchronize()``, so no update starts before its copy is done.
+
+The hot copy is a slot of the arena: with ``hot_restore`` (and one rank) the arena
+has one slot more than ``Options.slots``, and the slot of the latest commit is
+*kept* (``_kept``): the daemon holds it as the run's hot copy from before its
+``committed`` event until the next commit's, and the client stages into the others
+meanwhile. /dev/shm thus holds the state twice (once without ``hot_restore``).
+
+Warm-up (:meth:`Handoff.warm_up`, from ``track()`` and ``restore()``), so that the
+first snapshot() costs what later ones do: on the trainer's own thread, the daemon is
+connected (started when none serves the root) and an arena for the tracked state's
+bytes is created and attached; its pages are faulted in on a short-lived thread
+(prefault.py) that calls nothing but ``madvise``, is paused while the process forks
+(a DataLoader's workers) and while a restore runs, and is finished by the first
+snapshot(). Nothing else runs off the trainer's thread: the sizes come from the
+capture ``track()`` takes there. A daemon that could not be started is raised by the
+first snapshot(), as it would have been without the warm-up; any other failure, the
+first snapshot() meets again itself and reports as usual. A restarted trainer whose
+daemon still holds the earlier trainer's arena (its hot copy) gets its own arena
+only after ``restore()`` let that one go (``hot_release``): never both at once.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Any, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional, Tuple
 
 from snapd import protocol as proto
 from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
@@ -38,17 +59,26 @@ from snapd_client.hot import HotSource
 from snapd_client.lostdaemon import Recovery, Staged, wait_for_writes
 from snapd_client.staging import Arena, Stager, layout, slot_size_for
 
+logger = logging.getLogger(__name__)
+
 
 class Handoff:
     """One client's link to the daemon: connection, arena, slots, in-flight handles."""
 
-    def __init__(self, store: RunStore, rank: int, options: Options) -> None:
+    def __init__(self, store: RunStore, rank: int, options: Options,
+                 world_size: int = 1) -> None:
         self.store, self.rank, self.options = store, rank, options
+        # The committed slot serves as the hot copy; a multi-rank job restores from
+        # the files only, so its arena has no slot to spare.
+        self.hot = bool(options.hot_restore) and world_size == 1
         self.conn: Optional[DaemonConnection] = None
         self.arena: Optional[Arena] = None
         self.skipped: List[int] = []          # steps skipped by on_busy="skip"
         self._inflight: dict = {}             # slot -> SnapshotHandle
+        self._kept: Optional[int] = None      # the latest commit's slot: the hot copy
         self._cond = threading.Condition()    # reentrant: _lose may run inside a wait
+        self._warm_error: Optional[BaseException] = None   # see _join_warm_up
+        self._closing = False                 # close() began: no more warm-up
         self.recovery = Recovery(store, self._cond)  # what a lost daemon takes with it
         self.stager = Stager(options.mode)    # copy order, fence, overlap thread
 
@@ -61,6 +91,7 @@ class Handoff:
         that cannot be started at all (DaemonStartFailed: no snapshot can be taken).
         """
         self.stager.synchronize()
+        self._join_warm_up()
         offsets, need = layout(capture.tensors, capture.stored)  # stored bytes only
         try:
             conn, stall = self._room(capture.step, need)
@@ -147,7 +178,9 @@ class Handoff:
     def _has_room(self, need: int) -> bool:
         if self.arena is None or need > self.arena.slot_bytes:
             return not self._inflight  # a new arena replaces this one once idle
-        return len(self._inflight) < self.arena.slots
+        # At most Options.slots in flight; the kept slot is the hot copy's.
+        return len(self._inflight) < self.options.slots and \
+            len(self._inflight) + (self._kept is not None) < self.arena.slots
 
     def _wait_for_room(self, step: int, need: int) -> Optional[float]:
         """Backpressure: wait for a slot and return the seconds waited (the stall),
@@ -171,24 +204,35 @@ class Handoff:
     def _reserve(self, conn: DaemonConnection, need: int, handle: SnapshotHandle) -> int:
         """A free slot of an arena large enough, attached to the daemon."""
         if self.arena is None or need > self.arena.slot_bytes:
-            old, self.arena = self.arena, None
-            if old is not None:
-                old.close()  # idle (see _has_room); the daemon drops its mapping too
-            self.recovery.arena_dropped()
-            arena = Arena(slot_size_for(need), self.options.slots,
-                          self.options.copy_threads)
-            try:
-                conn.request(proto.Attach(self.store.run, self.rank, arena.name,
-                                          arena.size, arena.slots))
-            except BaseException:
-                arena.close()
-                raise
-            self.arena = arena
+            self._new_arena(conn, need)
+        if not self.arena.ready():   # a warm-up's pages: the rest faulted in now
+            self._new_arena(conn, need)   # they could not be: allocated here, or raised
         with self._cond:
-            slot = min(set(range(self.arena.slots)) - set(self._inflight))
+            kept = set() if self._kept is None else {self._kept}
+            slot = min(set(range(self.arena.slots)) - set(self._inflight) - kept)
             self._inflight[slot] = handle
             self.recovery.reserved(slot)
         return slot
+
+    def _new_arena(self, conn: DaemonConnection, need: int,
+                   background: bool = False) -> None:
+        """Replace the (idle) arena with one whose slots hold ``need`` bytes, attached
+        to the daemon; hot: a slot more, for the latest commit."""
+        old, self.arena = self.arena, None
+        with self._cond:
+            self._kept = None   # the daemon holds the old arena's slot until the next commit
+        if old is not None:
+            old.close()  # idle (see _has_room); the daemon drops its mapping too
+        self.recovery.arena_dropped()
+        arena = Arena(slot_size_for(need), self.options.slots + self.hot,
+                      self.options.copy_threads, background=background)
+        try:
+            conn.request(proto.Attach(self.store.run, self.rank, arena.name,
+                                      arena.size, arena.slots, hot=self.hot))
+        except BaseException:
+            arena.close()
+            raise
+        self.arena = arena
 
     def _release(self, slot: int, handle: SnapshotHandle,
                  error: Optional[BaseException] = None, result=None) -> None:
@@ -269,6 +313,9 @@ class Handoff:
         if handle is None or handle.step != event.step:
             return  # not ours (or already failed locally): nothing to free
         if isinstance(event, proto.Committed):
+            if self.hot:   # the daemon now holds this slot, and let go of the last
+                with self._cond:
+                    self._kept = event.slot
             sid = SnapshotId.parse(event.name)
             # complete False: a part, durable; the snapshot waits for other ranks.
             result = CommitResult(sid, self.store.snapshot_path(sid) if sid else event.name,
@@ -282,6 +329,7 @@ class Handoff:
         flight is settled (committed, lost or unknown: see Recovery.settle)."""
         with self._cond:
             handles, self._inflight = list(self._inflight.values()), {}
+            self._kept = None   # nobody holds a slot of it now
             self._cond.notify_all()
         self.recovery.settle(handles, error, self.conn)
 
@@ -306,12 +354,78 @@ class Handoff:
             return None
         return HotSource(reply.shm, reply.snapshot, reply.plan)
 
+    def release_hot(self) -> None:
+        """After this client restored: the daemon lets go of the copy it held for an
+        earlier client of the run and rank (that client's arena leaves /dev/shm)."""
+        try:
+            self.connect(spawn=False).request(proto.HotRelease(self.store.run, self.rank))
+        except SnapdError as e:   # the copy then goes at the first commit, as before
+            logger.debug("run %s: the daemon did not release the old hot copy: %s",
+                         self.store.run, e)
+
     def drain(self) -> None:
         """Finish every staging copy and submit started (submits are bounded)."""
         self.stager.drain()
 
+    # --- warm-up -----------------------------------------------------------------------
+
+    def warm_up(self, need: Optional[int]) -> None:
+        """Ready the first snapshot: on the calling thread, the daemon connected
+        (started when none serves the root) and an arena for ``need`` bytes (None:
+        not yet) created and attached; its pages are faulted in on prefault.py's
+        thread (see the module's docstring). Never raises (see _join_warm_up)."""
+        if self._closing:
+            return
+        self._warm_error = None
+        try:
+            conn = self.connect()
+            if need is None:
+                return
+            if self.arena is not None and need <= self.arena.slot_bytes:
+                self.arena.fault_in(background=True)   # resumed, if a restore paused it
+                return
+            with self._cond:
+                busy = bool(self._inflight)
+            if busy or (self.arena is None and self._held_by_daemon(conn)):
+                return   # replaced once idle / made by restore(), after hot_release
+            self._new_arena(conn, need, background=True)
+        except DaemonStartFailed as e:   # no snapshot can be taken: the first says so
+            self._warm_error = e
+        except Exception as e:   # the first snapshot meets it again, and reports it
+            logger.debug("run %s: the warm-up failed (%r); the first snapshot does "
+                         "its work", self.store.run, e)
+
+    def _held_by_daemon(self, conn: DaemonConnection) -> bool:
+        """The daemon holds a hot copy of this run and rank (an earlier trainer's
+        arena): a restart's arena waits for restore() to let it go, so that /dev/shm
+        never holds both (4x the state)."""
+        if not self.hot:
+            return False
+        reply = conn.request(proto.HotGet(self.store.run, self.rank))
+        return bool(getattr(reply, "shm", None))
+
+    def _join_warm_up(self) -> None:
+        """Raise the DaemonStartFailed the warm-up met (the snapshot would meet it
+        again, after as long a wait); once."""
+        error, self._warm_error = self._warm_error, None
+        if error is not None:
+            raise error
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No faulting in of the arena while this runs (a restore has the CPUs and
+        the memory bandwidth); it goes on after."""
+        if self.arena is not None:
+            self.arena.pause_fault_in()
+        try:
+            yield
+        finally:
+            if self.arena is not None and not self.arena.closed:
+                self.arena.fault_in(background=True)
+
     def close(self) -> None:
         """Unlink the arena and hang up (after the handles are resolved)."""
+        self._closing = True   # no warm-up from here
         self.drain()
         if self.arena is not None:
             self.arena.close()

@@ -1,9 +1,9 @@
 """Hot restore: tensors from the daemon's in-memory copy of the latest snapshot.
 
-After a commit the daemon may keep the snapshot's slot in a segment of its own. A
-trainer restarted on the same node then reads its tensors from memory instead of
-disk. The segment is a hint, like LATEST: it is used only for the snapshot restore()
-chose, and each tensor must match the committed manifest (path, dtype, shape, size,
+After a commit the daemon may hold the snapshot's slot of the trainer's arena (named
+by the daemon; snapd/arena_map.py). A trainer restarted on the same node then reads
+its tensors from memory instead of disk. The segment is a hint, like LATEST: it is
+used only for the snapshot restore() chose, and each tensor must match the committed manifest (path, dtype, shape, size,
 and the xxh3 of its raw bytes) or the object is read from the files instead.
 
 Each byte is copied once: the segment is read (pread, not mapped: mapping 1 GiB of
@@ -19,8 +19,8 @@ Reading in place means a live tensor is written before its checksum is known. A
 mismatch makes restore() read that object from the files, which overwrite it; the
 object names are kept in ``touched`` so that a restore that then fails altogether
 can say which objects hold partial state. What verification protects against is
-the same as for the files; reading after the copy also catches a segment the daemon
-rewrites meanwhile.
+the same as for the files; reading after the copy also catches a slot its trainer
+stages into meanwhile (a read-only client's restore beside a live run).
 """
 
 from __future__ import annotations

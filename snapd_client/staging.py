@@ -5,10 +5,13 @@ The *arena* is one shared-memory file, allocated once per client and reused.
 A snapshot's tensors are copied into a *slot* of the arena; the daemon maps the same
 file and writes the slot to disk, so the trainer's only cost is one memory copy.
 Why one file and not a segment per tensor: the number of mappings and descriptors
-stays bounded (one) whatever the model, and the pages are faulted in once, at
-allocation, so that no snapshot pays for page faults on the training path.
+stays bounded (one) whatever the model, and the pages are faulted in once, before
+the first copy (at allocation, or in the background: prefault.py), so that no
+snapshot pays for page faults on the training path.
 
-Layout: ``slots`` equal slots back to back, each a multiple of the page size. Inside a
+Layout: ``slots`` equal slots back to back, each a multiple of the page size (one
+more than ``Options.slots`` with ``hot_restore``: the latest commit's, which the
+daemon serves as the hot copy; see handoff.py). Inside a
 slot, in plan order, each tensor of 4096 bytes or more starts on a 4096-byte boundary
 (so that the daemon can write it to disk by direct I/O, which needs aligned source
 addresses), and each smaller one on a 64-byte boundary (cache lines, and any dtype's
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import mmap
 import os
 import secrets
@@ -57,6 +61,9 @@ import torch
 from snapd.errors import InsufficientSpace, SnapdError
 from snapd.format import CHUNK_ALIGN, align_up
 from snapd.names import SHM_DIR, arena_prefix
+from snapd_client.prefault import Prefault
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 64                # every tensor
 BLOCK_ALIGN = CHUNK_ALIGN  # tensors of a block or more: direct I/O from the slot
@@ -125,9 +132,10 @@ class Arena:
     ``O_EXCL`` so that no other file is ever reused or followed.
     """
 
-    def __init__(self, slot_bytes: int, slots: int = 1, copy_threads: int = 1) -> None:
-        if slots not in (1, 2):
-            raise ValueError(f"slots={slots}: the staging arena has 1 or 2 slots")
+    def __init__(self, slot_bytes: int, slots: int = 1, copy_threads: int = 1, *,
+                 background: bool = False) -> None:
+        if slots not in (1, 2, 3):  # Options.slots, plus one for the hot copy
+            raise ValueError(f"slots={slots}: the staging arena has 1 to 3 slots")
         if copy_threads < 1:
             raise ValueError(f"copy_threads={copy_threads}: at least 1 (the caller)")
         self.slot_bytes = align_up(max(slot_bytes, 1), mmap.PAGESIZE)
@@ -135,10 +143,11 @@ class Arena:
         self.size = self.slot_bytes * slots
         self.name = f"{arena_prefix(os.getpid())}{secrets.token_hex(4)}"
         self.path = os.path.join(SHM_DIR, self.name)
-        self._map = self._create()
+        self._map = self._create(allocate=not background)
         self._u8: Optional[torch.Tensor] = torch.frombuffer(self._map, dtype=torch.uint8)
-        # Touch every page now, so the first snapshot copies into warm memory.
-        self._u8.zero_()
+        # Every page faulted in before the first copy (prefault.py): now, or, with
+        # ``background``, on a thread of prefault's that ready() finishes.
+        self._prefault = Prefault(self._u8.data_ptr(), self.size)
         self._registered = False
         self._register_tried = False
         self._stream = None
@@ -148,13 +157,18 @@ class Arena:
         self._helpers = ThreadPoolExecutor(self._helper_count,
                                            thread_name_prefix="snapd-copy") \
             if self._helper_count else None
+        self.fault_in(background)
 
-    def _create(self) -> mmap.mmap:
+    def _create(self, allocate: bool) -> mmap.mmap:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # fallocate, not ftruncate: a full /dev/shm is an error here, never a
-            # SIGBUS later while copying.
-            os.posix_fallocate(fd, 0, self.size)
+            # SIGBUS later while copying. In the background, the fault-in allocates
+            # (its failure makes ready() False: the arena is then never copied into).
+            if allocate:
+                os.posix_fallocate(fd, 0, self.size)
+            else:
+                os.ftruncate(fd, self.size)
             return mmap.mmap(fd, self.size)
         except OSError as e:
             os.unlink(self.path)
@@ -167,6 +181,31 @@ class Arena:
     @property
     def closed(self) -> bool:
         return self._u8 is None
+
+    def fault_in(self, background: bool = False) -> None:
+        """Fault every page in, so that no snapshot pays for page faults: on a thread
+        of prefault.py's (paused across forks and by :meth:`pause_fault_in`), or now."""
+        if background:
+            self._prefault.start()
+        elif not self.ready():
+            self.close()
+            raise InsufficientSpace(f"{self.path}: cannot fault in a {self.size}-byte "
+                                    f"staging arena; free space in {SHM_DIR} or use "
+                                    "slots=1", path=self.path)
+
+    def pause_fault_in(self) -> None:
+        """Leave the CPUs and memory bandwidth to something else (a restore) for now;
+        :meth:`fault_in` goes on."""
+        self._prefault.pause()
+
+    def ready(self) -> bool:
+        """Every page faulted in (the rest done here), before the first copy; False if
+        that failed (a full /dev/shm): the arena must not be copied into."""
+        error = self._prefault.wait()
+        if error is not None:
+            logger.info("staging arena %s: its pages could not be allocated (%s); a "
+                        "new arena is made", self.path, error)
+        return error is None
 
     def view(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)`` of a slot, as a uint8 tensor."""
@@ -279,6 +318,7 @@ class Arena:
         """Unmap and unlink. Safe to call twice."""
         if self._u8 is None:
             return
+        self._prefault.stop()   # no thread of ours touches the memory once unmapped
         self.wait()
         if self._helpers is not None:
             self._helpers.shutdown()

@@ -76,8 +76,10 @@ def test_a_capture_is_frozen(client):
 
 
 @pytest.mark.parametrize("mode", ["wait", "overlap"])
-def test_overlap_mode_defers_only_what_optimizer_step_changes(tmp_path, mode):
-    c = Client(str(tmp_path), "r", daemon=True, mode=mode)  # no daemon until snapshot()
+def test_overlap_mode_defers_only_what_optimizer_step_changes(tmp_path, mode, monkeypatch):
+    # No daemon: track()'s warm-up would start one (an integration test's business).
+    monkeypatch.setattr("snapd_client.handoff.Handoff.warm_up", lambda self, need: None)
+    c = Client(str(tmp_path), "r", daemon=True, mode=mode)
     try:
         model, _ = tracked(c)
         cap = c.capture(1)

@@ -29,8 +29,8 @@ class StandIn:
         self.alive = True
 
     def request(self, message):
-        assert isinstance(message, (proto.Attach, proto.Bye)), message
-        return proto.Ok()
+        assert isinstance(message, (proto.Attach, proto.Bye, proto.HotGet)), message
+        return proto.HotReply() if isinstance(message, proto.HotGet) else proto.Ok()
 
     def send_request(self, message, on_reply) -> None:
         self.sent.append(message)
@@ -53,8 +53,8 @@ class StandIn:
 @pytest.fixture
 def client(tmp_path):
     c = Client(str(tmp_path), "r", daemon=True)
+    c._handoff.conn = StandIn()   # before track(): its warm-up connects
     c.track(model=torch.nn.Linear(8, 4))
-    c._handoff.conn = StandIn()
     yield c
     c._closed = True        # a test that left the client open: release its resources
     c._handoff.close()
@@ -142,8 +142,8 @@ def test_close_raises_when_the_newest_did_not_commit(client):
 
 def test_an_older_failure_first_seen_at_close_is_warned_at_the_users_close(tmp_path):
     c = Client(str(tmp_path), "r", daemon=True, slots=2)
-    c.track(model=torch.nn.Linear(8, 4))
     c._handoff.conn = conn = StandIn()
+    c.track(model=torch.nn.Linear(8, 4))
     c.snapshot(1)
     c.snapshot(2)          # both in flight: one slot each
     fail(c, conn, 1)
@@ -155,8 +155,8 @@ def test_an_older_failure_first_seen_at_close_is_warned_at_the_users_close(tmp_p
 
 def test_a_skipped_newest_is_not_a_failure(tmp_path):
     c = Client(str(tmp_path), "r", daemon=True, on_busy="skip")
-    c.track(model=torch.nn.Linear(8, 4))
     c._handoff.conn = conn = StandIn()
+    c.track(model=torch.nn.Linear(8, 4))
     c.snapshot(1)
     assert c.snapshot(2).skipped             # step 1 still holds the one slot
     commit(c, conn, 1)

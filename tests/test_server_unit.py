@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from snapd import protocol as p
-from snapd.arena_map import MappedArena, HotCache, validate_shm_name
+from snapd.arena_map import MappedArena, HotCache, hot_segment_name, validate_shm_name
 from snapd.daemon import Daemon, WriteQueue
 from snapd.errors import SnapdError
 from snapd.format import dtype_name
@@ -90,43 +90,58 @@ def test_arena_slots_and_retire(shm):
     assert arena.closed and not os.path.exists(shm / arena.name)
 
 
-def put(hot, data: bytes, snapshot: str):
-    """What the daemon does around a commit: copy the slot, then publish the copy."""
-    return hot.publish("r=1", 0, hot.copy("r=1", 0, memoryview(data)), {"objects": []},
-                       snapshot, len(data))
+def hot_arena(shm, slots=2) -> MappedArena:
+    """A client's arena attached as hot: renamed to the daemon's name."""
+    arena = MappedArena(segment(shm, size=SLOT * slots), SLOT * slots, slots,
+                        shm_dir=str(shm))
+    arena.take_name(hot_segment_name("r=1", 0))
+    arena.hot = True
+    return arena
 
 
-def test_hot_cache_replaces_and_unlinks(shm):
+def commit(hot, arena, slot: int, data: bytes, snapshot: str):
+    """What the daemon does with a hot arena's slot around a commit: hold it."""
+    arena.acquire(slot)
+    arena.slot_view(slot)[:len(data)] = data
+    desc = {"objects": [{"name": "m", "tensors": [
+        {"path": ".x", "dtype": "uint8", "shape": [len(data)], "offset": 0,
+         "nbytes": len(data)}]}]}
+    entry = hot.publish("r=1", 0, arena, slot, desc, snapshot)
+    arena.release(slot)
+    return entry
+
+
+def test_the_hot_copy_is_the_committed_slot_held_in_place(shm):
+    arena = hot_arena(shm)
+    assert arena.name.startswith(f"snapd-hot-{os.getuid()}-r_1-0-{os.getpid()}x")
+    assert os.listdir(shm) == [arena.name]     # renamed, not copied
     hot = HotCache(shm_dir=str(shm))
-    first = put(hot, b"abc", "00000001")
-    assert "=" not in first.shm and (shm / first.shm).read_bytes() == b"abc"
-    assert oct((shm / first.shm).stat().st_mode & 0o777) == "0o600"
-    second = put(hot, b"de", "00000002")
-    assert hot.get("r=1", 0) == second and second.shm != first.shm
-    assert (shm / first.shm).exists()  # kept as the spare the next copy writes over
-    third = put(hot, b"fgh", "00000003")
-    assert third.shm == first.shm and (shm / third.shm).read_bytes() == b"fgh"
-    assert (shm / second.shm).exists() and len(os.listdir(shm)) == 2  # never more
-    hot.close()
-    assert os.listdir(shm) == [] and hot.get("r=1", 0) is None
+    first = commit(hot, arena, 0, b"abc", "00000001")
+    assert first.shm == arena.name and first.plan["objects"][0]["tensors"][0]["offset"] == 0
+    with pytest.raises(SnapdError, match="hot copy"):   # nobody writes it while held
+        arena.acquire(0)
+    second = commit(hot, arena, 1, b"de", "00000002")
+    assert hot.get("r=1", 0) == second
+    # Offsets from the start of the file: a reader needs no slot number.
+    assert second.plan["objects"][0]["tensors"][0]["offset"] == SLOT
+    arena.acquire(0)   # the older slot is the client's again
+    arena.release(0)
+    arena.retire(unlink=True)   # the client died: kept for its restart
+    assert not arena.closed and os.listdir(shm) == [arena.name]
+    hot.close()                 # let go (expired, or the daemon stops)
+    assert arena.closed and os.listdir(shm) == [] and hot.get("r=1", 0) is None
 
 
-def test_after_the_first_commit_its_spare_is_made_in_the_background(shm):
-    """So that the second commit writes over faulted-in pages instead of new ones."""
+def test_a_dead_clients_held_arena_goes_at_expiry(shm):
+    arena = hot_arena(shm)
     hot = HotCache(shm_dir=str(shm))
-    first = put(hot, b"abcd", "00000001")
-
-    def spare_made():  # the file appears empty, then is allocated: wait for both
-        others = set(os.listdir(shm)) - {first.shm}
-        return len(others) == 1 and (shm / min(others)).stat().st_size == 4
-
-    wait_until(spare_made, 60, "the spare", interval=0.01)   # no event from outside
-    [spare] = set(os.listdir(shm)) - {first.shm}
-    second = put(hot, b"efgh", "00000002")  # waits for the spare if still being made
-    assert second.shm == spare and (shm / spare).read_bytes() == b"efgh"
-    assert sorted(os.listdir(shm)) == sorted([first.shm, spare])
-    hot.close()
-    assert os.listdir(shm) == []
+    commit(hot, arena, 0, b"abcd", "00000001")
+    arena.retire(unlink=True)
+    assert hot.expire([("r=1", 0)], linger=0.0) == []   # a client of the run is back
+    hot.touch("r=1", 0)
+    assert hot.expire([], linger=60.0) == []
+    assert hot.expire([], linger=0.0) == [("r=1", 0)]
+    assert arena.closed and os.listdir(shm) == []
 
 
 def test_hot_copies_of_dead_daemons_are_reclaimed(shm):
@@ -278,9 +293,12 @@ class EventSink:
         return True
 
 
-def staged_submission(shm, root_opts=Options()):
-    name = segment(shm, "snapd-unit-w", SLOT)
-    arena = MappedArena(name, SLOT, 1, shm_dir=str(shm))
+def staged_submission(shm, root_opts=Options(), slots=1):
+    name = segment(shm, "snapd-unit-w", SLOT * slots)
+    arena = MappedArena(name, SLOT * slots, slots, shm_dir=str(shm))
+    if slots > 1:   # attached as hot: the committed slot is held
+        arena.take_name(hot_segment_name("r", 0))
+        arena.hot = True
     arena.acquire(0)
     view = arena.slot_view(0)
     data = torch.arange(8, dtype=torch.float32)
@@ -298,15 +316,16 @@ def staged_submission(shm, root_opts=Options()):
 def test_commit_frees_slot_before_the_event(root, shm):
     daemon = Daemon(root, Options(min_free_bytes=0))
     daemon.hot_cache = HotCache(shm_dir=str(shm))
-    sub, sink, arena = staged_submission(shm)
+    sub, sink, arena = staged_submission(shm, slots=2)
     daemon._write(sub)
     daemon.writes.drain()
     [event] = sink.events
     assert isinstance(event, p.Committed) and event.name == "00000004"
     assert sink.busy_at_send == [set()]
     hot = daemon.hot_cache.get("r", 0)
-    assert hot.snapshot == "00000004" and hot.plan == sub.desc
-    assert (shm / hot.shm).read_bytes() == torch.arange(8.0).numpy().tobytes()
+    assert hot.snapshot == "00000004" and hot.plan == sub.desc   # slot 0: no rebase
+    assert hot.shm == arena.name and hot.slot == 0
+    assert (shm / hot.shm).read_bytes()[:32] == torch.arange(8.0).numpy().tobytes()
     daemon.hot_cache.close()
     reader = SnapshotReader(RunStore(root, "r").snapshot_path(SnapshotId(0, 4)))
     assert torch.equal(reader.load_object("model")[0], torch.arange(8.0))

@@ -183,8 +183,8 @@ class Arena:
                             objects, rng={"python": b"\x01\x02"}, metric=metric)
         return to_descriptor(plan, offsets)
 
-    def attach(self, peer: Peer, run: str) -> None:
-        reply = peer.request(p.Attach(run, 0, self.name, self.size, self.slots))
+    def attach(self, peer: Peer, run: str, hot: bool = False) -> None:
+        reply = peer.request(p.Attach(run, 0, self.name, self.size, self.slots, hot))
         assert reply["op"] == "ok", reply
 
     def remove(self) -> None:

@@ -135,9 +135,9 @@ def test_connections_beyond_the_cap_are_refused_and_silent_ones_dropped(harness)
 def test_a_peer_attaches_only_arenas_it_created(harness):
     root, run = harness.root(), harness.run
     harness.start(root)
-    hot_arena = harness.arena(1 << 20)
+    hot_arena = harness.arena(1 << 20, slots=2)
     with Peer(root, hello=True, run=run) as peer:   # the daemon now holds a hot copy
-        hot_arena.attach(peer, run)
+        hot_arena.attach(peer, run, hot=True)
         submit(peer, hot_arena, run, 1, sample_states())
         assert peer.event()["op"] == "committed"
         hot = peer.request(p.HotGet(run, 0))["shm"]
@@ -263,7 +263,7 @@ def test_a_clean_close_releases_the_hot_copy_and_its_memory(runs):
         run = f"{runs.run}{i}"
         client = snapshot_run(runs.root, run, 32 << 20)
         daemon = daemon or runs.daemon(client)
-        assert wait_for(lambda: len(hot_files(run)) == 2, 60)  # the copy and its spare
+        assert len(hot_files(run)) == 1   # the arena, which holds the committed slot
         assert hot_mappings(daemon, run), "the committed snapshot has no hot copy"
         client.close()
         assert wait_for(lambda: not hot_files(run), 60), hot_files(run)

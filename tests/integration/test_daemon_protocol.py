@@ -21,6 +21,7 @@ import torch
 
 from snapd import peer as peer_mod
 from snapd import protocol as p
+from snapd.arena_map import rebased
 from snapd.plan import from_descriptor
 from snapd.store import RunStore, SnapshotId
 from snapd_client.state import flatten
@@ -39,7 +40,7 @@ def test_submit_commits_bit_for_bit_and_hot_copy(harness):
     arena = harness.arena(1 << 20, slots=2)
     states = sample_states(0)
     with Peer(root, hello=True, run=run) as peer:
-        arena.attach(peer, run)
+        arena.attach(peer, run, hot=True)   # the committed slot is the hot copy
         desc = submit(peer, arena, run, 10, states, slot=1, metric=0.5)
         event = peer.event()
         assert event["op"] == "committed", event
@@ -55,7 +56,7 @@ def test_submit_commits_bit_for_bit_and_hot_copy(harness):
         with open(f"/dev/shm/{hot['shm']}", "rb") as f:
             held = bytearray(f.read())
         plan = from_descriptor(hot["plan"], memoryview(held))
-        assert hot["plan"] == desc
+        assert hot["plan"] == rebased(desc, arena.size // 2)   # slot 1, in the file
         for obj, name in zip(plan.objects, states):
             flat = flatten(states[name], name)
             for t, want in zip(obj.tensors, flat.tensors):
@@ -149,9 +150,9 @@ QUICK_CHECK = {"SNAPD_ROOT_CHECK_SECONDS": "0.2"}
 def test_deleting_the_root_stops_the_daemon_and_frees_its_hot_copy(harness):
     root, run = harness.root(), harness.run
     daemon = harness.start(root, extra_env=QUICK_CHECK)
-    arena = harness.arena(1 << 20)
+    arena = harness.arena(1 << 20, slots=2)
     with Peer(root, hello=True, run=run) as peer:
-        arena.attach(peer, run)
+        arena.attach(peer, run, hot=True)
         submit(peer, arena, run, 1, sample_states(0))
         assert peer.event()["op"] == "committed"
         hot = f"/dev/shm/{peer.request(p.HotGet(run, 0))['shm']}"
