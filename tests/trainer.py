@@ -4,7 +4,7 @@
 
 It seeds everything, builds the model, optimizer, scheduler and loader, restores,
 trains to ``stop`` (or ``steps``), snapshots at ``snapshot_at`` steps, and writes a
-JSON trace: per step the loss and a digest of the batch, then digests of the final
+JSON trace (with ``sigkill``, only the trace, and then it SIGKILLs itself at ``stop``): per step the loss and a digest of the batch, then digests of the final
 state. Two runs are the same run iff their traces are equal.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import sys
 
@@ -109,6 +110,10 @@ def main(cfg) -> None:
         client.log(step, loss=loss.item())
         if step in cfg.get("snapshot_at", ()):
             client.snapshot(step).wait()
+    if cfg.get("sigkill"):   # dies as a killed node does: the trace first, then SIGKILL
+        with open(cfg["out"], "w") as f:
+            json.dump({"trace": trace}, f)
+        os.kill(os.getpid(), signal.SIGKILL)
     if stop < cfg["steps"] and client._handoff is not None and client._handoff.conn:
         # It dies: the connection drops without bye, so the daemon keeps the hot copy.
         client._handoff.conn._sock.shutdown(socket.SHUT_RDWR)
