@@ -27,6 +27,7 @@ import logging
 import os
 import secrets
 import shutil
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -171,6 +172,7 @@ class Uploader:
     # --- the thread -----------------------------------------------------------------
 
     def _loop(self) -> None:
+        _yield_cpu_to_training()
         while True:
             job = self._next()
             if job is False:
@@ -337,6 +339,25 @@ class Uploader:
             except Exception as e:
                 log.warning("run %r: replicating the state log failed: %r", run, e)
                 return   # the remote is likely down: try again next interval
+
+
+def _yield_cpu_to_training() -> None:
+    """Replication is the least urgent work on the node: this thread, the threads it
+    starts (file transfers) and fsspec's I/O loop run at nice 10, so that they take
+    the CPU only when training and the local commits leave it (Linux keeps a nice
+    value per thread, and new threads inherit it). Refused or unsupported: the
+    default priority, which is only slower."""
+    _lower_this_thread()
+    asyn = sys.modules.get("fsspec.asyn")   # s3fs's requests run on its loop's thread
+    if asyn is not None:
+        asyn.get_loop().call_soon_threadsafe(_lower_this_thread)
+
+
+def _lower_this_thread() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), 10))
+    except (AttributeError, OSError):
+        pass
 
 
 def _unfinished_parts(store: RunStore, last: Optional[SnapshotId],
