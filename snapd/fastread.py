@@ -11,7 +11,8 @@ zeros after it, when it is the last before a gap, as a second buffer) and hashed
 at once, while it is still in cache. The read first asks for the bytes only if they
 are in the page cache (``RWF_NOWAIT``): a warm file costs one copy and no device
 access. What is not cached is read by direct I/O (``O_DIRECT``; chunks start at
-4096-byte boundaries and files end at one) into the destination when it is aligned,
+4096-byte boundaries and files end at one) into the destination when it is aligned
+(new memory for a tensor of 1 MiB or more is page-aligned: ``reader.new_tensor``),
 else into an aligned buffer of the thread and copied from there while it is hot; a
 filesystem that refuses direct I/O (tmpfs) is read buffered.
 

@@ -15,6 +15,8 @@ opened without following symlinks.
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import stat
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
@@ -323,7 +325,24 @@ def _destination(live: Any, meta: Dict[str, Any]) -> torch.Tensor:
             list(live.shape) == list(meta["shape"]) and live.device.type == "cpu" and \
             live.is_contiguous() and not live.requires_grad:
         return live
-    return torch.empty(meta["shape"], dtype=dtype)
+    return new_tensor(meta["shape"], dtype)
+
+
+# Below this, a tensor is read through the reader thread's page-aligned buffer at the
+# cost of one small copy; from it up, it gets page-aligned memory of its own, which
+# direct I/O fills without that copy (torch's allocator aligns to 64 bytes only).
+ALIGNED_FROM = 1 << 20
+
+
+def new_tensor(shape: List[int], dtype: Any) -> torch.Tensor:
+    """New memory for a tensor the files fill; page-aligned when large."""
+    import torch
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < ALIGNED_FROM:
+        return torch.empty(shape, dtype=dtype)
+    # An anonymous mapping is page-aligned; the tensor holds it for as long as it lives.
+    buf = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

@@ -80,21 +80,31 @@ class Loaded:
     old_world_size: int = 1
 
 
-def _copy_tree(value: Any) -> Any:
+def _copy_tree(value: Any, tensors: bool = True) -> Any:
     """A deep copy of a state tree, tensors cloned to CPU (a copy on the device could
-    not fit beside a model that fills it)."""
+    not fit beside a model that fills it); ``tensors=False``: the same tensors, in a
+    copy of the structure."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to("cpu", copy=True) if tensors else value
     if isinstance(value, dict):
         out = type(value)() if type(value) in (dict, OrderedDict) else {}
-        out.update((k, _copy_tree(v)) for k, v in value.items())
+        out.update((k, _copy_tree(v, tensors)) for k, v in value.items())
         if hasattr(value, "_metadata"):
             out._metadata = copy.deepcopy(value._metadata)
         return out
     if isinstance(value, (list, tuple)):
-        items = [_copy_tree(v) for v in value]
+        items = [_copy_tree(v, tensors) for v in value]
         return items if isinstance(value, list) else tuple(items)
     return copy.deepcopy(value)
+
+
+def _replaces_its_tensors(obj: Any) -> bool:
+    """Whether ``obj.load_state_dict`` puts new tensors in place of its own and never
+    writes into them: torch's own ``Optimizer.load_state_dict`` does (it keeps the
+    loaded tensors), so the tensors it held stay as they were, and keeping them is
+    keeping a copy. A module copies into its parameters; anything else may too."""
+    return isinstance(obj, torch.optim.Optimizer) and \
+        type(obj).load_state_dict is torch.optim.Optimizer.load_state_dict
 
 
 class Before:
@@ -102,12 +112,16 @@ class Before:
     restore can write into any of them; :meth:`put_back` returns them there."""
 
     def __init__(self, tracked: Dict[str, Any], rng: RngStreams,
-                 skip: Iterable[str] = ()) -> None:
+                 skip: Iterable[str] = (), *, reads_in_place: bool = False) -> None:
         """``skip``: objects not copied (already holding the snapshot's tensors, read
-        in place); :meth:`put_back` reports them as not put back."""
+        in place); :meth:`put_back` reports them as not put back. Unless reads will
+        land in the live tensors (``reads_in_place``: a daemon's copy), an
+        optimizer's tensors are kept, not copied (_replaces_its_tensors): at 1 GiB of
+        model and Adam state, two thirds of the copy."""
         skip = set(skip)
-        self.states = {name: _copy_tree(obj.state_dict()) for name, obj in tracked.items()
-                       if name not in skip}
+        self.states = {name: _copy_tree(obj.state_dict(), reads_in_place
+                                        or not _replaces_its_tensors(obj))
+                       for name, obj in tracked.items() if name not in skip}
         self.rng_state = rng.capture()
         self.cursor: Optional[Dict[str, Any]] = None
 
@@ -414,7 +428,8 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                             need_cursor=need_cursor, omit=omit)
             undo = fallbacks.after(i)
             if not undo and before is None and tensor_source is not None:
-                before = Before(tracked, rng)   # a hot read lands in live tensors
+                # a hot read lands in live tensors
+                before = Before(tracked, rng, reads_in_place=True)
             states = _read_states(reader, {n: o for n, o in tracked.items()
                                            if n not in omit}, tensor_source,
                                   in_place=in_place if undo or before is not None else None,

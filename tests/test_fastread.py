@@ -184,3 +184,58 @@ def test_direct_reads_land_in_unaligned_destinations_whole(tmp_path):
     finally:
         os.close(direct)
         os.close(fd)
+
+
+class Refuses:
+    """A tracked object whose load_state_dict raises once ``refuse`` is set: the
+    restore's last object fails after the model and the optimizer were loaded."""
+
+    def __init__(self):
+        self.refuse = False
+
+    def state_dict(self):
+        return {"n": 1}
+
+    def load_state_dict(self, state):
+        if self.refuse:
+            raise ValueError("refused on purpose")
+
+
+def state_of(model, opt):
+    return [t.clone() for t in model.state_dict().values()] + \
+        [t.clone() for s in opt.state.values() for t in s.values()]
+
+
+def test_a_restore_that_fails_half_way_puts_the_optimizer_back_bit_for_bit(tmp_path):
+    """The optimizer's tensors are kept as they were, not copied, before the load
+    (torch's load_state_dict replaces them): the put-back still restores them."""
+    root = str(tmp_path)
+    model, opt = build(0)
+    train(model, opt)
+    saver = Client(root, RUN, daemon=False)
+    saver.track(model=model, optimizer=opt, zz=Refuses())
+    saver.snapshot(1).wait()
+    saver.close()
+    model, opt = build(1)   # another state: what restore would change
+    train(model, opt)
+    train(model, opt)
+    before, refuses = state_of(model, opt), Refuses()
+    refuses.refuse = True
+    client = Client(root, RUN, daemon=False)
+    client.track(model=model, optimizer=opt, zz=refuses)
+    with pytest.raises(Exception, match="applying the snapshot failed half way"):
+        client.restore()
+    after = state_of(model, opt)
+    assert len(after) == len(before)
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_large_tensors_read_from_files_get_page_aligned_memory():
+    """Direct I/O fills them without going through the reader's buffer."""
+    from snapd.reader import ALIGNED_FROM, new_tensor
+    big = new_tensor([ALIGNED_FROM // 4 + 3], torch.float32)
+    assert big.data_ptr() % mmap.PAGESIZE == 0 and big.shape == (ALIGNED_FROM // 4 + 3,)
+    big.fill_(1.5)
+    assert float(big.sum()) == 1.5 * big.numel()
+    small = new_tensor([3, 4], torch.float16)
+    assert small.shape == (3, 4) and small.dtype == torch.float16
