@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 
 import psutil
@@ -111,3 +112,31 @@ def plan_for(state, step: int = 1, name: str = "model") -> SnapshotPlan:
                for p, t in zip(flat.paths, flat.tensors)]
     return SnapshotPlan("r", step, {"id": 0, "mode": "fresh", "parent": None},
                         [ObjectPlan(name, "x.Y", flat.skeleton, tensors)], {"python": b"s"})
+
+
+class ThreadCollective:
+    """A fake collective of threads, one per rank, meeting at a barrier: the bytes
+    collectives of snapd_client/collectives.py, for restore's agreement in-process."""
+
+    def __init__(self, world):
+        self.world, self.barrier = world, threading.Barrier(world, timeout=20)
+        self.slots = [None] * world
+
+    def member(self, rank):
+        threads = self
+
+        class Member:
+            def __init__(self):
+                self.rank, self.world_size = rank, threads.world
+
+            def broadcast_bytes(self, data, src=0):
+                return self.allgather_bytes(data if rank == src else b"")[src]
+
+            def allgather_bytes(self, data):
+                threads.barrier.wait()
+                threads.slots[rank] = bytes(data)
+                threads.barrier.wait()
+                out = list(threads.slots)
+                threads.barrier.wait()
+                return out
+        return Member()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import snapd.errors
+from helpers import ThreadCollective
 from snapd.errors import CorruptSnapshot, IncompatibleState, ReplayDivergence
 from snapd.logwriter import LogWriter
 from snapd.options import Options
@@ -181,38 +182,13 @@ def test_a_flipped_byte_in_the_part_that_stores_a_replicated_tensor_is_caught(tm
 
 # --- agreement over a fake collective ----------------------------------------------------
 
-class _Threads:
-    """A collective of threads, one per rank, meeting at a barrier."""
-
-    def __init__(self, world):
-        self.world, self.barrier = world, threading.Barrier(world, timeout=10)
-        self.slots = [None] * world
-
-    def member(self, rank):
-        threads = self
-
-        class Member:
-            def __init__(self):
-                self.rank, self.world_size = rank, threads.world
-
-            def broadcast_bytes(self, data, src=0):
-                return self.allgather_bytes(data if rank == src else b"")[src]
-
-            def allgather_bytes(self, data):
-                threads.barrier.wait()
-                threads.slots[rank] = bytes(data)
-                threads.barrier.wait()
-                out = list(threads.slots)
-                threads.barrier.wait()
-                return out
-        return Member()
 
 
 def _agree_all(world, fails, order=("b", "a")):
     """Run agree() on ``world`` threads; ``fails[(rank, name)]`` is what that rank's
     read of that candidate raises. Returns each rank's result (or error), and the
     FallbackWarnings of all ranks (caught here: catch_warnings is per process)."""
-    threads, out = _Threads(world), [None] * world
+    threads, out = ThreadCollective(world), [None] * world
 
     def one(rank):
         def try_one(name):
@@ -296,7 +272,7 @@ def test_a_replay_divergence_on_a_rank_of_many_names_the_rank(tmp_path):
 
 
 def test_rank_0_failing_to_list_the_snapshots_stops_every_rank():
-    threads, out = _Threads(2), [None] * 2
+    threads, out = ThreadCollective(2), [None] * 2
 
     def one(rank):
         def listing():

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import ThreadCollective
 from snapd import format as fmt
 from snapd.globalcommit import DanglingReference
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
@@ -239,38 +240,13 @@ def pulled(remote: RemoteRoot, root: str):
 
 # --- restore on node-local roots: the remote commit pulled onto each root first --------
 
-class Threads:
-    """A collective of threads, one per rank, meeting at a barrier."""
-
-    def __init__(self, world):
-        self.world, self.barrier = world, threading.Barrier(world, timeout=20)
-        self.slots = [None] * world
-
-    def member(self, rank):
-        threads = self
-
-        class Member:
-            def __init__(self):
-                self.rank, self.world_size = rank, threads.world
-
-            def broadcast_bytes(self, data, src=0):
-                return self.allgather_bytes(data if rank == src else b"")[src]
-
-            def allgather_bytes(self, data):
-                threads.barrier.wait()
-                threads.slots[rank] = bytes(data)
-                threads.barrier.wait()
-                out = list(threads.slots)
-                threads.barrier.wait()
-                return out
-        return Member()
 
 
 def pull_on_ranks(roots, url):
     """distrestore.pull_from_remote on 4 rank threads, ranks 0-1 on roots[0], 2-3 on
     roots[1]; each rank's result (or error) and the FallbackWarnings."""
     from snapd_client.distrestore import pull_from_remote
-    threads, out = Threads(4), [None] * 4
+    threads, out = ThreadCollective(4), [None] * 4
 
     def one(rank):
         client = SimpleNamespace(options=Options(remote=url), run="r", rank=rank,
