@@ -40,6 +40,7 @@ from snapd.remote import retention
 from snapd.remote.layout import RemoteRoot, newest
 from snapd.remote.logsync import LogSync
 from snapd.remote.upload import upload_snapshot
+from snapd.retention import dir_bytes
 from snapd.store import TMP_PREFIX, RunStore, SnapshotId, list_runs
 
 log = logging.getLogger(__name__)
@@ -382,14 +383,7 @@ def _unfinished_parts(store: RunStore, last: Optional[SnapshotId],
 
 
 def _dir_bytes(store: RunStore, sid: SnapshotId) -> int:
-    total = 0
-    for dirpath, _, names in os.walk(store.snapshot_path(sid)):
-        for n in names:
-            try:
-                total += os.lstat(os.path.join(dirpath, n)).st_size
-            except OSError:
-                pass
-    return total
+    return dir_bytes(store.snapshot_path(sid))
 
 
 class _Pinned(RunStore):
