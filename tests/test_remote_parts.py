@@ -120,11 +120,7 @@ def test_parts_of_two_sessions_are_never_joined(remote, nodes):
 
 def test_two_committers_write_the_same_bytes(remote, nodes):
     a, b = nodes
-    write(a, 0)
-    write(b, 1)
-    parts.upload_part(remote, a, NAME, 0)
-    parts.upload_part(remote, b, NAME, 1)
-    assert parts.try_remote_commit(remote, a, NAME)
+    committed_remotely(remote, nodes)
     first = (remote.fs.cat_file(remote.record_path("r", NAME)),
              remote.fs.cat_file(remote.file_path("r", NAME, fmt.COMMIT_NAME)))
     remote.fs.rm_file(remote.record_path("r", NAME))   # as if b looked before a wrote
@@ -177,12 +173,8 @@ def test_a_part_whose_manifest_changed_after_it_was_announced_is_not_joined(remo
 
 
 def test_a_part_is_never_uploaded_over_a_remote_commit(remote, nodes):
-    a, b = nodes
-    write(a, 0)
-    write(b, 1)
-    parts.upload_part(remote, a, NAME, 0)
-    parts.upload_part(remote, b, NAME, 1)
-    assert parts.try_remote_commit(remote, a, NAME)
+    a, _ = nodes
+    committed_remotely(remote, nodes)
     before = remote.uploaded_files("r", NAME)
     write(a, 0, session="later")   # a later attempt's part of the same step
     assert parts.upload_part(remote, a, NAME, 0) is None
