@@ -41,10 +41,19 @@ import zstandard
 
 from snapd.errors import CorruptSnapshot
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # v1: chunks back to back; v2: each on a 4096-byte boundary; v3: parts of a multi-rank
-# snapshot (a session, sharded and referenced tensor entries) and the commit record.
-READABLE_VERSIONS = (1, 2, 3)
+# snapshot (a session, sharded and referenced tensor entries) and the commit record;
+# v4: tensors whose bytes are an earlier snapshot's file (``shared``, ``src``), each
+# chunk's identity (xxh3-128 of its raw bytes), the base model's reference (``base``).
+READABLE_VERSIONS = (1, 2, 3, 4)
+# A v4 tensor entry may refer to a file of these versions (4096-aligned chunks whose
+# entries carry an identity).
+SHAREABLE_VERSIONS = (4,)
+CHUNK_ID_BYTES = 16
+# A committed snapshot's directory name: the step as 8+ digits, then .L<lineage> when
+# the lineage is not 0 (snapd/store.py orders snapshots by it).
+SNAPSHOT_NAME = re.compile(r"^(\d{8,})(?:\.L(\d+))?$")
 CHUNK_ALIGN = 4096
 MANIFEST_NAME = "manifest.snapd"
 MANIFEST_MAGIC = b"SNAPDMF\0"
@@ -96,6 +105,20 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def chunk_id(raw) -> bytes:
+    """A chunk's identity (v4): the xxh3-128 of its raw bytes, 16 bytes. With the raw
+    length it names the content: two chunks with equal ids are the same bytes (a
+    collision needs about 2^64 chunks), so the writer refers to a committed chunk
+    instead of writing it again."""
+    return xxhash.xxh3_128_digest(raw)
+
+
+def snapshot_name_of(m: Dict[str, Any]) -> str:
+    """The directory name a manifest's step and lineage give."""
+    lineage = m["lineage"].get("id", 0)
+    return f"{m['step']:08d}" + (f".L{lineage}" if lineage else "")
+
+
 # --- manifest ---------------------------------------------------------------------
 
 def encode_manifest(manifest: Dict[str, Any]) -> bytes:
@@ -124,7 +147,7 @@ def encode_commit(record: Dict[str, Any]) -> bytes:
 
 def decode_commit(data: bytes, *, path: str) -> Dict[str, Any]:
     """Bytes of ``commit.snapd`` to its map, or CorruptSnapshot naming what failed."""
-    record, version = _unframe(data, COMMIT_MAGIC, "commit record", (3,), path=path)
+    record, version = _unframe(data, COMMIT_MAGIC, "commit record", (3, 4), path=path)
     check_commit(record, path=path, version=version)
     return record
 
@@ -212,6 +235,8 @@ def check_manifest(m: Any, *, path: str, version: int = FORMAT_VERSION) -> None:
               "lacks size/xxh3")
     need(m.get("session") is None or is_name(m["session"]), path, "session",
           "is neither nil nor a name")
+    check_shared(m, path, version)
+    check_base(m.get("base"), path)
     for obj_name, obj in m["objects"].items():
         need(is_name(obj_name), path, f"objects[{obj_name!r}]", "is not a name")
         _check_object(obj_name, obj, files, path, m)
@@ -281,8 +306,10 @@ def _check_object(name: str, obj: Any, files: dict, path: str,
         check_skeleton(obj["metadata"], path=path, field=f"{field}.metadata")
     tensors = obj.get("tensors")
     need(isinstance(tensors, list), path, f"{field}.tensors", "is missing")
-    # Entries that refer to another rank's part have no bytes here (no file needed).
-    stored_here = [t for t in tensors if not (isinstance(t, dict) and "ref" in t)]
+    # Entries whose bytes are another rank's part (ref) or an earlier snapshot's file
+    # (src) have no bytes here: an object of only those has no file.
+    stored_here = [t for t in tensors if not (isinstance(t, dict)
+                                              and ("ref" in t or "src" in t))]
     if stored_here:
         need(isinstance(obj.get("file"), str) and obj["file"] in files, path,
               f"{field}.file", "names no file listed in files")
@@ -290,9 +317,16 @@ def _check_object(name: str, obj: Any, files: dict, path: str,
         need(obj.get("file") is None or isinstance(obj["file"], str), path,
               f"{field}.file", "is neither nil nor a file name")
     size = files[obj["file"]]["size"] if stored_here else 0
+    shared = m.get("shared") or []
     for i, t in enumerate(tensors):
-        _check_tensor(t, size, path, f"{field}.tensors[{i}]")
-        check_placement(t, m, path, f"{field}.tensors[{i}]")
+        where = f"{field}.tensors[{i}]"
+        src = t.get("src") if isinstance(t, dict) else None
+        if src is not None:
+            need(is_uint(src) and src < len(shared) and "ref" not in t, path,
+                 f"{where}.src", "is not an index into shared (nor beside ref)")
+        _check_tensor(t, size if src is None else shared[src]["size"], path, where,
+                      m["format"])
+        check_placement(t, m, path, where)
 
 
 def check_placement(t: Dict[str, Any], m: Dict[str, Any], path: str, field: str) -> None:
@@ -314,6 +348,41 @@ def check_placement(t: Dict[str, Any], m: Dict[str, Any], path: str, field: str)
              "is not another rank of this snapshot")
         need(t.get("chunks") == [], path, f"{field}.chunks",
              "is not empty in an entry stored by another rank (ref)")
+
+
+def check_shared(m: Dict[str, Any], path: str, version: int) -> None:
+    """v4's ``shared``: the earlier snapshots' tensor files this one's ``src`` entries
+    read, each ``{snapshot, file, size, format}``; never this snapshot itself."""
+    shared = m.get("shared", [])
+    need(isinstance(shared, list) and (not shared or version >= 4), path, "shared",
+         "is not a list (of version 4)")
+    seen = set()
+    for i, s in enumerate(shared):
+        need(isinstance(s, dict) and isinstance(s.get("snapshot"), str)
+             and bool(SNAPSHOT_NAME.match(s["snapshot"]))
+             and isinstance(s.get("file"), str) and bool(_SAFE_FILE.match(s["file"]))
+             and ".." not in s["file"] and is_uint(s.get("size"))
+             and s.get("format") in SHAREABLE_VERSIONS, path, f"shared[{i}]",
+             "is not {snapshot, file, size, format} naming a tensor file of a "
+             "committed snapshot")
+        need((s["snapshot"], s["file"]) not in seen, path, f"shared[{i}]",
+             "lists a file twice")
+        need(s["snapshot"] != snapshot_name_of(m), path, f"shared[{i}].snapshot",
+             "names this snapshot itself")
+        seen.add((s["snapshot"], s["file"]))
+
+
+BASE_KEYS = ("name", "revision", "digest")
+
+
+def check_base(base: Any, path: str) -> None:
+    """v4's ``base``: nil, or the base model's ``{name, revision, digest}`` (strings;
+    the digest is snapd's own, 32 hex digits, snapd_client/base.py)."""
+    need(base is None or (isinstance(base, dict)
+                          and all(isinstance(base.get(k), str) and len(base[k]) <= MAX_NAME
+                                  for k in BASE_KEYS)
+                          and bool(re.fullmatch(r"[0-9a-f]{32}", base["digest"]))),
+         path, "base", "is neither nil nor {name, revision, digest}")
 
 
 def check_commit(r: Any, *, path: str, version: int = FORMAT_VERSION) -> None:
@@ -342,7 +411,8 @@ def part_dir_name(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def _check_tensor(t: Any, file_size: int, path: str, field: str) -> None:
+def _check_tensor(t: Any, file_size: int, path: str, field: str,
+                  version: int = FORMAT_VERSION) -> None:
     need(isinstance(t, dict), path, field, "is not a map")
     need(is_name(t.get("path")) or t.get("path") == "", path, f"{field}.path",
           "is not a string")
@@ -362,16 +432,19 @@ def _check_tensor(t: Any, file_size: int, path: str, field: str) -> None:
     need(isinstance(chunks, list), path, f"{field}.chunks", "is not a list")
     raw_total = 0
     for chunk in chunks:
-        raw_total += _check_chunk(chunk, file_size, path, f"{field}.chunks")
+        raw_total += _check_chunk(chunk, file_size, path, f"{field}.chunks", version)
     need(raw_total == nbytes or "ref" in t, path, f"{field}.chunks",
           f"add up to {raw_total} bytes, not the {nbytes} the shape needs")
 
 
-def _check_chunk(chunk: Any, file_size: int, path: str, field: str) -> int:
-    """One ``[offset, stored, raw, codec, xxh3]`` entry; returns its raw length."""
-    need(isinstance(chunk, list) and len(chunk) == 5, path, field,
-          "has a malformed entry")
-    offset, stored, raw, codec, digest = chunk
+def _check_chunk(chunk: Any, file_size: int, path: str, field: str,
+                 version: int = FORMAT_VERSION) -> int:
+    """One ``[offset, stored, raw, codec, xxh3]`` entry, with v4's optional sixth
+    item, the chunk's identity (16 bytes); returns its raw length."""
+    need(isinstance(chunk, list) and (len(chunk) == 5 or (
+        version >= 4 and len(chunk) == 6 and isinstance(chunk[5], bytes)
+        and len(chunk[5]) == CHUNK_ID_BYTES)), path, field, "has a malformed entry")
+    offset, stored, raw, codec, digest = chunk[:5]
     need(all(is_uint(v) for v in (offset, stored, raw, digest))
           and codec in (CODEC_RAW, CODEC_ZSTD), path, field, "has a malformed entry")
     need(offset >= HEADER_BYTES and offset + stored <= file_size, path, field,
@@ -576,7 +649,7 @@ def encode_chunk(raw, level: int | None) -> Tuple[bytes | memoryview, str]:
 
 def decode_chunk(stored, chunk: List[Any], *, path: str, field: str):
     """Verify one stored chunk and return its raw bytes."""
-    _offset, _stored_len, raw_len, codec, digest = chunk
+    raw_len, codec, digest = chunk[2], chunk[3], chunk[4]
     if checksum(stored) != digest:
         raise CorruptSnapshot(f"{path}: checksum mismatch in {field} at byte offset "
                               f"{chunk[0]}; the file is damaged, use an older snapshot",

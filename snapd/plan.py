@@ -32,12 +32,15 @@ class TensorSource:
     shard: Optional[Dict[str, List[int]]] = None
     # Replicated, and written by this rank of the job instead: no bytes here.
     ref: Optional[int] = None
+    # Unchanged since snapshot ``reuse`` (its name) of this run wrote its bytes: the
+    # writer refers to those bytes and gets none here (snapd/sharing.py).
+    reuse: Optional[str] = None
     # Read once, at construction: still known once the writer released ``data``.
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         nbytes = len(self.data)
-        if self.ref is not None:   # the bytes are another rank's: the size is the shape's
+        if not self.carried:   # the bytes are elsewhere: the size is the shape's
             nbytes = math.prod(self.shape) * ITEMSIZES[self.dtype]
         object.__setattr__(self, "nbytes", nbytes)
 
@@ -45,6 +48,12 @@ class TensorSource:
     def stored(self) -> bool:
         """Whether this rank writes the tensor's bytes (it is not another's to write)."""
         return self.ref is None
+
+    @property
+    def carried(self) -> bool:
+        """Whether the plan carries the tensor's bytes: this rank writes them and no
+        earlier snapshot of the run already holds them."""
+        return self.ref is None and self.reuse is None
 
     def placement(self) -> Dict[str, Any]:
         """The optional manifest keys of the tensor's entry: shard, ref."""
@@ -96,6 +105,8 @@ class SnapshotPlan:
     # Names of damaged snapshots restore() refused: the writer may move one aside
     # (never delete it) when this snapshot needs its name.
     supersedes: Sequence[str] = ()
+    # The base model this state belongs to: {name, revision, digest} (docs/format.md).
+    base: Optional[Dict[str, str]] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "objects", tuple(self.objects))
@@ -107,15 +118,17 @@ class SnapshotPlan:
 
     @property
     def nbytes(self) -> int:
-        """The bytes this rank writes (tensors another rank writes are not counted)."""
-        return sum(t.nbytes for o in self.objects for t in o.tensors if t.stored)
+        """The bytes this plan carries (tensors another rank writes, and those an
+        earlier snapshot holds, are not counted)."""
+        return sum(t.nbytes for o in self.objects for t in o.tensors if t.carried)
 
 
 def plan_tensor(path: str, dtype: str, shape: Any, device: str, offset: int,
                 nbytes: int, *, shard: Optional[Dict[str, Any]] = None,
-                ref: Optional[int] = None) -> Dict[str, Any]:
+                ref: Optional[int] = None, reuse: Optional[str] = None) -> Dict[str, Any]:
     """One tensor of a descriptor: where its bytes lie in the slot, not the bytes.
-    ``ref``: another rank writes it; it takes no slot bytes (``offset`` is 0)."""
+    ``ref``: another rank writes it; ``reuse``: the snapshot of this run that holds its
+    bytes. Either takes no slot bytes (``offset`` is 0)."""
     entry = {"path": path, "dtype": dtype, "shape": list(shape), "device": device,
              "offset": offset, "nbytes": nbytes}
     if shard is not None:
@@ -123,6 +136,8 @@ def plan_tensor(path: str, dtype: str, shape: Any, device: str, offset: int,
                           "offset": list(shard["offset"])}
     if ref is not None:
         entry["ref"] = ref
+    if reuse is not None:
+        entry["reuse"] = reuse
     return entry
 
 
@@ -137,7 +152,8 @@ def describe(plan: Any, tensors: List[List[Dict[str, Any]]]) -> Dict[str, Any]:
             "cursor": None if plan.cursor is None else dict(plan.cursor),
             "metric": plan.metric, "data_version": plan.data_version,
             "rank": plan.rank, "world_size": plan.world_size,
-            "session": plan.session, "supersedes": list(plan.supersedes)}
+            "session": plan.session, "supersedes": list(plan.supersedes),
+            "base": None if plan.base is None else dict(plan.base)}
 
 
 def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any]:
@@ -146,7 +162,7 @@ def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any
     ``offsets[i][j]`` is where tensor j of object i starts within the slot.
     """
     return describe(plan, [[plan_tensor(t.path, t.dtype, t.shape, t.device, off, t.nbytes,
-                                        shard=t.shard, ref=t.ref)
+                                        shard=t.shard, ref=t.ref, reuse=t.reuse)
                             for t, off in zip(obj.tensors, obj_offsets)]
                            for obj, obj_offsets in zip(plan.objects, offsets)])
 
@@ -171,6 +187,7 @@ def _check_descriptor_fields(desc: Any) -> None:
     fmt.check_lineage(desc.get("lineage"), where)
     fmt.check_rng_map(desc.get("rng"), path=where, field="rng")
     fmt.need(fmt.is_name(desc.get("session", "none")), where, "session", "is not a name")
+    fmt.check_base(desc.get("base"), where)
     fmt.need(desc.get("cursor") is None or (isinstance(desc["cursor"], dict) and
              fmt.nests_within(desc["cursor"], fmt.MAX_PLAIN_DEPTH)), where, "cursor",
              "is neither nil nor a map of bounded depth")
@@ -193,6 +210,9 @@ def _check_descriptor_fields(desc: Any) -> None:
             _check_descriptor_tensor(t, where, f"{field}.tensors[{j}]")
             fmt.check_placement({**t, "chunks": []} if "ref" in t else t, desc, where,
                                 f"{field}.tensors[{j}]")
+            fmt.need("reuse" not in t or (isinstance(t["reuse"], str) and "ref" not in t
+                                          and bool(fmt.SNAPSHOT_NAME.match(t["reuse"]))),
+                     where, f"{field}.tensors[{j}].reuse", "is not a snapshot name")
 
 
 def _check_descriptor_tensor(t: Any, where: str, field: str) -> None:
@@ -213,7 +233,7 @@ def _check_descriptor_tensor(t: Any, where: str, field: str) -> None:
 def used_bytes(desc: Dict[str, Any]) -> int:
     """How much of a slot a plan descriptor uses: the end of its last tensor."""
     return max((t["offset"] + t["nbytes"] for o in desc["objects"]
-                for t in o["tensors"] if "ref" not in t), default=0)
+                for t in o["tensors"] if "ref" not in t and "reuse" not in t), default=0)
 
 
 def tensor_extent(t: Dict[str, Any], size: int) -> Tuple[int, int]:
@@ -236,15 +256,16 @@ def from_descriptor(desc: Dict[str, Any], slot: memoryview) -> SnapshotPlan:
     for obj in desc["objects"]:
         tensors = []
         for t in obj["tensors"]:
-            ref = t.get("ref")
-            start, end = (0, 0) if ref is not None else tensor_extent(t, len(slot))
+            ref, reuse = t.get("ref"), t.get("reuse")
+            start, end = (0, 0) if ref is not None or reuse is not None \
+                else tensor_extent(t, len(slot))
             tensors.append(TensorSource(t["path"], t["dtype"], list(t["shape"]),
                                         slot[start:end], t.get("device", "cpu"),
-                                        shard=t.get("shard"), ref=ref))
+                                        shard=t.get("shard"), ref=ref, reuse=reuse))
         objects.append(ObjectPlan(obj["name"], obj["type"], obj["skeleton"], tensors,
                                   obj.get("metadata")))
     return SnapshotPlan(desc["run"], desc["step"], desc["lineage"], objects, desc["rng"],
                         desc.get("cursor"), desc.get("metric"), desc.get("data_version"),
                         desc.get("rank", 0), desc.get("world_size", 1),
                         desc.get("session", "none"),
-                        [str(n) for n in desc.get("supersedes") or []])
+                        [str(n) for n in desc.get("supersedes") or []], desc.get("base"))

@@ -28,9 +28,9 @@ from typing import List, Optional, Tuple
 
 from snapd import fsio
 from snapd.errors import SnapdError
+from snapd.format import SNAPSHOT_NAME
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}$")
-SNAPSHOT_NAME = re.compile(r"^(\d{8,})(?:\.L(\d+))?$")
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = ".damaged-"
 PARTS_PREFIX = ".parts-"

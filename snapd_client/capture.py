@@ -81,6 +81,7 @@ class Capture:
     supersedes: Tuple[str, ...] = ()
     world_size: int = 1
     session: str = "none"   # the attempt this part belongs to (docs/multirank.md)
+    base: Optional[Mapping[str, str]] = None   # the base model's reference, if any
     # Every leaf object by object (the order of the arena slot and of the files),
     # which overlap mode may defer, and which this rank writes (no ref): derived once,
     # at construction.
@@ -129,7 +130,8 @@ class Capture:
                             objects=objects, rng=rng, cursor=cursor, metric=self.metric,
                             data_version=self.data_version, rank=self.rank,
                             world_size=self.world_size, session=self.session,
-                            supersedes=list(self.supersedes))
+                            supersedes=list(self.supersedes),
+                            base=None if self.base is None else dict(self.base))
 
     def plan_in_memory(self) -> SnapshotPlan:
         """The in-process writer's plan: over the tensors' own bytes (on CPU; copied

@@ -53,7 +53,7 @@ def test_manifest_bytes_match_the_documented_offsets(tmp_path):
     result = write_snapshot(RunStore(str(tmp_path), "r"), plan_for(STATE), Options())
     data = open(os.path.join(result.path, "manifest.snapd"), "rb").read()
     assert data[0:8] == b"SNAPDMF\0"
-    assert struct.unpack_from("<I", data, 8)[0] == 3
+    assert struct.unpack_from("<I", data, 8)[0] == 4
     assert struct.unpack_from("<I", data, 12)[0] == 0
     length = struct.unpack_from("<Q", data, 16)[0]
     assert length == len(data) - 32
