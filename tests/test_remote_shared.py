@@ -43,23 +43,26 @@ def remote(tmp_path):
     return RemoteRoot(f"file://{tmp_path}/remote", fs=fs)
 
 
-def _object(name, state):
+def _object(name, state, kind="x.Y"):
     flat = flatten(state, name)
     tensors = [TensorSource(p, str(t.dtype)[6:], list(t.shape), tensor_bytes(t))
                for p, t in zip(flat.paths, flat.tensors)]
-    return ObjectPlan(name, "x.Y", flat.skeleton, tensors)
+    return ObjectPlan(name, kind, flat.skeleton, tensors)
 
 
-def _plan(step):
+def _plan(step, base):
     adapter = {"a": torch.full((16,), float(step))}
     return SnapshotPlan(RUN, step, {"id": 0, "mode": "fresh", "parent": None},
-                        [_object("base", BASE), _object("adapter", adapter)],
+                        [_object("base", base, "torch.nn.modules.linear.Linear"),
+                         _object("adapter", adapter)],
                         {"python": b"s"})
 
 
-def write(store, step):
-    """A snapshot of a frozen base and a small adapter, every byte its own."""
-    return write_snapshot(store, _plan(step), Options()).sid
+def write(store, step, base=None):
+    """A snapshot of a frozen base and a small adapter; every byte its own unless the
+    writer finds them in the newest committed snapshot (a base unchanged)."""
+    return write_snapshot(store, _plan(step, BASE if base is None else base),
+                          Options()).sid
 
 
 def write_sharing(store, step, home, tmp_path):
@@ -234,15 +237,17 @@ def test_pull_brings_the_shared_file_down_to_shared_and_restores(store, remote,
     assert torch.equal(loaded(reader, "base")[".w1"], BASE["w1"])
 
 
-def test_pull_uses_a_shared_file_found_locally(store, remote, tmp_path):
-    s1, s2, own, _ = _uploaded_s2(store, remote, tmp_path)
+def test_pull_reads_a_shared_file_found_locally_and_counts_it_as_moved(store, remote,
+                                                                       tmp_path):
+    s1, s2, own, size = _uploaded_s2(store, remote, tmp_path)
     shutil.rmtree(store.snapshot_path(s2))
     retire(store, s1, own)
-    got = []   # nothing may be downloaded but the snapshot's own files
+    got, moved = [], []   # nothing may be downloaded but the snapshot's own files
     get = remote.fs.__class__.get_file
     remote.fs.get_file = lambda src, dst, **k: (got.append(src), get(remote.fs, src, dst))
-    pull(remote, store, s2.name)
+    pull(remote, store, s2.name, progress=moved.append)
     assert got and not any("/shared/" in g for g in got)
+    assert sum(moved) == remote.read_record(RUN, s2.name)["bytes"] + size
     assert store.committed() == [s2]
 
 
@@ -277,7 +282,7 @@ def test_retention_keeps_a_shared_file_a_kept_record_lists_and_sweeps_it_after(
     assert (s1.name, own) in remote.shared_files(RUN)   # s2, kept, lists it
     fresh = RunStore(str(tmp_path / "fresh"), RUN)
     pull(remote, fresh, s2.name)                        # and still pulls whole
-    s4 = write(store, 4)                                # shares nothing
+    s4 = write(store, 4, {"w1": torch.zeros(8)})        # shares nothing
     upload_snapshot(remote, store, s4.name)
     assert retention.apply(remote, RUN, 1, None) == [s2.name]
     assert remote.shared_files(RUN) == {}
@@ -292,3 +297,27 @@ def test_no_shared_file_is_swept_while_a_newer_upload_may_need_it(store, remote,
     assert retention.sweep_shared(remote, RUN) == []
     remote.remove_files(RUN, "00000009")
     assert retention.sweep_shared(remote, RUN) == [(s1.name, own)]
+
+
+# --- the commands on a remote URL -----------------------------------------------------
+
+def test_verify_inspect_and_export_on_a_url_read_the_shared_file(store, remote, tmp_path):
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+    from snapd.cli import main
+    s1, s2, own, _ = _uploaded_s2(store, remote, tmp_path)
+    remote.delete_snapshot(RUN, s1.name)   # only the shared copy of its file is left
+    url = remote.url
+
+    def cli(*args):
+        return CliRunner().invoke(main, list(args), catch_exceptions=False)
+    verified = cli("verify", f"{url}/{RUN}@2")
+    assert verified.exit_code == 0, verified.output
+    assert cli("inspect", f"{url}/{RUN}@2").exit_code == 0
+    out = str(tmp_path / "out.safetensors")
+    exported = cli("export", f"{url}/{RUN}@2", "-o", out)
+    assert exported.exit_code == 0, exported.output
+    assert torch.equal(load_file(out)["w1"], BASE["w1"])
+    remote.remove_shared(RUN, s1.name, own)
+    damaged = cli("verify", f"{url}/{RUN}@2")
+    assert damaged.exit_code == 1 and f"shared/{s1.name}/{own}" in damaged.output
