@@ -22,7 +22,7 @@ from snapd.remote.layout import RemoteRoot, decode_record, encode_record, record
 from snapd.remote.pull import pull
 from snapd.remote.upload import upload_snapshot
 from snapd.remote.uploader import pinned
-from snapd.store import RunStore, SnapshotId
+from snapd.store import RunStore
 from snapd.writer import write_snapshot
 from snapd_client.capture import tensor_bytes
 from snapd_client.state import flatten

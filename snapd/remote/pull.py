@@ -22,8 +22,8 @@ A pull is a local commit whose bytes come from the remote root (docs/remote.md,
 
 Any failure removes the tmp dir. Shared files already brought down stay (another pull
 of this node may be reading them): none is referenced by a committed snapshot, so
-local retention's sweep of ``shared/`` removes them. Damage raises CorruptSnapshot naming the remote
-file; a remote that cannot be reached raises RemoteUnavailable.
+local retention's sweep of ``shared/`` removes them. Damage raises CorruptSnapshot
+naming the remote file; a remote that cannot be reached raises RemoteUnavailable.
 """
 
 from __future__ import annotations
@@ -208,9 +208,11 @@ def pull_shared(remote: RemoteRoot, store: RunStore, wanted: List[SharedFile],
     dirs = [os.path.join(store.path, sharing.SHARED_DIR)]
     dirs += sorted({os.path.join(dirs[0], s.snapshot) for s in wanted})
     for d in dirs:
-        if not os.path.isdir(d):
+        try:
             os.mkdir(d, DIR_MODE)
             fsio.fsync_dir(os.path.dirname(d))
+        except FileExistsError:   # an earlier pull, or retention keeping a file there
+            pass
     final = [sharing.shared_path(store.path, s.snapshot, s.file) for s in wanted]
     pairs = [(remote.shared_path(store.run, s.snapshot, s.file),
               os.path.join(os.path.dirname(f), f".pull-{s.file}-{secrets.token_hex(4)}"))

@@ -76,18 +76,18 @@ def upload_snapshot(remote: RemoteRoot, store: RunStore, name: str, *, threads: 
     existing = _remote(where, _existing_record, remote, store.run, name)
     if existing is not None:
         return existing
-    files = local_files(path)                                           # 1.
+    files = local_files(path)                                                # 1.
     top_name, world_size = _top(path)
-    top_bytes = _read(os.path.join(path, top_name))
     manifest_path = os.path.join(path, top_name)
+    top_bytes = _read(manifest_path)
     shared = shared_files(top_bytes, manifest_path) if world_size == 1 else []
-    done = _remote(where, remote.uploaded_files, store.run, name)       # 2.
+    done = _remote(where, remote.uploaded_files, store.run, name)            # 2.
     tensors, readers_first = upload_order(files)
-    _put(remote, store.run, name, path, tensors, done, threads, progress)          # 3.
-    put_shared(remote, store, shared, threads=threads, wanted_by=manifest_path)             # 3b.
-    _put(remote, store.run, name, path, readers_first, done, threads, progress)    # 4.
+    _put(remote, store.run, name, path, tensors, done, threads, progress)    # 3.
+    put_shared(remote, store, shared, threads=threads, wanted_by=manifest_path)  # 3b.
+    _put(remote, store.run, name, path, readers_first, done, threads, progress)  # 4.
     record = make_record(store.run, sid, world_size, files, top_bytes, shared)
-    _remote(where, remote.write_record, store.run, name, record)        # 5.
+    _remote(where, remote.write_record, store.run, name, record)             # 5.
     log.info("run %r: %s committed remotely at %s (%d files, %d bytes)", store.run,
              name, remote.url, len(files), record["bytes"])
     return record
