@@ -55,7 +55,8 @@ def pull(url: str, target: str, root: Optional[str], threads: int,
                    disable=not show)
     try:
         with bar:
-            task = bar.add_task("", total=record["bytes"])
+            shared = sum(s["size"] for s in record.get("shared") or [])
+            task = bar.add_task("", total=record["bytes"] + shared)
             path = pull_snapshot(t.remote, store, t.name, threads=threads,
                                  progress=lambda n: bar.advance(task, n),
                                  min_free_bytes=Options.resolve().min_free_bytes)

@@ -4,6 +4,8 @@ Layout under the URL's prefix ``<url>``::
 
     <url>/<run>/snapshots/<name>/<file>        a snapshot's files, at the relative
                                                paths they have on the local disk
+    <url>/<run>/shared/<snapshot>/<file>       a tensor file of an earlier snapshot
+                                               that later snapshots read (format v4)
     <url>/<run>/committed/<name>.snapd         the remote commit record, written last
     <url>/<run>/log/rank-NNNNN/<segment>       the state log, replicated
     <url>/<run>/parts/<name>/rank-NNNNN.snapd  node-local roots: a rank's part is up
@@ -11,7 +13,8 @@ Layout under the URL's prefix ``<url>``::
 Object stores have no rename, so the commit is the record: one small object written
 after every file of the snapshot is uploaded, listing each file and its size and the
 digest of the snapshot's top file (its manifest, or a multi-rank snapshot's commit
-record). A snapshot is committed remotely if and only if its record exists and
+record), and the shared files its tensors read (``shared``: each up before the record).
+A snapshot is committed remotely if and only if its record exists and
 decodes; files under ``snapshots/<name>/`` without a record are an upload in progress
 or abandoned, and no reader ever looks at them. Deleting goes the other way: the
 record first, then the files.
@@ -25,7 +28,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import urlsplit, urlunsplit
 
 from snapd import format as fmt
@@ -38,6 +41,8 @@ PART_MAGIC = b"SNAPDRP\0"     # a rank's part uploaded (node-local roots)
 MAX_RECORD_BYTES = 16 << 20
 # A file inside a snapshot: a plain name, or one level down in a rank's part.
 _RELPATH = re.compile(r"^(?:rank-\d{5}/)?[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+# A shared file: a plain tensor file name (one-rank snapshots only share).
+_PLAIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
 def redact(url: str) -> str:
@@ -67,19 +72,52 @@ class RemoteFile:
     size: int
 
 
+@dataclass(frozen=True)
+class SharedFile:
+    """A tensor file of an earlier snapshot of the run that a snapshot's tensors read
+    (a manifest's ``shared`` entry), kept remotely at ``shared/<snapshot>/<file>``."""
+    snapshot: str
+    file: str
+    size: int
+
+    @property
+    def key(self) -> Tuple[str, str]:
+        return (self.snapshot, self.file)
+
+
+def check_shared_file(entry: Any, *, where: str, field: str, name: str) -> SharedFile:
+    """A record's ``shared`` entry, refused unless its snapshot is a snapshot name other
+    than ``name`` and its file a plain name (never ``..``, a ``/`` or absolute)."""
+    ok = (isinstance(entry, dict) and isinstance(entry.get("snapshot"), str)
+          and SnapshotId.parse(entry["snapshot"]) is not None
+          and entry["snapshot"] != name and isinstance(entry.get("file"), str)
+          and bool(_PLAIN.match(entry["file"])) and ".." not in entry["file"]
+          and fmt.is_uint(entry.get("size")))
+    if not ok:
+        raise CorruptSnapshot(f"{where}: field {field} is not {{snapshot, file, size}} "
+                              "naming a tensor file of an earlier snapshot; the remote "
+                              "snapshot is damaged or hostile, use an older one",
+                              path=where, field=field)
+    return SharedFile(entry["snapshot"], entry["file"], entry["size"])
+
+
 def top_file(world_size: int) -> str:
     """The file a reader opens first: the manifest, or the multi-rank commit record."""
     return fmt.COMMIT_NAME if world_size > 1 else fmt.MANIFEST_NAME
 
 
 def make_record(run: str, sid: SnapshotId, world_size: int, files: List[RemoteFile],
-                top_bytes: bytes) -> Dict[str, Any]:
-    """The remote commit record of one snapshot (docs/remote.md, "The record")."""
+                top_bytes: bytes, shared: Sequence[SharedFile] = ()) -> Dict[str, Any]:
+    """The remote commit record of one snapshot (docs/remote.md, "The record").
+    ``bytes`` counts the snapshot's own files; ``shared`` lists the files of earlier
+    snapshots it reads, which are not its own (records before format v4: absent)."""
     return {"run": run, "name": sid.name, "step": sid.step, "lineage": sid.lineage,
             "world_size": world_size,
             "files": [[f.relpath, f.size] for f in sorted(files, key=lambda f: f.relpath)],
             "bytes": sum(f.size for f in files), "top": top_file(world_size),
-            "top_xxh3": fmt.checksum(top_bytes), "uploaded_at": time.time()}
+            "top_xxh3": fmt.checksum(top_bytes), "uploaded_at": time.time(),
+            "shared": [{"snapshot": s.snapshot, "file": s.file, "size": s.size}
+                       for s in sorted(shared, key=lambda s: s.key)]}
 
 
 def encode_record(record: Dict[str, Any]) -> bytes:
@@ -88,8 +126,8 @@ def encode_record(record: Dict[str, Any]) -> bytes:
 
 def decode_record(data: bytes, *, where: str, run: str, name: str) -> Dict[str, Any]:
     """A remote commit record's bytes to its map, checked; CorruptSnapshot otherwise."""
-    record, _ = fmt._unframe(data, RECORD_MAGIC, "remote commit record",
-                             fmt.READABLE_VERSIONS, path=where)
+    record, version = fmt._unframe(data, RECORD_MAGIC, "remote commit record",
+                                   fmt.READABLE_VERSIONS, path=where)
     need = lambda ok, field, what: fmt.need(ok, where, field, what)  # noqa: E731
     need(isinstance(record, dict), "record", "is not a map")
     need(record.get("run") == run, "run", f"is not {run!r}, the run it is filed under")
@@ -110,11 +148,34 @@ def decode_record(data: bytes, *, where: str, run: str, name: str) -> Dict[str, 
     need(record["top"] in {e[0] for e in files}, "files", "does not list the top file")
     need(fmt.is_uint(record.get("top_xxh3")), "top_xxh3", "is not a digest")
     need(fmt.is_uint(record.get("bytes")), "bytes", "is not a byte count")
+    _check_record_shared(record, where, name, version)
     return record
+
+
+def _check_record_shared(record: Dict[str, Any], where: str, name: str,
+                         version: int) -> None:
+    """``shared`` (format v4 records; absent before): distinct files of other
+    snapshots, only in a one-rank record."""
+    shared = record.setdefault("shared", [])
+    fmt.need(isinstance(shared, list) and (not shared or version >= 4), where, "shared",
+             "is not a list (of a version 4 record)")
+    fmt.need(not shared or record["world_size"] == 1, where, "shared",
+             "is not empty in a multi-rank record (only one-rank snapshots share)")
+    seen = set()
+    for i, entry in enumerate(shared):
+        key = check_shared_file(entry, where=where, field=f"shared[{i}]", name=name).key
+        fmt.need(key not in seen, where, f"shared[{i}]", "lists a file twice")
+        seen.add(key)
 
 
 def record_files(record: Dict[str, Any]) -> List[RemoteFile]:
     return [RemoteFile(p, s) for p, s in record["files"]]
+
+
+def record_shared(record: Dict[str, Any]) -> List[SharedFile]:
+    """The shared files a decoded record lists (none for a record before v4)."""
+    return [SharedFile(e["snapshot"], e["file"], e["size"])
+            for e in record.get("shared") or []]
 
 
 def encode_part(part: Dict[str, Any]) -> bytes:
@@ -177,6 +238,13 @@ class RemoteRoot:
     def record_path(self, run: str, name: str) -> str:
         return f"{self.run_path(run)}/committed/{_checked_name(name)}{RECORD_SUFFIX}"
 
+    def shared_path(self, run: str, snapshot: str, file: str) -> str:
+        """Where a shared file of earlier snapshot ``snapshot`` is kept remotely."""
+        return f"{self.shared_root(run)}/{_checked_name(snapshot)}/{_checked_file(file)}"
+
+    def shared_root(self, run: str) -> str:
+        return f"{self.run_path(run)}/shared"
+
     def log_path(self, run: str) -> str:
         return f"{self.run_path(run)}/log"
 
@@ -215,6 +283,23 @@ class RemoteRoot:
             return {}
         return {p[len(prefix):]: int(info.get("size") or 0)
                 for p, info in found.items() if p.startswith(prefix)}
+
+    def shared_files(self, run: str) -> Dict[Tuple[str, str], int]:
+        """What is under ``shared/`` now, listed or not: (snapshot, file) -> size.
+        Anything not named ``<snapshot name>/<plain file name>`` is left out."""
+        prefix = self.shared_root(run) + "/"
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(prefix, detail=True)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for path, info in found.items():
+            snapshot, _, file = path[len(prefix):].partition("/")
+            if (path.startswith(prefix) and SnapshotId.parse(snapshot) is not None
+                    and _PLAIN.match(file) and ".." not in file):
+                out[(snapshot, file)] = int(info.get("size") or 0)
+        return out
 
     def snapshot_names(self, run: str) -> List[str]:
         """Names with files under ``snapshots/``: committed, in progress or abandoned."""
@@ -260,6 +345,20 @@ class RemoteRoot:
             self.fs.rm_file(record)
         self.remove_files(run, name)
 
+    def remove_shared(self, run: str, snapshot: str, file: str) -> None:
+        """One shared file; on a mounted filesystem its emptied directory too (object
+        stores have no directories)."""
+        path = self.shared_path(run, snapshot, file)
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        if "file" in _protocols(self.fs):
+            try:
+                self.fs.rmdir(path.rsplit("/", 1)[0])
+            except OSError:   # not empty: another file of that snapshot is kept
+                pass
+
     def remove_files(self, run: str, name: str) -> None:
         path = self.snapshot_path(run, name)
         try:
@@ -273,6 +372,18 @@ def _checked_name(name: str) -> str:
         raise CorruptSnapshot(f"{name!r} is not a snapshot name (8+ digits, optionally "
                               "'.L<lineage>')", path=str(name), field="name")
     return name
+
+
+def _checked_file(file: str) -> str:
+    if not isinstance(file, str) or not _PLAIN.match(file) or ".." in file:
+        raise CorruptSnapshot(f"{file!r} is not a tensor file name snapd writes",
+                              path=str(file), field="shared")
+    return file
+
+
+def _protocols(fs: Any) -> Tuple[str, ...]:
+    protocol = getattr(fs, "protocol", ())
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 def _is_run(name: str) -> bool:

@@ -5,19 +5,25 @@ A pull is a local commit whose bytes come from the remote root (docs/remote.md,
 
 1. The remote commit record, decoded and checked (layout.decode_record: names,
    sizes, the top file). Nothing else on the remote is looked at without it.
-2. The listing of ``snapshots/<name>/`` against the record: a file missing or of
-   another size is damage, found before a byte is downloaded.
-3. Free space on the local disk for the record's bytes (snapd/diskguard.py).
+2. The listing of ``snapshots/<name>/`` against the record, and of ``shared/`` for
+   each shared file the record lists that snapd/sharing.py does not find locally: a
+   file missing or of another size is damage, found before a byte is downloaded.
+3. Free space on the local disk for the record's bytes and those shared files'.
 4. Every file downloaded into a tmp dir of the local run (the store's ``.tmp-``
    naming: no reader lists it, ``gc --collect-tmp`` removes an abandoned one), its
-   size checked again and the top file's xxh3 against the record's.
+   size checked again and the top file's xxh3 against the record's; then each
+   shared file not found locally to ``<run>/shared/<snapshot>/<file>`` (a tmp name,
+   its size checked, fsynced, renamed), where the readers find it.
 5. Every checksum verified by the local readers (SnapshotReader, or GlobalSnapshot
-   for many ranks), the manifest's run, step and lineage against the name.
+   for many ranks), the manifest's run, step and lineage against the name; the
+   tensors that read shared files read them where step 4 put them.
 6. The files and the tmp dir fsynced, then the rename that commits it, as a local
    commit does (fsio.publish_directory); LATEST moved when the snapshot is newer.
 
-Any failure removes the tmp dir. Damage raises CorruptSnapshot naming the remote
-file; a remote that cannot be reached raises RemoteUnavailable.
+Any failure removes the tmp dir. Shared files already brought down stay (another pull
+of this node may be reading them): none is referenced by a committed snapshot, so
+local retention's sweep of ``shared/`` removes them. Damage raises CorruptSnapshot
+naming the remote file; a remote that cannot be reached raises RemoteUnavailable.
 """
 
 from __future__ import annotations
@@ -25,18 +31,20 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import shutil
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
 
-from snapd import diskguard, fsio
+from snapd import diskguard, fsio, sharing
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, RemoteUnavailable, SnapdError
 from snapd.globalsnap import GlobalSnapshot
 from snapd.options import Options
 from snapd.reader import SnapshotReader
 from snapd.remote import transfer
-from snapd.remote.layout import RemoteRoot, check_relpath, record_files, redact
+from snapd.remote.layout import (RemoteRoot, SharedFile, check_relpath, record_files,
+                                 record_shared, redact)
 from snapd.store import DIR_MODE, RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
@@ -99,15 +107,17 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
         return final
     with reaching(remote, f"reading the record of {store.run}/{name}"):
         record = remote.read_record(store.run, name)                       # 1.
-        check_listing(remote, store.run, name, record)                    # 2.
+        wanted = missing_shared(store, record, progress)
+        check_listing(remote, store.run, name, record, wanted)             # 2.
     store.ensure()
-    need = int(record["bytes"])
+    need = int(record["bytes"]) + sum(s.size for s in wanted)
     min_free = Options().min_free_bytes if min_free_bytes is None else min_free_bytes
     diskguard.ensure_space(store.root, need, min_free)                     # 3.
     tmp = store.new_tmp_dir(sid)
     try:
         _download(remote, store.run, name, record, tmp, threads, progress)  # 4.
-        _verify(remote, store.run, sid, record, tmp)                        # 5.
+        brought = pull_shared(remote, store, wanted, threads, progress)
+        _verify(remote, store.run, sid, record, tmp, brought)               # 5.
         _fsync_tree(tmp)                                                    # 6.
         if _publish(tmp, final):
             return final
@@ -136,10 +146,17 @@ def _publish(tmp: str, final: str) -> bool:
         return True
 
 
-def check_listing(remote: RemoteRoot, run: str, name: str,
-                   record: Dict[str, Any]) -> None:
+def check_listing(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
+                  shared: Optional[List[SharedFile]] = None) -> None:
     """Step 2: what is under ``snapshots/<name>/`` has every file the record lists,
-    at its size."""
+    and ``shared/`` the ``shared`` files (default: every one the record lists), at
+    their sizes."""
+    shared = record_shared(record) if shared is None else shared
+    if shared:
+        up = remote.shared_files(run)
+        for s in shared:
+            _check_size(remote.where(remote.shared_path(run, s.snapshot, s.file)),
+                        up.get(s.key), s.size)
     found = remote.uploaded_files(run, name)
     for f in record_files(record):
         where = remote.where(remote.file_path(run, name, f.relpath))
@@ -152,6 +169,85 @@ def check_listing(remote: RemoteRoot, run: str, name: str,
                                   f"record says {f.size} (field files); the remote "
                                   "snapshot is damaged, use an older one", path=where,
                                   field="size")
+
+
+def _check_size(where: str, found: Optional[int], size: int) -> None:
+    if found is None:
+        raise CorruptSnapshot(f"{where}: listed in the remote commit record (field "
+                              "shared) but missing; the remote snapshot is damaged, use "
+                              "an older one", path=where, field="shared")
+    if found != size:
+        raise CorruptSnapshot(f"{where}: {found} bytes, the remote commit record says "
+                              f"{size} (field shared); the remote snapshot is damaged, "
+                              "use an older one", path=where, field="size")
+
+
+def missing_shared(store: RunStore, record: Dict[str, Any],
+                   progress: Progress = None) -> List[SharedFile]:
+    """The shared files the record lists that snapd/sharing.py does not find in the
+    local run (in ``shared/`` or in their snapshot's directory); one found counts as
+    moved for ``progress``."""
+    wanted = []
+    for s in record_shared(record):
+        try:
+            sharing.locate(store.path, s.snapshot, s.file, wanted_by=store.path)
+            if progress is not None:
+                progress(s.size)
+        except CorruptSnapshot:
+            wanted.append(s)
+    return wanted
+
+
+def pull_shared(remote: RemoteRoot, store: RunStore, wanted: List[SharedFile],
+                threads: int, progress: Progress) -> Dict[str, str]:
+    """Step 4's second half: each wanted shared file to ``<run>/shared/<S>/<file>``
+    under a tmp name, size-checked, fsynced, then renamed. Returns local path ->
+    remote name, for messages."""
+    if not wanted:
+        return {}
+    dirs = [os.path.join(store.path, sharing.SHARED_DIR)]
+    dirs += sorted({os.path.join(dirs[0], s.snapshot) for s in wanted})
+    for d in dirs:
+        try:
+            os.mkdir(d, DIR_MODE)
+            fsio.fsync_dir(os.path.dirname(d))
+        except FileExistsError:   # an earlier pull, or retention keeping a file there
+            pass
+    final = [sharing.shared_path(store.path, s.snapshot, s.file) for s in wanted]
+    pairs = [(remote.shared_path(store.run, s.snapshot, s.file),
+              os.path.join(os.path.dirname(f), f".pull-{s.file}-{secrets.token_hex(4)}"))
+             for s, f in zip(wanted, final)]
+    try:
+        with reaching(remote, f"downloading the shared files of {store.run}"):
+            transfer.get_files(remote.fs, pairs, threads=threads,
+                               sizes=[s.size for s in wanted], progress=progress,
+                               where=remote.url)
+        for s, (source, tmp), path in zip(wanted, pairs, final):
+            _settle(tmp, s.size, remote.where(source))
+            os.replace(tmp, path)
+        for d in sorted({os.path.dirname(f) for f in final}):
+            fsio.fsync_dir(d)
+    finally:
+        for _, tmp in pairs:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+    return {path: remote.where(source) for (source, _), path in zip(pairs, final)}
+
+
+def _settle(tmp: str, size: int, where: str) -> None:
+    """A downloaded shared file: owner-only, of the record's size, durable."""
+    os.chmod(tmp, fsio.FILE_MODE)
+    got = os.lstat(tmp).st_size
+    if got != size:
+        raise CorruptSnapshot(f"{where}: {got} bytes downloaded, the remote commit "
+                              f"record says {size} (field shared); the remote snapshot "
+                              "changed or is damaged, use an older one", path=where,
+                              field="size")
+    fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _download(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
@@ -185,7 +281,7 @@ def _download(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
 
 
 def _verify(remote: RemoteRoot, run: str, sid: SnapshotId, record: Dict[str, Any],
-            tmp: str) -> None:
+            tmp: str, brought: Optional[Dict[str, str]] = None) -> None:
     """Step 5: every checksum, as ``snapd verify`` checks them; damage is named by the
     remote file it came from."""
     base = remote.where(remote.snapshot_path(run, sid.name))
@@ -200,6 +296,10 @@ def _verify(remote: RemoteRoot, run: str, sid: SnapshotId, record: Dict[str, Any
             found = reader.manifest
         _check_identity(found, run, sid, record, os.path.join(tmp, record["top"]))
     except CorruptSnapshot as e:
+        if e.path in (brought or {}):   # a shared file this pull brought down
+            where = (brought or {})[e.path]
+            raise CorruptSnapshot(str(e).replace(e.path, where), path=where,
+                                  field=e.field) from e
         where = _remote_name(e.path, tmp, base)
         raise CorruptSnapshot(str(e).replace(tmp, base), path=where,
                               field=e.field) from e

@@ -13,14 +13,22 @@ progress (here or on another node), and an older one will never be committed, si
 an upload always takes the newest local snapshot (newest wins). Its rank part records
 (``parts/<name>/``, node-local roots) go first, so that a rank uploading late cannot
 complete a snapshot whose files were swept.
+
+Shared files (``shared/<snapshot>/<file>``, format v4) belong to no one snapshot: one
+is kept while any kept record lists it, and swept (:func:`sweep_shared`) once none
+does, after the records are deleted. An upload puts its shared files before its
+record, so while a name newer than the newest record has files (an upload in
+progress, here or on another node) no shared file is swept; nor when a kept record
+cannot be read (what it lists is unknown).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
-from snapd.remote.layout import RemoteRoot
+from snapd.errors import CorruptSnapshot
+from snapd.remote.layout import RemoteRoot, record_shared
 from snapd.retention import SnapshotInfo, plan_retention
 from snapd.store import SnapshotId
 
@@ -50,7 +58,9 @@ def apply(remote: RemoteRoot, run: str, keep_last: int,
     if doomed:
         log.info("run %r: remote retention deleted %s", run,
                  ", ".join(s.name for s in doomed))
-    sweep(remote, run, [s for s in commits if s not in doomed])
+    kept = [s for s in commits if s not in doomed]
+    sweep(remote, run, kept)
+    sweep_shared(remote, run, kept)
     return [s.name for s in doomed]
 
 
@@ -78,3 +88,34 @@ def _remove_parts(remote: RemoteRoot, run: str, name: str) -> None:
         remote.fs.rm(remote.parts_path(run, name), recursive=True)
     except FileNotFoundError:
         pass
+
+
+def sweep_shared(remote: RemoteRoot, run: str,
+                 commits: Optional[List[SnapshotId]] = None) -> List[Tuple[str, str]]:
+    """Remove the shared files no remote record lists; returns (snapshot, file) of
+    each removed. Nothing is removed while an upload may be in progress or a record
+    cannot be read (the module's rule)."""
+    up = remote.shared_files(run)
+    if not up:
+        return []
+    commits = remote.commits(run) if commits is None else commits
+    newest = max(commits) if commits else None
+    for name in remote.snapshot_names(run):
+        sid = SnapshotId.parse(name)
+        if sid is not None and sid not in commits and (newest is None or sid > newest):
+            return []   # an upload in progress may need any of them
+    listed = set()
+    for sid in commits:
+        try:
+            listed |= {s.key for s in record_shared(remote.read_record(run, sid.name))}
+        except CorruptSnapshot as e:
+            log.warning("run %r: shared files kept: the record of %s is unreadable (%s)",
+                        run, sid.name, e)
+            return []
+    doomed = sorted(set(up) - listed)
+    for snapshot, file in doomed:
+        remote.remove_shared(run, snapshot, file)
+    if doomed:
+        log.info("run %r: removed remote shared files no record lists: %s", run,
+                 ", ".join(f"{s}/{f}" for s, f in doomed))
+    return doomed

@@ -7,10 +7,15 @@ The order is the remote commit rule's, each step repeatable after a crash:
 2. Ask the remote what is already under ``snapshots/<name>/``: a file of the right
    size was uploaded by an earlier attempt (a put is all or nothing) and is skipped.
 3. The tensor files, several at a time (snapd/remote/transfer.py).
+3b. The shared files its tensors read (format v4: earlier snapshots' tensor files,
+   found locally by snapd/sharing.py) to ``shared/<snapshot>/<file>``, unless one
+   of the right size is already there: a frozen base goes up once for every later
+   snapshot that reads it.
 4. The manifests (each rank's, for a multi-rank snapshot), then ``commit.snapd``:
    a reader opens these first, so they go up after what they describe.
-5. The record ``committed/<name>.snapd``, last: from here the snapshot is committed
-   remotely. A record already there (an earlier attempt got this far) ends it at once.
+5. The record ``committed/<name>.snapd``, last, listing the files and the shared
+   files: from here the snapshot is committed remotely. A record already there (an
+   earlier attempt got this far) ends it at once.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from snapd import format as fmt
+from snapd import sharing
 from snapd.errors import CorruptSnapshot, RemoteUnavailable, SnapdError
 from snapd.remote import transfer
-from snapd.remote.layout import RemoteFile, RemoteRoot, check_relpath, make_record
+from snapd.remote.layout import (RemoteFile, RemoteRoot, SharedFile, check_relpath,
+                                 make_record)
 from snapd.store import RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
@@ -69,14 +76,18 @@ def upload_snapshot(remote: RemoteRoot, store: RunStore, name: str, *, threads: 
     existing = _remote(where, _existing_record, remote, store.run, name)
     if existing is not None:
         return existing
-    files = local_files(path)                                           # 1.
+    files = local_files(path)                                                # 1.
     top_name, world_size = _top(path)
-    top_bytes = _read(os.path.join(path, top_name))
-    done = _remote(where, remote.uploaded_files, store.run, name)       # 2.
-    for batch in upload_order(files):                                   # 3., 4.
-        _put(remote, store.run, name, path, batch, done, threads, progress)
-    record = make_record(store.run, sid, world_size, files, top_bytes)
-    _remote(where, remote.write_record, store.run, name, record)        # 5.
+    manifest_path = os.path.join(path, top_name)
+    top_bytes = _read(manifest_path)
+    shared = shared_files(top_bytes, manifest_path) if world_size == 1 else []
+    done = _remote(where, remote.uploaded_files, store.run, name)            # 2.
+    tensors, readers_first = upload_order(files)
+    _put(remote, store.run, name, path, tensors, done, threads, progress)    # 3.
+    put_shared(remote, store, shared, threads=threads, wanted_by=manifest_path)  # 3b.
+    _put(remote, store.run, name, path, readers_first, done, threads, progress)  # 4.
+    record = make_record(store.run, sid, world_size, files, top_bytes, shared)
+    _remote(where, remote.write_record, store.run, name, record)             # 5.
     log.info("run %r: %s committed remotely at %s (%d files, %d bytes)", store.run,
              name, remote.url, len(files), record["bytes"])
     return record
@@ -92,6 +103,49 @@ def _put(remote: RemoteRoot, run: str, name: str, path: str, batch: List[RemoteF
              for f in todo]
     transfer.put_files(remote.fs, pairs, threads=threads, sizes=[f.size for f in todo],
                        progress=progress, where=remote.where(remote.snapshot_path(run, name)))
+
+
+def shared_files(manifest_bytes: bytes, manifest_path: str) -> List[SharedFile]:
+    """The files of earlier snapshots that a one-rank manifest's tensors read, with the
+    sizes the manifest gives them (none before format v4)."""
+    manifest = fmt.decode_manifest(manifest_bytes, path=manifest_path)
+    used = sharing.references(manifest)
+    return [SharedFile(s["snapshot"], s["file"], s["size"])
+            for s in manifest.get("shared") or [] if (s["snapshot"], s["file"]) in used]
+
+
+def shared_source(store: RunStore, shared: SharedFile, *, wanted_by: str) -> str:
+    """The local path of a shared file: pinned beside the upload when the uploader
+    pinned it (``store.shared_pins``), else where snapd/sharing.py finds it; refused
+    when its size is not the manifest's."""
+    pins = getattr(store, "shared_pins", None)
+    pinned = os.path.join(pins, shared.snapshot, shared.file) if pins else None
+    found = pinned if pinned and os.path.lexists(pinned) else sharing.locate(
+        store.path, shared.snapshot, shared.file, wanted_by=wanted_by)
+    size = os.lstat(found).st_size
+    if size != shared.size:
+        raise CorruptSnapshot(f"{found}: {size} bytes, but {wanted_by} reads it as "
+                              f"{shared.size} (field shared); the local bytes it shares "
+                              "are damaged: snapd verify names the snapshots that read it",
+                              path=found, field="shared")
+    return found
+
+
+def put_shared(remote: RemoteRoot, store: RunStore, shared: List[SharedFile], *,
+               threads: int, wanted_by: str) -> None:
+    """Step 3b: each shared file not yet at ``shared/<snapshot>/<file>`` at its size."""
+    if not shared:
+        return
+    where = remote.where(remote.shared_root(store.run))
+    up = _remote(where, remote.shared_files, store.run)
+    todo = [s for s in shared if up.get(s.key) != s.size]
+    pairs = [(shared_source(store, s, wanted_by=wanted_by),
+              remote.shared_path(store.run, s.snapshot, s.file)) for s in todo]
+    transfer.put_files(remote.fs, pairs, threads=threads, sizes=[s.size for s in todo],
+                       where=where)
+    if todo:
+        log.info("run %r: %d shared file(s) uploaded to %s (%d already there)", store.run,
+                 len(todo), where, len(shared) - len(todo))
 
 
 def _remote(where: str, call: Callable[..., Any], *args: Any) -> Any:

@@ -34,14 +34,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from snapd import format as fmt
+from snapd import sharing
 from snapd.errors import RemoteUnavailable, SnapdError
 from snapd.options import Options
 from snapd.remote import retention
 from snapd.remote.layout import RemoteRoot, newest
 from snapd.remote.logsync import LogSync
-from snapd.remote.upload import upload_snapshot
+from snapd.remote.upload import shared_files, upload_snapshot
 from snapd.retention import dir_bytes
-from snapd.store import TMP_PREFIX, RunStore, SnapshotId, list_runs
+from snapd.store import DIR_MODE, TMP_PREFIX, RunStore, SnapshotId, list_runs
 
 log = logging.getLogger(__name__)
 
@@ -387,11 +389,14 @@ def _dir_bytes(store: RunStore, sid: SnapshotId) -> int:
 
 
 class _Pinned(RunStore):
-    """A RunStore whose ``snapshots/`` is the upload's tmp dir of hard links."""
+    """A RunStore whose ``snapshots/`` is the upload's tmp dir of hard links, and whose
+    ``shared_pins`` holds links to the shared files its snapshot reads
+    (``<snapshot>/<file>``)."""
 
     def __init__(self, store: RunStore, snapshots_path: str) -> None:
         super().__init__(store.root, store.run)
         self.snapshots_path = snapshots_path
+        self.shared_pins = os.path.join(snapshots_path, "shared")
 
 
 @contextmanager
@@ -415,6 +420,33 @@ def pinned(store: RunStore, sid: SnapshotId) -> Iterator[RunStore]:
         yield store
         return
     try:
-        yield _Pinned(store, tmp)
+        pin = _Pinned(store, tmp)
+        _pin_shared(store, pin.snapshot_path(sid), pin.shared_pins)
+        yield pin
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pin_shared(store: RunStore, path: str, pins: str) -> None:
+    """Hard links to the shared files the snapshot reads (format v4), so that local
+    retention sweeping ``shared/`` meanwhile cannot take them away mid-upload either.
+    A file that moves from ``snapshots/<S>/`` to ``shared/<S>/`` while it is linked
+    is looked for again; one not linked is read where it is found at upload."""
+    manifest = os.path.join(path, fmt.MANIFEST_NAME)
+    if os.path.exists(os.path.join(path, fmt.COMMIT_NAME)) or not os.path.exists(manifest):
+        return
+    with open(manifest, "rb") as f:
+        shared = shared_files(f.read(), manifest)
+    for s in shared:
+        os.makedirs(os.path.join(pins, s.snapshot), DIR_MODE, exist_ok=True)
+        for _ in range(3):
+            try:
+                os.link(sharing.locate(store.path, s.snapshot, s.file, wanted_by=manifest),
+                        os.path.join(pins, s.snapshot, s.file))
+                break
+            except FileNotFoundError:   # renamed away between locate and link
+                continue
+            except (OSError, SnapdError) as e:
+                log.debug("%s of %s not pinned (%s); read where found", s.file,
+                          s.snapshot, e)
+                break

@@ -57,3 +57,62 @@ def test_ls_pull_and_verify_on_an_s3_url(s3_env, tmp_path):
             assert a.read() == b.read(), name
     verified = runner.invoke(main, ["verify", f"{url}/{RUN}@3"])
     assert verified.exit_code == 0 and "ok" in verified.output, verified.output
+
+
+def sharing_snapshot(store: RunStore, aside: str) -> tuple:
+    """Snapshot 3 as above, and snapshot 4 whose tensors read snapshot 3's tensor file
+    (format v4 ``shared`` + ``src``), committed by a rename into ``snapshots/``."""
+    from snapd.writer import write_snapshot   # the daemon's writer, in process
+    from snapd.options import Options
+    from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
+    from snapd_client.capture import tensor_bytes
+    from snapd_client.state import flatten
+
+    def write(run_store: RunStore, step: int) -> SnapshotId:
+        flat = flatten({"w": torch.arange(4096, dtype=torch.float32)}, "model")
+        tensors = [TensorSource(p, "float32", list(t.shape), tensor_bytes(t))
+                   for p, t in zip(flat.paths, flat.tensors)]
+        plan = SnapshotPlan(RUN, step, {"id": 0, "mode": "fresh", "parent": None},
+                            [ObjectPlan("model", "x.Y", flat.skeleton, tensors)],
+                            {"python": b"s"})
+        return write_snapshot(run_store, plan, Options()).sid
+
+    first = write(store, 3)
+    second = write(RunStore(aside, RUN), 4)
+    tmp = os.path.join(store.snapshots_path, ".tmp-hand")
+    os.rename(RunStore(aside, RUN).snapshot_path(second), tmp)
+    path = os.path.join(tmp, fmt.MANIFEST_NAME)
+    with open(path, "rb") as f:
+        manifest = fmt.decode_manifest(f.read(), path=path)
+    obj = manifest["objects"]["model"]
+    own = obj["file"]
+    size = os.path.getsize(os.path.join(store.snapshot_path(first), own))
+    manifest["shared"] = [{"snapshot": first.name, "file": own, "size": size, "format": 4}]
+    for t in obj["tensors"]:
+        t["src"] = 0
+    obj["file"] = None
+    del manifest["files"][own]
+    os.unlink(os.path.join(tmp, own))
+    with open(path, "wb") as f:
+        f.write(fmt.encode_manifest(manifest))
+    os.rename(tmp, store.snapshot_path(second))
+    return first, second, own
+
+
+def test_a_snapshot_sharing_an_earlier_file_goes_up_and_comes_down_through_s3(
+        s3_env, tmp_path):
+    from snapd.remote.pull import pull
+    from snapd.remote.upload import upload_snapshot
+    from snapd.reader import SnapshotReader
+    url = s3_env.url()
+    store = RunStore(str(tmp_path / "node-a"), RUN)
+    first, second, own = sharing_snapshot(store, str(tmp_path / "aside"))
+    remote = RemoteRoot(url)
+    record = upload_snapshot(remote, store, second.name)
+    assert [s["file"] for s in record["shared"]] == [own]
+    assert remote.commits(RUN) == [second]   # the first was never uploaded itself
+    fresh = RunStore(str(tmp_path / "node-b"), RUN)
+    reader = SnapshotReader(pull(RemoteRoot(url), fresh, second.name))
+    assert os.path.exists(os.path.join(fresh.path, "shared", first.name, own))
+    assert torch.equal(reader.load_object("model")[0],
+                       torch.arange(4096, dtype=torch.float32))
