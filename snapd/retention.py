@@ -21,10 +21,19 @@ A deletion first renames the directory to ``.tmp-deleting-<name>-<nonce>``, so t
 crash in the middle of the (slow) recursive delete leaves a tmp dir, which no reader
 lists and the next collection removes, never a half snapshot under a committed name.
 
+Snapshots of format v4 may read tensors from an earlier snapshot's file: before a
+snapshot is renamed away, the files of it that other committed snapshots read are
+kept in ``<run>/shared/`` (snapd/keepshared.py), and after the deletes the entries
+there that no committed snapshot reads are swept. Doomed snapshots go newest first,
+so a file only doomed snapshots read never needs keeping.
+
 Collecting tmp dirs by hand (``snapd gc --collect-tmp``, :func:`collect_tmp`) happens
 under the root's lock (snapd/rootlock.py), so never beside a serving daemon, and
 skips every run whose writer lock (snapd/runlock.py) a live client holds, since an
 in-process writer (``daemon=False``) writes tmp dirs without the root's lock.
+``snapd gc``'s deletes (:func:`gc`) take the same locks, and hold the run's writer
+lock meanwhile: a snapshot written beside them could refer to a file of a snapshot
+they delete.
 """
 
 from __future__ import annotations
