@@ -69,9 +69,7 @@ def train_rank(root: str, run: str, steps: int, every: int, accumulate: int = 2)
         if rank == 0:
             print(f"[{run}] step {step} loss {loss:.4f}", flush=True)
     ckpt.close()   # waits (bounded) for the newest snapshot's global commit
-    digest = state_digest(model, opt, sched, batches)
-    dist.destroy_process_group()
-    return digest
+    return state_digest(model, opt, sched, batches)
 
 
 # --- the story (the launcher's side) -------------------------------------------------
@@ -223,7 +221,12 @@ def main() -> int:
     digest = train_rank(args.root, args.name, args.steps, args.every)
     with open(os.path.join(args.out, f"rank-{os.environ['RANK']}.json"), "w") as f:
         json.dump(digest, f)
-    return 0
+    # Every rank done, then out without tearing the process groups down: torch's gloo
+    # backend aborts a rank now and then in that teardown ("terminate called without
+    # an active exception"), which would fail a job whose work is all done.
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

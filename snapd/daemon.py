@@ -378,9 +378,10 @@ class Daemon:
         """Hold the committed slot for a fast restore: the client asked for it (a hot
         arena, a slot to spare) and the bound allows it."""
         # A multi-rank job restores from the files: every rank must read one snapshot.
+        # So does a snapshot that refers to earlier ones' bytes: its slot lacks them.
         return bool(sub.options.hot_restore) and sub.arena.hot and \
             not sub.conn.finished and sub.desc.get("world_size", 1) == 1 and \
-            self.hot_cache.fits(sub.arena.size)
+            not _refers_to_earlier(sub.desc) and self.hot_cache.fits(sub.arena.size)
 
     def _publish_hot(self, sub: Submission, result: CommitResult) -> None:
         """The committed slot becomes the run's hot copy (the one it replaces is the
@@ -418,6 +419,11 @@ class Daemon:
                 "bytes_total": sub.plan.nbytes,
                 "bytes_written": sub.bytes_done,   # raw bytes, like bytes_total
                 "accepted": sub.accepted, "started": sub.started}
+
+
+def _refers_to_earlier(desc: Dict[str, Any]) -> bool:
+    """Whether a descriptor has tensors an earlier snapshot holds (``reuse``)."""
+    return any("reuse" in t for o in desc["objects"] for t in o["tensors"])
 
 
 def _pid_alive(pid: Any) -> bool:

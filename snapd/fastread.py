@@ -71,6 +71,9 @@ class FileRead:
     tensors: List[Dict[str, Any]]
     outs: List[Optional[memoryview]]
     units: List[Callable[[], int]] = field(default_factory=list)
+    # Some of the file's tensors only (an earlier snapshot's file this one shares):
+    # what lies between the header and the first of them is other tensors' chunks.
+    partial: bool = False
 
 
 def open_direct(path: str, fd: int) -> Optional[int]:
@@ -124,7 +127,7 @@ def _plan(f: FileRead) -> None:
     compressed tensor; each unit also checks the zeros after its last chunk."""
     chunks = [(t, j, c) for t in f.tensors for j, c in enumerate(t["chunks"])]
     first_chunk = chunks[0][2][0] if chunks else None
-    if first_chunk is not None:
+    if first_chunk is not None and not f.partial:
         _check_padding(f, bytes(os.pread(f.fd, first_chunk, 0))[fmt.HEADER_BYTES:],
                        fmt.HEADER_BYTES)
     for t, out in zip(f.tensors, f.outs):

@@ -428,6 +428,7 @@ def _check_tensor(t: Any, file_size: int, path: str, field: str,
     need(is_uint(t.get("nbytes")) and t["nbytes"] == nbytes, path, f"{field}.nbytes",
           "disagrees with shape")
     need(is_uint(t.get("xxh3")), path, f"{field}.xxh3", "is missing")
+    need(t.get("frozen", True) is True, path, f"{field}.frozen", "is not true when present")
     chunks = t.get("chunks", [])
     need(isinstance(chunks, list), path, f"{field}.chunks", "is not a list")
     raw_total = 0

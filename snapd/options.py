@@ -52,6 +52,9 @@ class Options:
     daemon: bool = True           # snapshot through the root's daemon; False: in-process
     writer_threads: int = 2
     hot_restore: bool = True
+    # Fine-tuning: a frozen tensor unchanged since a snapshot wrote it is referred to,
+    # not copied again (snapd_client/frozen.py); False copies every tensor every time.
+    share_unchanged: bool = True
     # Remote tier (docs/remote.md): committed snapshots replicated to an fsspec URL.
     remote: Optional[str] = None  # s3://bucket/prefix or file:///shared/path; None: off
     remote_keep_last: int = 2     # remote retention: the newest N remote commits; 0: all

@@ -35,6 +35,8 @@ class TensorSource:
     # Unchanged since snapshot ``reuse`` (its name) of this run wrote its bytes: the
     # writer refers to those bytes and gets none here (snapd/sharing.py).
     reuse: Optional[str] = None
+    # A module tensor nothing trains (snapd_client/frozen.py): marked in the manifest.
+    frozen: bool = False
     # Read once, at construction: still known once the writer released ``data``.
     nbytes: int = field(init=False)
 
@@ -63,6 +65,8 @@ class TensorSource:
                             "offset": list(self.shard["offset"])}
         if self.ref is not None:
             out["ref"] = self.ref
+        if self.frozen:
+            out["frozen"] = True
         return out
 
 
@@ -125,7 +129,8 @@ class SnapshotPlan:
 
 def plan_tensor(path: str, dtype: str, shape: Any, device: str, offset: int,
                 nbytes: int, *, shard: Optional[Dict[str, Any]] = None,
-                ref: Optional[int] = None, reuse: Optional[str] = None) -> Dict[str, Any]:
+                ref: Optional[int] = None, reuse: Optional[str] = None,
+                frozen: bool = False) -> Dict[str, Any]:
     """One tensor of a descriptor: where its bytes lie in the slot, not the bytes.
     ``ref``: another rank writes it; ``reuse``: the snapshot of this run that holds its
     bytes. Either takes no slot bytes (``offset`` is 0)."""
@@ -138,6 +143,8 @@ def plan_tensor(path: str, dtype: str, shape: Any, device: str, offset: int,
         entry["ref"] = ref
     if reuse is not None:
         entry["reuse"] = reuse
+    if frozen:
+        entry["frozen"] = True
     return entry
 
 
@@ -162,7 +169,8 @@ def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any
     ``offsets[i][j]`` is where tensor j of object i starts within the slot.
     """
     return describe(plan, [[plan_tensor(t.path, t.dtype, t.shape, t.device, off, t.nbytes,
-                                        shard=t.shard, ref=t.ref, reuse=t.reuse)
+                                        shard=t.shard, ref=t.ref, reuse=t.reuse,
+                                        frozen=t.frozen)
                             for t, off in zip(obj.tensors, obj_offsets)]
                            for obj, obj_offsets in zip(plan.objects, offsets)])
 
@@ -261,7 +269,8 @@ def from_descriptor(desc: Dict[str, Any], slot: memoryview) -> SnapshotPlan:
                 else tensor_extent(t, len(slot))
             tensors.append(TensorSource(t["path"], t["dtype"], list(t["shape"]),
                                         slot[start:end], t.get("device", "cpu"),
-                                        shard=t.get("shard"), ref=ref, reuse=reuse))
+                                        shard=t.get("shard"), ref=ref, reuse=reuse,
+                                        frozen=t.get("frozen") is True))
         objects.append(ObjectPlan(obj["name"], obj["type"], obj["skeleton"], tensors,
                                   obj.get("metadata")))
     return SnapshotPlan(desc["run"], desc["step"], desc["lineage"], objects, desc["rng"],

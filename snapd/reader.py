@@ -25,6 +25,7 @@ import xxhash
 
 from snapd import fastread
 from snapd import format as fmt
+from snapd import sharing
 from snapd.errors import CorruptSnapshot
 from snapd.store import SNAPSHOT_NAME as _SNAPSHOT_NAME
 
@@ -175,7 +176,7 @@ class SnapshotReader:
         for obj in self.objects.values():
             if obj.get("file") is not None and obj["tensors"]:
                 entry = self.manifest["files"][obj["file"]]
-                _check_tiling(obj["tensors"], entry["size"],
+                _check_tiling(own_entries(obj), entry["size"],
                               os.path.join(self.path, obj["file"]), align)
 
     def load_object(self, name: str, progress: Progress = None,
@@ -203,16 +204,19 @@ class SnapshotReader:
             return {n: self._load_sequential(n, progress) for n in names}
         out: Dict[str, List[Optional[torch.Tensor]]] = {}
         reads, fds = [], []
+        shared: Dict[int, List[Tuple[Dict[str, Any], torch.Tensor]]] = {}
         try:
             for name in names:
                 obj = self.objects[name]
-                if obj.get("file") is None:
-                    out[name] = [None] * len(obj["tensors"])
-                    continue
                 out[name] = tensors = [None if "ref" in t else
                                        _destination(into.get(name, {}).get(t["path"]), t)
                                        for t in obj["tensors"]]
-                reads.append(self._open_file(obj, tensors, fds))
+                for t, dest in zip(obj["tensors"], tensors):
+                    if t.get("src") is not None:
+                        shared.setdefault(t["src"], []).append((t, dest))
+                if obj.get("file") is not None:
+                    reads.append(self._open_file(obj, tensors, fds))
+            reads += [self._open_shared(src, group, fds) for src, group in shared.items()]
             fastread.read_files(reads, progress)
         finally:
             for fd in fds:
@@ -226,7 +230,7 @@ class SnapshotReader:
         full = os.path.join(self.path, file_name)
         entry = self.manifest["files"][file_name]
         version = self.manifest["format"]
-        _check_tiling(obj["tensors"], entry["size"], full, fmt.chunk_alignment(version))
+        _check_tiling(own_entries(obj), entry["size"], full, fmt.chunk_alignment(version))
         return file_name, full, entry, version
 
     def _open_file(self, obj: Dict[str, Any], tensors: List[Optional[torch.Tensor]],
@@ -234,24 +238,35 @@ class SnapshotReader:
         """The object's file opened and checked up to its chunks: type, size (again:
         it may have changed since the manifest was read), tiling, header, file digest."""
         file_name, full, entry, version = self._tiled_file(obj)
-        fd = open_regular(full)
-        fds.append(fd)
-        _check_size(full, os.fstat(fd).st_size, entry["size"], file_name)
-        header = os.pread(fd, fmt.HEADER_BYTES, 0)
-        fmt.check_tensor_file_header(header, path=full, version=version)
+        fd, header = _open_tensor_file(full, entry["size"], file_name, version, fds)
+        own = [(t, dest) for t, dest in zip(obj["tensors"], tensors) if _is_own(t)]
         digest = fmt.FileDigest(version)
         digest.header(header)
-        for t in obj["tensors"]:
+        for t, _ in own:
             for chunk in t["chunks"]:
                 digest.chunk(b"", chunk[4])
         if digest.intdigest() != entry["xxh3"]:
             raise CorruptSnapshot(f"{full}: file checksum mismatch (manifest field "
                                   f"files[{file_name!r}].xxh3)", path=full, field="xxh3")
-        direct = fastread.open_direct(full, fd)
-        if direct is not None:
-            fds.append(direct)
-        return fastread.FileRead(full, fd, direct, obj["tensors"],
-                                 [None if t is None else _bytes_of(t) for t in tensors])
+        return fastread.FileRead(full, fd, _direct(full, fd, fds), [t for t, _ in own],
+                                 [None if d is None else _bytes_of(d) for _, d in own])
+
+    def _open_shared(self, src: int, group: List[Tuple[Dict[str, Any], Any]],
+                     fds: List[int]) -> fastread.FileRead:
+        """``shared[src]``, an earlier snapshot's file, opened for the entries that read
+        it: found (snapd/sharing.py), checked as a regular file of the listed size and
+        version; its chunks are verified as they are read, like this snapshot's own."""
+        where = self.manifest["shared"][src]
+        manifest_path = os.path.join(self.path, fmt.MANIFEST_NAME)
+        full = sharing.locate(sharing.run_dir_of(self.path), where["snapshot"],
+                              where["file"], wanted_by=f"{manifest_path} (shared[{src}])")
+        fd, _ = _open_tensor_file(full, where["size"], f"shared[{src}]", where["format"],
+                                  fds)
+        group = sorted(group, key=lambda item: item[0]["chunks"][0][0]
+                       if item[0]["chunks"] else 0)
+        return fastread.FileRead(full, fd, _direct(full, fd, fds), [t for t, _ in group],
+                                 [None if d is None else _bytes_of(d) for _, d in group],
+                                 partial=True)
 
     def _load_sequential(self, name: str, progress: Progress = None
                          ) -> List[Optional[torch.Tensor]]:
@@ -315,6 +330,36 @@ class SnapshotReader:
         """Read every object's file and check every checksum."""
         for name in self.objects:
             self.load_object(name, progress)
+
+
+def _is_own(t: Dict[str, Any]) -> bool:
+    """Whether an entry's bytes are in its object's own file (not another rank's part,
+    not an earlier snapshot's file)."""
+    return "ref" not in t and t.get("src") is None
+
+
+def own_entries(obj: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The entries of an object whose chunks are in its own file, in file order."""
+    return [t for t in obj["tensors"] if _is_own(t)]
+
+
+def _open_tensor_file(full: str, size: int, name: str, version: int,
+                      fds: List[int]) -> Tuple[int, bytes]:
+    """A tensor file opened as a regular file of ``size`` bytes, its header checked
+    against ``version``; returns the descriptor (added to ``fds``) and the header."""
+    fd = open_regular(full)
+    fds.append(fd)
+    _check_size(full, os.fstat(fd).st_size, size, name)
+    header = os.pread(fd, fmt.HEADER_BYTES, 0)
+    fmt.check_tensor_file_header(header, path=full, version=version)
+    return fd, header
+
+
+def _direct(full: str, fd: int, fds: List[int]) -> Optional[int]:
+    direct = fastread.open_direct(full, fd)
+    if direct is not None:
+        fds.append(direct)
+    return direct
 
 
 def _destination(live: Any, meta: Dict[str, Any]) -> torch.Tensor:

@@ -11,7 +11,8 @@ before it loses the second, so one of the two opens at every instant.
 
 The writer refers to committed bytes in two cases (:class:`Resolver`):
 - the client says a frozen tensor is unchanged since snapshot H (``reuse``): its
-  entry is found in the newest committed snapshot, located in H, or in H itself;
+  entry is the newest committed snapshot's, which is H or newer (see
+  :meth:`Resolver.reused`);
 - content addressing: a tensor whose dtype, shape and chunk identities (xxh3-128 of
   each chunk's raw bytes, with its length) equal a tensor of the newest committed
   snapshot is the same bytes, and is referred to.
@@ -24,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, SnapdError
+from snapd.store import SnapshotId
 
 SHARED_DIR = "shared"
 
@@ -68,3 +70,118 @@ def references(manifest: Dict[str, Any]) -> Set[Tuple[str, str]]:
     used = {t["src"] for o in manifest["objects"].values() for t in o["tensors"]
             if t.get("src") is not None}
     return {(shared[i]["snapshot"], shared[i]["file"]) for i in used}
+
+
+def where_own(name: str, manifest: Dict[str, Any], obj: Dict[str, Any]) -> Where:
+    """The ``shared`` entry naming an object's own file in snapshot ``name``."""
+    return {"snapshot": name, "file": obj["file"],
+            "size": manifest["files"][obj["file"]]["size"], "format": manifest["format"]}
+
+
+def locations(name: str, manifest: Dict[str, Any]
+              ) -> Dict[Tuple[str, str], Tuple[Where, Dict[str, Any]]]:
+    """Where each stored tensor of a committed snapshot has its bytes: (object, path)
+    -> (the file as a ``shared`` entry, the tensor entry). Only files of a shareable
+    version: older ones are never referred to (their chunks have no identity)."""
+    found = {}
+    shared = manifest.get("shared") or []
+    for obj_name, obj in manifest["objects"].items():
+        for t in obj["tensors"]:
+            if "ref" in t:
+                continue
+            where = shared[t["src"]] if t.get("src") is not None else \
+                where_own(name, manifest, obj) if obj.get("file") is not None else None
+            if where is not None and where["format"] in fmt.SHAREABLE_VERSIONS:
+                found[(obj_name, t["path"])] = (where, t)
+    return found
+
+
+def identity(entry: Dict[str, Any]) -> Optional[Tuple[Any, ...]]:
+    """What makes two tensors the same bytes: dtype, shape and each chunk's identity
+    with its raw length. None for an entry whose chunks carry no identity."""
+    if any(len(c) < 6 for c in entry["chunks"]):
+        return None
+    return (entry["dtype"], tuple(entry["shape"]),
+            tuple((bytes(c[5]), c[2]) for c in entry["chunks"]))
+
+
+class Resolver:
+    """The committed bytes one write may refer to: the run's newest committed one-rank
+    snapshot, read once per write (the daemon writes a run's snapshots one at a
+    time, so nothing it holds is deleted meanwhile), and a reused tensor's home."""
+
+    def __init__(self, store: Any, avoid: Sequence[str] = ()) -> None:
+        """``avoid``: snapshots restore refused as damaged: nothing refers to them."""
+        self.store = store
+        self.avoid = set(avoid)
+        self._newest: Optional[Tuple[str, Dict[str, Any]]] = None
+        self._loaded = False
+        self._by_identity: Optional[Dict[Tuple[Any, ...], Tuple[Where, Dict[str, Any]]]] = None
+
+    def newest(self) -> Optional[Tuple[str, Dict[str, Any]]]:
+        if not self._loaded:
+            self._loaded = True
+            for sid in reversed(self.store.committed()):
+                if sid.name in self.avoid:
+                    continue
+                manifest = self._manifest(sid.name)
+                if manifest is not None:
+                    self._newest = (sid.name, manifest)
+                    break
+        return self._newest
+
+    def _manifest(self, name: str) -> Optional[Dict[str, Any]]:
+        """A committed one-rank snapshot's manifest, or None (multi-rank, unreadable:
+        nothing there is referred to)."""
+        from snapd.reader import read_manifest_bytes   # reader imports this module
+        directory = os.path.join(self.store.snapshots_path, name)
+        if os.path.lexists(os.path.join(directory, fmt.COMMIT_NAME)):
+            return None
+        try:
+            path = os.path.join(directory, fmt.MANIFEST_NAME)
+            return fmt.decode_manifest(read_manifest_bytes(directory), path=path)
+        except (SnapdError, OSError):
+            return None
+
+    def reused(self, obj: str, path: str, dtype: str, shape: Sequence[int],
+               home: str) -> Tuple[Where, Dict[str, Any]]:
+        """The entry of tensor ``path`` of ``obj`` as snapshot ``home`` holds it.
+
+        The newest committed snapshot has it when it is ``home`` or newer: the client
+        says "unchanged since ``home``" only while every snapshot it took since
+        referred to ``home`` for it (one copy makes the copy the home), and the daemon
+        writes one run's snapshots in order; so from ``home`` on, each holds the same
+        entry. A newest snapshot older than ``home`` means ``home`` failed or was
+        skipped: CorruptSnapshot (field ``reuse``), and the client copies next time."""
+        newest = self.newest()
+        wanted = SnapshotId.parse(home)
+        if newest is not None and wanted is not None and \
+                SnapshotId.parse(newest[0]) >= wanted:
+            found = locations(*newest).get((obj, path))
+            if found is not None and \
+                    (found[1]["dtype"], list(found[1]["shape"])) == (dtype, list(shape)):
+                return found
+        raise CorruptSnapshot(
+            f"tensor {path!r} of {obj!r} was sent as unchanged since snapshot {home}, "
+            f"but no committed snapshot in {self.store.snapshots_path} holds it from "
+            "there on (that snapshot failed, was skipped or deleted). This snapshot is "
+            "not written; the client copies the tensor in the next one",
+            path=self.store.snapshots_path, field="reuse")
+
+    def prepare(self) -> "Resolver":
+        """Read what the lookups need, before the writer's threads share it."""
+        self._by_identity = {}
+        newest = self.newest()
+        if newest is not None:
+            for where, entry in locations(*newest).values():
+                key = identity(entry)
+                if key is not None:
+                    self._by_identity.setdefault(key, (where, entry))
+        return self
+
+    def same_bytes(self, dtype: str, shape: Sequence[int],
+                   ids: Sequence[Tuple[bytes, int]]) -> Optional[Tuple[Where, Dict[str, Any]]]:
+        """A tensor of the newest committed snapshot with these bytes, or None."""
+        if not self._by_identity:
+            return None
+        return self._by_identity.get((dtype, tuple(shape), tuple(ids)))

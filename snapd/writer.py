@@ -22,9 +22,10 @@ import xxhash
 from snapd import format as fmt
 from snapd import fsio
 from snapd import globalcommit
+from snapd import sharing
 from snapd.blockfile import BlockFile
 from snapd.compression import CompressionPolicy
-from snapd.errors import SnapdError, SnapshotExists
+from snapd.errors import CorruptSnapshot, SnapdError, SnapshotExists
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.reader import SnapshotReader, read_commit
@@ -46,12 +47,19 @@ class CommitResult:
 
 
 def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
-                       progress: Progress = None) -> Dict[str, Any]:
-    """Write one object's tensors as chunks; returns its manifest entries."""
+                       progress: Progress = None,
+                       resolver: Optional[sharing.Resolver] = None) -> Dict[str, Any]:
+    """Write one object's tensors as chunks; returns its manifest entries.
+
+    A tensor whose bytes a committed snapshot of the run already holds (the client
+    says it is unchanged since then, or its chunks' identities match) is not
+    written: its entry keeps ``src_at``, the file it reads (snapd/sharing.py), which
+    :func:`_manifest` turns into a ``shared`` index. The file is removed when no
+    tensor of the object is written to it."""
     name = f"{obj.name}{fmt.TENSOR_FILE_SUFFIX}"
     policy = CompressionPolicy(opts.compression)
     file_digest = fmt.FileDigest(fmt.FORMAT_VERSION)
-    entries = []
+    entries, own = [], 0
     out = BlockFile(os.path.join(directory, name))
     try:
         header = fmt.tensor_file_header()
@@ -61,24 +69,60 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
             if not t.stored:   # replicated, written by another rank: no bytes here
                 entries.append(_entry(t, [], 0))
                 continue
-            level = policy.level_for(t.data, opts.chunk_bytes)
-            chunks, raw_digest = [], xxhash.xxh3_64()
-            for start in range(0, len(t.data), opts.chunk_bytes):
-                raw = t.data[start:start + opts.chunk_bytes]
-                stored, codec = fmt.encode_chunk(raw, level)
-                digest = fmt.checksum(stored)
-                raw_digest.update(raw)  # just hashed or compressed: still in cache
-                offset = out.append(stored)
-                file_digest.chunk(stored, digest)
-                chunks.append([offset, len(stored), len(raw), codec, digest])
-                if progress is not None:
-                    progress(len(raw))
-            entries.append(_entry(t, chunks, raw_digest.intdigest()))
+            found = _committed_bytes(obj.name, t, opts, resolver)
+            if isinstance(found, tuple):
+                where, entry = found
+                entries.append({**_entry(t, entry["chunks"], entry["xxh3"]), "src_at": where})
+                continue
+            own += 1
+            entries.append(_write_tensor(out, t, found, policy, opts, file_digest, progress))
         out.sync()
     finally:
         out.close()
+    if not own:   # every tensor is elsewhere: no file of its own
+        os.unlink(os.path.join(directory, name))
+        return {"file": None, "tensors": entries, "size": 0, "xxh3": 0}
     return {"file": name, "tensors": entries, "size": out.end,
             "xxh3": file_digest.intdigest()}
+
+
+def _committed_bytes(obj: str, t: TensorSource, opts: Options,
+                     resolver: Optional[sharing.Resolver]):
+    """Where a committed snapshot holds ``t``'s bytes, as (shared entry, tensor
+    entry); else the identities of its chunks, for the entries written."""
+    if t.reuse is not None:
+        if resolver is None:
+            raise CorruptSnapshot(f"tensor {t.path!r} of {obj!r} refers to snapshot "
+                                  f"{t.reuse}, but a part of a multi-rank snapshot "
+                                  "cannot share bytes", field="reuse")
+        return resolver.reused(obj, t.path, t.dtype, t.shape, t.reuse)
+    ids = [(fmt.chunk_id(t.data[start:start + opts.chunk_bytes]),
+            min(opts.chunk_bytes, len(t.data) - start))
+           for start in range(0, len(t.data), opts.chunk_bytes)]
+    if resolver is not None and ids:
+        found = resolver.same_bytes(t.dtype, t.shape, ids)
+        if found is not None:
+            return found
+    return ids
+
+
+def _write_tensor(out: BlockFile, t: TensorSource, ids: list, policy: CompressionPolicy,
+                  opts: Options, file_digest: fmt.FileDigest,
+                  progress: Progress) -> Dict[str, Any]:
+    """One tensor's chunks appended to the object's file; returns its entry."""
+    level = policy.level_for(t.data, opts.chunk_bytes)
+    chunks, raw_digest = [], xxhash.xxh3_64()
+    for (chunk_id, _), start in zip(ids, range(0, len(t.data), opts.chunk_bytes)):
+        raw = t.data[start:start + opts.chunk_bytes]
+        stored, codec = fmt.encode_chunk(raw, level)
+        digest = fmt.checksum(stored)
+        raw_digest.update(raw)  # just hashed or compressed: still in cache
+        offset = out.append(stored)
+        file_digest.chunk(stored, digest)
+        chunks.append([offset, len(stored), len(raw), codec, digest, chunk_id])
+        if progress is not None:
+            progress(len(raw))
+    return _entry(t, chunks, raw_digest.intdigest())
 
 
 def _entry(t: TensorSource, chunks: list, digest: int) -> Dict[str, Any]:
@@ -89,10 +133,13 @@ def _entry(t: TensorSource, chunks: list, digest: int) -> Dict[str, Any]:
 
 def _manifest(plan: SnapshotPlan, written: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     objects, files = {}, {}
+    shared: list = []
     for obj in plan.objects:
         entry = written.get(obj.name)
         if entry is not None:
-            files[entry["file"]] = {"size": entry["size"], "xxh3": entry["xxh3"]}
+            if entry["file"] is not None:
+                files[entry["file"]] = {"size": entry["size"], "xxh3": entry["xxh3"]}
+            entry["tensors"] = [_shared_index(t, shared) for t in entry["tensors"]]
         objects[obj.name] = {"type": obj.type, "skeleton": obj.skeleton,
                              "metadata": obj.metadata,
                              "file": entry["file"] if entry else None,
@@ -103,7 +150,17 @@ def _manifest(plan: SnapshotPlan, written: Dict[str, Dict[str, Any]]) -> Dict[st
             "created": time.time(),
             "data_version": plan.data_version, "metric": plan.metric,
             "lineage": plan.lineage, "rng": plan.rng, "cursor": plan.cursor,
-            "objects": objects, "files": files}
+            "objects": objects, "files": files, "shared": shared, "base": plan.base}
+
+
+def _shared_index(entry: Dict[str, Any], shared: list) -> Dict[str, Any]:
+    """An entry's ``src_at`` (the file it reads) as ``src``, an index into ``shared``."""
+    where = entry.pop("src_at", None)
+    if where is None:
+        return entry
+    if where not in shared:
+        shared.append(where)
+    return {**entry, "src": shared.index(where)}
 
 
 def _same_snapshot_committed(store: RunStore, plan: SnapshotPlan, final: str,
@@ -164,7 +221,8 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
                 return existing
         store.set_aside(plan.sid)  # refused as damaged (at restore or here): kept, renamed
     tmp = store.new_tmp_dir(plan.sid)
-    total = _write_directory(tmp, plan, opts, progress)
+    total = _write_directory(tmp, plan, opts, progress,
+                             sharing.Resolver(store, avoid=plan.supersedes))
     # 3. The tmp dir's entries durable, then the rename that commits the snapshot,
     #    then the parent fsynced so that the rename survives a power loss.
     fsio.publish_directory(tmp, final)
@@ -173,16 +231,19 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
     return CommitResult(plan.sid, final, total, time.perf_counter() - t0)
 
 
-def _write_directory(tmp: str, plan: SnapshotPlan, opts: Options,
-                     progress: Progress) -> int:
+def _write_directory(tmp: str, plan: SnapshotPlan, opts: Options, progress: Progress,
+                     resolver: Optional[sharing.Resolver] = None) -> int:
     """Steps 1-2 of the commit order into ``tmp``, and its entries fsynced; returns
-    the bytes of its tensor files."""
+    the bytes of its tensor files. ``resolver``: committed bytes of the run that
+    this snapshot may refer to (one rank only; parts never share)."""
     # 1. Tensor files into the private tmp dir, each fsynced before the manifest.
     with_tensors = [o for o in plan.objects if any(t.stored for t in o.tensors)]
     workers = max(1, min(opts.writer_threads, len(with_tensors)))
+    if resolver is not None:
+        resolver.prepare()
     with ThreadPoolExecutor(workers) as pool:
-        results = list(pool.map(lambda o: _write_object_file(tmp, o, opts, progress),
-                                with_tensors))
+        results = list(pool.map(lambda o: _write_object_file(tmp, o, opts, progress,
+                                                             resolver), with_tensors))
     written = {o.name: r for o, r in zip(with_tensors, results)}
     # 2. The manifest last: its presence means every file it lists is durable.
     fsio.write_file_durable(os.path.join(tmp, fmt.MANIFEST_NAME),

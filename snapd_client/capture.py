@@ -56,11 +56,17 @@ class CapturedObject:
     deferrable: Tuple[bool, ...]
     shards: Tuple[Optional[Dict[str, Any]], ...] = ()
     refs: Tuple[Optional[int], ...] = ()
+    # ``frozen[i]``: nothing trains it; ``reuse[i]``: the earlier snapshot of the run
+    # whose bytes it still equals, so it is not copied (snapd_client/frozen.py).
+    frozen: Tuple[bool, ...] = ()
+    reuse: Tuple[Optional[str], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("shards", "refs"):   # not given: plain tensors, all written here
+        for name in ("shards", "refs", "reuse"):   # not given: all written here
             if not getattr(self, name):
                 object.__setattr__(self, name, (None,) * len(self.paths))
+        if not self.frozen:
+            object.__setattr__(self, "frozen", (False,) * len(self.paths))
 
 
 @dataclass(frozen=True)
@@ -83,11 +89,12 @@ class Capture:
     session: str = "none"   # the attempt this part belongs to (docs/multirank.md)
     base: Optional[Mapping[str, str]] = None   # the base model's reference, if any
     # Every leaf object by object (the order of the arena slot and of the files),
-    # which overlap mode may defer, and which this rank writes (no ref): derived once,
-    # at construction.
+    # which overlap mode may defer, which this rank writes (no ref), and which of
+    # those it copies (no reuse either): derived once, at construction.
     tensors: Tuple[torch.Tensor, ...] = field(init=False, repr=False, compare=False)
     deferrable: Tuple[bool, ...] = field(init=False, repr=False, compare=False)
     stored: Tuple[bool, ...] = field(init=False, repr=False, compare=False)
+    carried: Tuple[bool, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         frozen = {"lineage": MappingProxyType(dict(self.lineage)),
@@ -98,6 +105,9 @@ class Capture:
         frozen["tensors"] = tuple(t for o in frozen["objects"] for t in o.tensors)
         frozen["deferrable"] = tuple(d for o in frozen["objects"] for d in o.deferrable)
         frozen["stored"] = tuple(r is None for o in frozen["objects"] for r in o.refs)
+        # The bytes this snapshot copies: written here, and held by no earlier one.
+        frozen["carried"] = tuple(r is None and u is None for o in frozen["objects"]
+                                  for r, u in zip(o.refs, o.reuse))
         for name, value in frozen.items():
             object.__setattr__(self, name, value)  # the one write, at construction
 
@@ -116,13 +126,16 @@ class Capture:
 
     def plan(self, buffers: Sequence[memoryview]) -> SnapshotPlan:
         """The writer's plan, complete: leaf i's bytes are ``buffers[i]`` (ignored for
-        a leaf another rank writes)."""
+        a leaf another rank writes, or one an earlier snapshot holds)."""
         objects = [ObjectPlan(obj.name, obj.type, obj.skeleton,
                               [TensorSource(path, dtype_name(t.dtype), list(t.shape),
-                                            data if ref is None else memoryview(b""),
-                                            str(t.device), shard=shard, ref=ref)
-                               for path, t, data, shard, ref in
-                               zip(obj.paths, obj.tensors, datas, obj.shards, obj.refs)],
+                                            data if ref is None and reuse is None
+                                            else memoryview(b""),
+                                            str(t.device), shard=shard, ref=ref,
+                                            reuse=reuse, frozen=frozen)
+                               for path, t, data, shard, ref, reuse, frozen in
+                               zip(obj.paths, obj.tensors, datas, obj.shards, obj.refs,
+                                   obj.reuse, obj.frozen)],
                               obj.metadata)
                    for obj, datas in zip(self.objects, self.per_object(buffers))]
         rng, cursor = self.record_state()
@@ -137,18 +150,20 @@ class Capture:
         """The in-process writer's plan: over the tensors' own bytes (on CPU; copied
         only where needed); a leaf another rank writes gets none. It lives for the
         write only."""
-        return self.plan([tensor_bytes(t) if stored else memoryview(b"")
-                          for t, stored in zip(self.tensors, self.stored)])
+        return self.plan([tensor_bytes(t) if carried else memoryview(b"")
+                          for t, carried in zip(self.tensors, self.carried)])
 
     def descriptor(self, offsets: Sequence[int]) -> Dict[str, Any]:
         """The plan over a staging slot, as the daemon rebuilds it (snapd/plan.py):
         leaf i at ``offsets[i]`` (a leaf another rank writes: offset 0, no bytes). No
         buffer is made: the daemon maps the slot itself."""
         tensors = [[plan_tensor(path, dtype_name(t.dtype), t.shape, str(t.device),
-                                off if ref is None else 0, t.numel() * t.element_size(),
-                                shard=shard, ref=ref)
-                    for path, t, off, shard, ref in
-                    zip(obj.paths, obj.tensors, offs, obj.shards, obj.refs)]
+                                off if ref is None and reuse is None else 0,
+                                t.numel() * t.element_size(), shard=shard, ref=ref,
+                                reuse=reuse, frozen=frozen)
+                    for path, t, off, shard, ref, reuse, frozen in
+                    zip(obj.paths, obj.tensors, offs, obj.shards, obj.refs, obj.reuse,
+                        obj.frozen)]
                    for obj, offs in zip(self.objects, self.per_object(offsets))]
         return describe(self, tensors)
 

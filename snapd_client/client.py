@@ -19,13 +19,14 @@ writer in this process, synchronously.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
 import warnings
 import weakref
 from contextlib import nullcontext
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -37,6 +38,7 @@ from snapd.runlock import RunLock
 from snapd.store import RunStore, SnapshotId
 from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
+from snapd_client.frozen import Unchanged, frozen_flags, trainable_ptrs
 from snapd_client.distrestore import begin_reshard, restore_ranks, world_size_of
 from snapd_client.fromremote import pull_newer
 from snapd_client import tracking
@@ -119,6 +121,7 @@ class Client:
             if option_overrides else (options or Options.resolve())
         self.rng = RngStreams()
         self._tracked: Dict[str, Any] = {}
+        self._unchanged = Unchanged()   # frozen leaves an earlier snapshot holds
         self._stream: Optional[BatchStream] = None
         self._summary: Optional[CloseSummary] = None
         self.lineage: Dict[str, Any] = {"id": 0, "mode": "fresh", "parent": None}
@@ -189,7 +192,7 @@ class Client:
             capture = self.capture(0)
         except Exception:   # snapshot() will say what is wrong, where it belongs
             return
-        self._handoff.warm_up(layout(capture.tensors, capture.stored)[1])
+        self._handoff.warm_up(layout(capture.tensors, capture.carried)[1])
 
     def _before_first_step(self) -> bool:
         """A tracked optimizer has no state yet (its moments appear at its first
@@ -245,9 +248,11 @@ class Client:
 
     # --- snapshot ------------------------------------------------------------------
 
-    def capture(self, step: int, metric: Optional[float] = None) -> Capture:
+    def capture(self, step: int, metric: Optional[float] = None, *,
+                share: bool = False) -> Capture:
         """The frozen capture of the tracked state at this step boundary (the live
-        tensors, not copies: valid until the trainer next changes them)."""
+        tensors, not copies: valid until the trainer next changes them). ``share``:
+        frozen leaves unchanged since an earlier snapshot refer to it (not copied)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"snapshot(step={step!r}): step counts completed updates, "
                              "a non-negative int")
@@ -257,6 +262,7 @@ class Client:
         objects = with_writers(self._tracked, [capture_object(n, o, defer, self.rank)
                                                for n, o in self._tracked.items()],
                                self.rank, self.world_size)
+        objects = self._mark_frozen(objects, share)
         return Capture(
             run=self.run, step=step, rank=self.rank, lineage=self.lineage,
             data_version=self.data_version,
@@ -266,6 +272,19 @@ class Client:
             objects=objects,
             supersedes=tuple(self.restored.refused) if self.restored else (),
             world_size=self.world_size, session=self.session)
+
+    def _mark_frozen(self, objects: Tuple[Any, ...], share: bool) -> Tuple[Any, ...]:
+        """Each leaf's ``frozen`` flag, and with ``share`` (one rank, the option on) the
+        earlier snapshot each unchanged frozen leaf refers to (snapd_client/frozen.py)."""
+        trainable = trainable_ptrs(self._tracked)
+        share = share and self.world_size == 1 and self.options.share_unchanged
+        marked = []
+        for obj in objects:
+            flags = frozen_flags(self._tracked[obj.name], obj.tensors, trainable)
+            reuse = self._unchanged.homes(obj.name, obj.paths, obj.tensors, flags) \
+                if share else (None,) * len(flags)
+            marked.append(dataclasses.replace(obj, frozen=flags, reuse=reuse))
+        return tuple(marked)
 
     def snapshot(self, step: int, metric: Optional[float] = None) -> SnapshotHandle:
         """Snapshot the tracked state at this step boundary; returns a handle.
@@ -287,6 +306,7 @@ class Client:
         # The stall: how long this call kept the loop from its next update.
         self.journal.event("snapshot", event="staged", step=step, metric=metric,
                            stall=time.perf_counter() - started,
+                           staged_bytes=handle.staged_bytes,
                            waited=handle.stall_seconds, mode=self.options.mode
                            if self._handoff is not None else "in-process")
         self.journal.sync_soon()  # flushed now by the log's thread: no fsync here
@@ -294,14 +314,26 @@ class Client:
         return handle
 
     def _hand_over(self, step: int, metric: Optional[float]) -> SnapshotHandle:
-        capture = self.capture(step, metric)
+        capture = self.capture(step, metric, share=True)
+        handle = self._write_capture(capture)
+        # The frozen leaves copied now are held by this snapshot from now on (their
+        # bytes are still the live ones: nothing ran since the copy).
+        for obj in capture.objects:
+            self._unchanged.copied(obj.name, obj.paths, obj.tensors, obj.frozen, obj.reuse,
+                                   capture.sid.name, handle)
+        return handle
+
+    def _write_capture(self, capture: Capture) -> SnapshotHandle:
         if self._handoff is not None:
             if self.options.mode == "overlap":
                 self._hook_optimizers()
             return self._handoff.snapshot(capture)
         rng, cursor = capture.record_state()
-        handle = SnapshotHandle(step, sid=capture.sid, rng=rng, cursor=cursor,
+        handle = SnapshotHandle(capture.step, sid=capture.sid, rng=rng, cursor=cursor,
                                 part=part_of(capture))
+        handle.staged_bytes = sum(t.numel() * t.element_size()
+                                  for t, carried in zip(capture.tensors, capture.carried)
+                                  if carried)
         # The daemon's commit path, here: space check, write, tmp cleanup, retention.
         commits = CommitService(self.store.root, self.options.min_free_bytes)
         try:
@@ -480,10 +512,12 @@ class Client:
 
     def _apply(self, loaded: Loaded, omit: set) -> None:
         from snapd_client.restore import apply  # all or nothing: puts back on failure
+        self._unchanged.forget()   # the tensors are written: every leaf is copied next
         apply(loaded, self._tracked, self.rng, self._stream, omit)
 
     def _warm_start(self) -> int:
         modules = {n: o for n, o in self._tracked.items() if isinstance(o, torch.nn.Module)}
+        self._unchanged.forget()
         loaded = load_weights(self.store, modules)
         committed = self.store.committed()
         new_id = max((s.lineage for s in committed), default=-1) + 1

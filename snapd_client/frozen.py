@@ -65,15 +65,17 @@ def fingerprint(t: torch.Tensor) -> int:
     contiguous. A CUDA tensor's windows come over in one small copy."""
     flat = t.detach().reshape(-1).view(torch.uint8)
     n = flat.numel()
-    if n <= WINDOW * WINDOWS:
-        picked = flat
-    else:
-        step = (n - WINDOW) // (WINDOWS - 1)
-        picked = torch.cat([flat[i * step:i * step + WINDOW] for i in range(WINDOWS - 1)]
-                           + [flat[n - WINDOW:]])
-    if picked.device.type != "cpu":
-        picked = picked.cpu()
-    return xxhash.xxh3_64_intdigest(memoryview(picked.numpy()))
+    starts = [0] if n <= WINDOW * WINDOWS else \
+        [i * ((n - WINDOW) // (WINDOWS - 1)) for i in range(WINDOWS - 1)] + [n - WINDOW]
+    width = n if len(starts) == 1 else WINDOW
+    if flat.device.type != "cpu":   # one gather, one small copy
+        flat = torch.cat([flat[s:s + width] for s in starts]).cpu()
+        starts = [i * width for i in range(len(starts))]
+    view = memoryview(flat.numpy())
+    digest = xxhash.xxh3_64()
+    for s in starts:
+        digest.update(view[s:s + width])
+    return digest.intdigest()
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class Unchanged:
         if seen is None:
             return None
         handle = seen.handle
-        if handle is not None and (handle.failed() or handle.skipped):
+        if handle is not None and (handle.failed or handle.skipped):
             del self._seen[key]
             return None
         if not t.is_contiguous() or t.data_ptr() != seen.ptr or \
@@ -138,11 +140,3 @@ class Unchanged:
                 continue
             self._seen[(name, path)] = _Seen(t.data_ptr(), t._version, _layout(t),
                                              fingerprint(t), snapshot, handle)
-
-    def attach(self, snapshot: str, handle: Any) -> None:
-        """Give the leaves ``snapshot`` copied its handle, once it exists."""
-        for key, seen in list(self._seen.items()):
-            if seen.home == snapshot and seen.handle is None:
-                self._seen[key] = _Seen(seen.ptr, seen.version, seen.layout, seen.print,
-                                        seen.home, handle)
-

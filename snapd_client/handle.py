@@ -106,6 +106,10 @@ class SnapshotHandle:
         self.rng = rng
         self.cursor = cursor
         self.stall_seconds = stall_seconds
+        # The tensor bytes this snapshot copied out of the live state (staged, or
+        # handed to the in-process writer); frozen tensors an earlier snapshot holds
+        # are not copied (snapd_client/frozen.py).
+        self.staged_bytes = 0
         self.result: Optional[CommitResult] = None
         self.skipped = False
         self.outcome_unknown = False

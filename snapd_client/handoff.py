@@ -92,7 +92,7 @@ class Handoff:
         """
         self.stager.synchronize()
         self._join_warm_up()
-        offsets, need = layout(capture.tensors, capture.stored)  # stored bytes only
+        offsets, need = layout(capture.tensors, capture.carried)  # copied bytes only
         try:
             conn, stall = self._room(capture.step, need)
         except DaemonStartFailed:
@@ -106,6 +106,7 @@ class Handoff:
             handle.set_skipped()
             return handle
         handle = self._handle(capture, conn, stall)
+        handle.staged_bytes = need
         try:
             slot = self._reserve(conn, need, handle)
         except SnapdError as e:
@@ -116,7 +117,7 @@ class Handoff:
             self.stager.stage(self.arena, slot, capture.tensors, offsets,
                               capture.deferrable,
                               lambda error: self._landed(conn, slot, desc, handle, error),
-                              capture.stored)
+                              capture.carried)
         except Exception as e:  # the slot is ours again; the handle reports why
             self._release(slot, handle, e)
         return handle

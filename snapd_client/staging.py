@@ -80,7 +80,8 @@ def nbytes_of(t: torch.Tensor) -> int:
 def layout(tensors: Sequence[torch.Tensor],
            stored: Optional[Sequence[bool]] = None) -> tuple[List[int], int]:
     """Each tensor's offset within a slot, and the bytes needed. A tensor with
-    ``stored[i]`` False (another rank writes it) takes no bytes: offset 0."""
+    ``stored[i]`` False (another rank writes it, or an earlier snapshot holds its
+    bytes) takes no bytes: offset 0."""
     offsets, end = [], 0
     for i, t in enumerate(tensors):
         if stored is not None and not stored[i]:

@@ -61,10 +61,10 @@ def test_manifest_bytes_match_the_documented_offsets(tmp_path):
     payload = msgpack.unpackb(data[32:], raw=False, strict_map_key=False)
     assert set(payload) == {"format", "run", "step", "rank", "world_size", "session", "created",
                             "data_version", "metric", "lineage", "rng", "cursor",
-                            "objects", "files"}
-    assert payload["format"] == 3
+                            "objects", "files", "shared", "base"}
+    assert payload["format"] == 4 and payload["shared"] == [] and payload["base"] is None
     tensors = open(os.path.join(result.path, "model.tensors"), "rb").read()
-    assert tensors[:8] == b"SNAPDTN\0" and struct.unpack_from("<I", tensors, 8)[0] == 3
+    assert tensors[:8] == b"SNAPDTN\0" and struct.unpack_from("<I", tensors, 8)[0] == 4
     assert tensors[16:32] == bytes(16)
     # v2 file digest: the header, then each chunk's digest (u64 LE), in file order.
     chain = tensors[:32] + b"".join(struct.pack("<Q", c[4])
@@ -80,6 +80,7 @@ def test_manifest_bytes_match_the_documented_offsets(tmp_path):
     assert first[0] == 4096 and first[3] == "raw"
     raw = tensors[4096:4096 + first[1]]
     assert xxhash.xxh3_64_intdigest(raw) == first[4]
+    assert first[5] == xxhash.xxh3_128_digest(raw)   # v4: the chunk's identity
     assert raw == STATE["bf16"].reshape(-1).view(torch.uint8).numpy().tobytes()[:first[1]]
     # Every chunk on a 4096-byte boundary, the first after the previous one ends; the
     # gaps zero; the file ends on a boundary.
@@ -107,9 +108,12 @@ def test_version_1_snapshots_still_read_bit_for_bit(tmp_path):
         for chunk in t["chunks"]:
             data = v2[chunk[0]:chunk[0] + chunk[1]]
             chunk[0] = len(v1)
+            del chunk[5:]   # v1 chunks carry no identity
             v1 += data
     open(path, "wb").write(v1)
     manifest["format"] = 1
+    for key in ("shared", "base"):
+        del manifest[key]
     manifest["files"]["model.tensors"] = {"size": len(v1),
                                           "xxh3": xxhash.xxh3_64_intdigest(bytes(v1))}
     payload = msgpack.packb(manifest, use_bin_type=True)

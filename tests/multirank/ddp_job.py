@@ -36,7 +36,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from dump import Progress, as_array, config, optimizer_arrays, rng_arrays, write_marker
+from dump import (Progress, as_array, config, leave_job, optimizer_arrays, rng_arrays,
+                  write_marker)
 
 DEFAULTS = {"steps": 30, "snapshot_every": 8, "batch_size": 4, "samples": 96,
             "hidden": 64, "dim": 16, "snapd": True, "pause_at": None,
@@ -162,7 +163,7 @@ def main() -> None:
              **final_state(cfg, ddp, opt, first_step, step, samples, losses))
     with open(os.path.join(out, f"rank-{rank}.close.json"), "w") as f:
         json.dump(closing, f)
-    dist.destroy_process_group()
+    leave_job()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dump import as_array, config, optimizer_arrays
+from dump import as_array, config, leave_job, optimizer_arrays
 
 DEFAULTS = {"steps": 4, "snapshot_every": 4, "width": 48, "blocks": 3, "batch_size": 8,
             "data_version": "noise-v1", "snapd": True}
@@ -122,7 +122,7 @@ def main() -> None:
     with open(os.path.join(cfg["out"], f"rank-{rank}.json"), "w") as f:
         json.dump({"world_size": world, "first_step": first_step, "step": step,
                    "losses": losses}, f)
-    dist.destroy_process_group()
+    leave_job()
 
 
 if __name__ == "__main__":
