@@ -20,7 +20,7 @@ from snapd import format as fmt
 from snapd import sharing
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
-from snapd.reader import read_manifest_bytes
+from snapd.reader import SnapshotReader, read_manifest_bytes
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import write_snapshot
 
@@ -94,6 +94,16 @@ def resolved(store: RunStore) -> Dict[str, Dict[str, bytes]]:
                                                              wanted_by=sid.name))
                            for s, f in sharing.references(m)}
     return found
+
+
+def verify_all(store: RunStore) -> List[str]:
+    """Every committed snapshot read whole through the reader, every checksum checked
+    (shared chunks where the reader finds them); their names."""
+    names = []
+    for sid in store.committed():
+        SnapshotReader(store.snapshot_path(sid)).verify()
+        names.append(sid.name)
+    return names
 
 
 def _read(path: str) -> bytes:

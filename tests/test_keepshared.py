@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from snapd import keepshared, sharing
@@ -15,14 +16,17 @@ from snapd.cli import main
 from snapd.commands.verify import checked_text
 from snapd.errors import SnapdError
 from snapd.options import Options
+from snapd.reader import SnapshotReader
 from snapd.retention import apply_retention, gc, trash_snapshot
 from snapd.rootlock import RootLock
 from snapd.runlock import RunLock
 from snapd.store import RunStore, SnapshotId
 from snapd.text import human_bytes
+from snapd.writer import write_snapshot
 
-from sharedsnaps import (MODEL_FILE, RUN, manifest_of, resolved, tree, write_plain,
-                         write_sharing)
+from helpers import plan_for
+from sharedsnaps import (MODEL_FILE, RUN, manifest_of, resolved, tree, verify_all,
+                         write_plain, write_sharing)
 
 S1, S2, S3 = (SnapshotId(0, s) for s in (1, 2, 3))
 
@@ -60,6 +64,7 @@ def test_deleting_a_snapshot_keeps_the_file_a_kept_one_reads(store, shared_run):
     assert result.kept_shared == ["00000001/model.tensors"]
     assert os.listdir(os.path.dirname(kept_path(store))) == [MODEL_FILE]   # not opt's
     assert resolved(store) == {"00000002": {"00000001/model.tensors": shared_run}}
+    assert verify_all(store) == ["00000002"]
     assert os.stat(os.path.dirname(kept_path(store))).st_mode & 0o077 == 0
 
 
@@ -86,12 +91,27 @@ def test_a_chain_of_readers_keeps_the_first_file(store, shared_run):
     apply_retention(store, Options(keep_last=1))
     assert store.committed() == [S3]
     assert resolved(store) == {"00000003": {"00000001/model.tensors": shared_run}}
+    assert verify_all(store) == ["00000003"]
+
+
+def test_what_the_writer_refers_to_survives_retention(store):
+    base = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    for step in (1, 2, 3):   # base unchanged: written once, then referred to
+        write_snapshot(store, plan_for({"base": base, "head": torch.full((8,), step * 1.0)},
+                                       step=step), Options(chunk_bytes=4096))
+    assert sharing.references(manifest_of(store.snapshot_path(S3))) == \
+        {("00000001", MODEL_FILE)}
+    apply_retention(store, Options(keep_last=1))
+    assert verify_all(store) == ["00000003"]
+    reader = SnapshotReader(store.snapshot_path(S3))
+    assert torch.equal(reader.load_object("model")[0], base)
 
 
 def test_setting_a_snapshot_aside_keeps_what_others_read(store, shared_run):
     store.set_aside(S1)
     assert store.committed() == [S2]
     assert resolved(store)["00000002"] == {"00000001/model.tensors": shared_run}
+    assert verify_all(store) == ["00000002"]
 
 
 def test_an_unreadable_manifest_keeps_every_file_and_stops_the_sweep(store, shared_run):
