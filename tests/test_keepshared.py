@@ -23,6 +23,7 @@ from snapd.runlock import RunLock
 from snapd.store import RunStore, SnapshotId
 from snapd.text import human_bytes
 from snapd.writer import write_snapshot
+from snapd_client import Client
 
 from helpers import plan_for
 from sharedsnaps import (MODEL_FILE, RUN, manifest_of, resolved, tree, verify_all,
@@ -105,6 +106,34 @@ def test_what_the_writer_refers_to_survives_retention(store):
     assert verify_all(store) == ["00000003"]
     reader = SnapshotReader(store.snapshot_path(S3))
     assert torch.equal(reader.load_object("model")[0], base)
+
+
+def test_a_fine_tuning_run_keeps_its_frozen_base_through_retention(root):
+    torch.manual_seed(0)
+    base, head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)
+    base.requires_grad_(False)
+    model = torch.nn.Sequential(base, head)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    client = Client(root, RUN, daemon=False, keep_last=1)
+    client.track(model=model, optimizer=opt)
+    for step in range(1, 4):   # 3 reads the base from 1's file, kept in shared/
+        opt.zero_grad()
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        client.snapshot(step).wait()
+    client.close()
+    store = RunStore(root, RUN)
+    assert store.committed() == [S3]
+    assert sharing.references(manifest_of(store.snapshot_path(S3))) == \
+        {("00000001", MODEL_FILE)}
+    assert os.path.exists(kept_path(store)) and verify_all(store) == ["00000003"]
+    restored = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    reader = Client(root, RUN, read_only=True)
+    reader.track(model=restored)
+    reader.restore(mode="warm_start")   # the weights only
+    reader.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 restored.state_dict().values()))
 
 
 def test_setting_a_snapshot_aside_keeps_what_others_read(store, shared_run):
