@@ -298,6 +298,18 @@ def test_inspect_shows_what_a_snapshot_reads_from_another(store, shared_run, roo
     assert "of 00000001's files" in text and "00000001/model.tensors" in text
 
 
+def test_verify_counts_the_shared_chunks_it_checked(store, shared_run, root):
+    apply_retention(store, Options(keep_last=1))   # S1's file now only in shared/
+    data = json.loads(cli("verify", f"{RUN}/2", "--root", root, "--json").output)
+    [r] = data["snapshots"]
+    m = manifest_of(store.snapshot_path(S2))
+    shared = sum(c[1] for t in m["objects"]["model"]["tensors"] for c in t["chunks"])
+    assert r["ok"] and r["shared_bytes"] == shared and r["shared_with"] == ["00000001"]
+    assert r["bytes"] == r["owned_bytes"] + shared
+    text = cli("verify", f"{RUN}/2", "--root", root).output
+    assert "of them shared with 00000001" in text
+
+
 def test_verify_says_how_much_it_checked_was_shared():
     assert checked_text({"bytes": 3 << 20, "shared_bytes": 1 << 20,
                          "shared_with": ["00000001"]}) == \
