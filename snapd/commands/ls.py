@@ -8,6 +8,10 @@ A multi-rank snapshot is one row: its world size and the bytes of all its parts 
 part's manifest checked against the commit record). The ``.parts-<name>`` directories
 of snapshots some rank never completed are listed after the table as incomplete, with
 the ranks present and missing: they are never restored, and gc removes them.
+
+``size`` is the bytes of a snapshot's own files; ``shared`` the stored bytes of the
+chunks it reads from earlier snapshots' files (format v4, snapd/keepshared.py's
+``usage``): what it holds only by reference.
 """
 
 from __future__ import annotations
@@ -129,7 +133,7 @@ def render(rows: List[Dict[str, Any]], now: float, with_run: bool = True) -> Tab
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def ls(run: Optional[str], root: Optional[str], verify: bool, as_json: bool) -> None:
     """Committed snapshots of RUN (default: every run): step, lineage, ranks, size
-    (all parts), metric, age, verification state, and the LATEST/BEST marks; then the
+    (all parts), bytes read from earlier snapshots' files (shared), metric, age, verification state, and the LATEST/BEST marks; then the
     incomplete multi-rank snapshots (ranks present and missing). Exit code 1 if
     --verify (or a manifest) finds damage.
 
