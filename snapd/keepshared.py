@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import logging
 import os
+import errno
 import secrets
+import shutil
 import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -52,6 +54,9 @@ log = logging.getLogger(__name__)
 
 Ref = Tuple[str, str]                      # (snapshot name, file name)
 Marks = Dict[str, Optional[Set[Ref]]]      # committed name -> its references; None: unknown
+
+# What os.link raises where a filesystem has no hard links (or no more for a file).
+NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV)
 
 # Tests set this to reach a crash between two steps (a real SIGKILL from inside the
 # hook); each step below calls it with the step's name. None in production.
@@ -158,14 +163,43 @@ def _keep_one(store: RunStore, name: str, file: str) -> bool:
             passed("linked")
             return True
         except FileExistsError:
-            pass   # appeared meanwhile: replace it as below
-    # Another file holds the name: replaced in one rename, never a moment without one.
+            pass   # appeared meanwhile: replaced as below
+        except OSError as e:
+            if e.errno not in NO_HARD_LINKS:
+                raise
+    # Another file holds the name, or the filesystem has no hard links: a second name
+    # (or a copy) made under a tmp name and renamed over the name, so that the name
+    # never holds a partial file, nor nothing once it held something.
     tmp = os.path.join(os.path.dirname(target), f"{TMP_PREFIX}{file}-{secrets.token_hex(4)}")
-    os.link(source, tmp)
+    _link_or_copy(source, tmp)
     passed("linked-tmp")
     os.replace(tmp, target)
     passed("replaced")
     return True
+
+
+def _link_or_copy(source: str, dest: str) -> None:
+    """``dest`` a hard link to ``source``; a durable copy (0600) where the filesystem
+    has no hard links (the space is then spent twice, never the snapshot lost)."""
+    try:
+        os.link(source, dest)
+        return
+    except OSError as e:
+        if e.errno not in NO_HARD_LINKS:
+            raise
+        log.warning("%s: no hard links here (%s); copying it to %s", source, e, dest)
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(src, "rb", closefd=False) as r, \
+                    os.fdopen(out, "wb", closefd=False) as w:
+                shutil.copyfileobj(r, w, 1 << 20)
+            os.fsync(out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(src)
 
 
 def _ensure_dir(path: str) -> None:

@@ -4,6 +4,7 @@ gc, ls, inspect and verify say of them."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -176,6 +177,17 @@ def test_another_file_under_the_kept_name_is_replaced(store, shared_run):
     assert os.path.samefile(os.path.join(store.snapshot_path(S1), MODEL_FILE),
                             kept_path(store))
     assert os.listdir(os.path.dirname(kept_path(store))) == [MODEL_FILE]  # no tmp name
+
+
+def test_without_hard_links_the_file_is_copied(store, shared_run, monkeypatch):
+    def no_links(source, dest):
+        raise OSError(errno.EPERM, "Operation not permitted", source)
+    monkeypatch.setattr(os, "link", no_links)   # a filesystem without hard links
+    apply_retention(store, Options(keep_last=1))
+    assert resolved(store)["00000002"] == {"00000001/model.tensors": shared_run}
+    assert verify_all(store) == ["00000002"]
+    assert os.listdir(os.path.dirname(kept_path(store))) == [MODEL_FILE]
+    assert os.stat(kept_path(store)).st_mode & 0o777 == 0o600
 
 
 def test_a_symlink_at_shared_is_refused_and_nothing_is_deleted(store, shared_run, root):
