@@ -35,12 +35,13 @@ missed.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import errno
 import secrets
 import shutil
 import stat
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -54,6 +55,10 @@ log = logging.getLogger(__name__)
 
 Ref = Tuple[str, str]                      # (snapshot name, file name)
 Marks = Dict[str, Optional[Set[Ref]]]      # committed name -> its references; None: unknown
+
+# An unreferenced shared/ entry younger than this is not swept yet: it may be a file
+# a pull brought down for a snapshot it has not committed yet.
+SWEEP_MIN_AGE_S = 3600.0
 
 # What os.link raises where a filesystem has no hard links (or no more for a file).
 NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV)
@@ -195,6 +200,8 @@ def _link_or_copy(source: str, dest: str) -> None:
             with os.fdopen(src, "rb", closefd=False) as r, \
                     os.fdopen(out, "wb", closefd=False) as w:
                 shutil.copyfileobj(r, w, 1 << 20)
+            st = os.fstat(src)
+            os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))   # its age, as a link has
             os.fsync(out)
         finally:
             os.close(out)
@@ -280,7 +287,12 @@ def sweep(store: RunStore, marks: Optional[Marks] = None, *, dry_run: bool = Fal
     under ``shared/``, and the plain entries in them (files, and a symlink or tmp
     name there, which snapd never refers to); a symlink at ``shared/`` or
     ``shared/<S>``, other names and nested directories are left as they are.
-    With an unreadable committed manifest nothing is removed (``blocked_by``)."""
+    With an unreadable committed manifest nothing is removed (``blocked_by``).
+
+    An entry modified less than SWEEP_MIN_AGE_S ago is left for a later sweep: a pull of a remote snapshot (snapd/remote/pull.py) puts the shared
+    files it reads here before the rename that commits it, outside the serialization
+    retention runs under. A kept file has its first name's mtime (a link, or a copy
+    given it), so one written long ago is swept at once."""
     done = Swept()
     top = os.path.join(store.path, sharing.SHARED_DIR)
     if not _real_dir(top):
@@ -307,14 +319,18 @@ def _sweep_one(path: str, label: str, done: Swept, dry_run: bool) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         return
-    if stat.S_ISDIR(st.st_mode):
-        return   # not something snapd makes there
+    if stat.S_ISDIR(st.st_mode) or _young(st):
+        return   # not something snapd makes there; or perhaps a pull's, not yet read
     if not dry_run:
         os.unlink(path)   # never follows a link: removes the entry alone
         passed("swept")
     done.files.append(label)
     if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
         done.bytes += st.st_size
+
+
+def _young(st: os.stat_result) -> bool:
+    return time.time() - st.st_mtime < SWEEP_MIN_AGE_S
 
 
 def _remove_if_empty(directory: str) -> None:

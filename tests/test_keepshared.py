@@ -27,7 +27,7 @@ from snapd.writer import write_snapshot
 from snapd_client import Client
 
 from helpers import plan_for
-from sharedsnaps import (MODEL_FILE, RUN, manifest_of, resolved, tree, verify_all,
+from sharedsnaps import (MODEL_FILE, RUN, age, manifest_of, resolved, tree, verify_all,
                          write_plain, write_sharing)
 
 S1, S2, S3 = (SnapshotId(0, s) for s in (1, 2, 3))
@@ -73,6 +73,7 @@ def test_deleting_a_snapshot_keeps_the_file_a_kept_one_reads(store, shared_run):
 def test_deleting_the_last_reader_sweeps_the_kept_file(store, shared_run):
     apply_retention(store, Options(keep_last=1))
     write_plain(store, 3)
+    age(kept_path(store))
     result = apply_retention(store, Options(keep_last=1))
     assert result.deleted == ["00000002"] and store.committed() == [S3]
     assert result.swept == ["00000001/model.tensors"]
@@ -86,6 +87,17 @@ def test_a_reader_deleted_in_the_same_pass_needs_no_kept_file(store, shared_run)
     assert result.deleted == ["00000001", "00000002"]
     assert result.kept_shared == [] and result.swept == []
     assert not os.path.exists(os.path.join(store.path, sharing.SHARED_DIR))
+
+
+def test_a_young_unreferenced_file_is_left_for_a_later_sweep(store, shared_run):
+    # What a pull of a remote snapshot brought down before committing it.
+    pulled = sharing.shared_path(store.path, "00000000", MODEL_FILE)
+    os.makedirs(os.path.dirname(pulled))
+    open(pulled, "wb").close()
+    assert keepshared.sweep(store).files == [] and os.path.exists(pulled)
+    age(pulled)
+    assert keepshared.sweep(store).files == ["00000000/model.tensors"]
+    assert not os.path.exists(os.path.dirname(pulled))
 
 
 def test_a_chain_of_readers_keeps_the_first_file(store, shared_run):
@@ -213,6 +225,7 @@ def test_the_sweep_touches_only_what_snapd_makes(store, shared_run, root):
     for name in (MODEL_FILE, ".tmp-model.tensors-dead"):
         open(os.path.join(stale, name), "wb").close()
     os.symlink(os.path.join(outside, "theirs"), os.path.join(stale, "link.tensors"))
+    age(*(os.path.join(stale, n) for n in os.listdir(stale)))
     swept = keepshared.sweep(store)
     assert swept.files == ["00000005/.tmp-model.tensors-dead", "00000005/link.tensors",
                            "00000005/model.tensors"]
@@ -233,6 +246,7 @@ def test_gc_dry_run_reports_what_it_would_keep_and_sweep_and_changes_nothing(
     with open(os.path.join(store.path, sharing.SHARED_DIR, "00000000", MODEL_FILE),
               "wb") as f:
         f.write(b"x" * 100)
+    age(os.path.join(store.path, sharing.SHARED_DIR, "00000000", MODEL_FILE))
     before = tree(root)
     out = cli("gc", "--root", root, "--keep-last", "1", "--dry-run", "--json")
     assert out.exit_code == 0, out.output

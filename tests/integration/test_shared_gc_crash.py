@@ -26,7 +26,8 @@ from snapd.options import Options
 from snapd.retention import gc
 from snapd.store import RunStore, SnapshotId
 
-from sharedsnaps import MODEL_FILE, RUN, resolved, verify_all, write_plain, write_sharing
+from sharedsnaps import (MODEL_FILE, RUN, age, resolved, verify_all, write_plain,
+                         write_sharing)
 
 pytestmark = pytest.mark.integration
 
@@ -59,6 +60,7 @@ def pristine(tmp_path_factory):
     orphan = sharing.shared_path(store.path, "00000000", MODEL_FILE)
     os.makedirs(os.path.dirname(orphan))
     shutil.copyfile(os.path.join(store.snapshot_path(SnapshotId(0, 1)), MODEL_FILE), orphan)
+    age(orphan)
     return root, resolved(store)
 
 
