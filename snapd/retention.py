@@ -21,10 +21,19 @@ A deletion first renames the directory to ``.tmp-deleting-<name>-<nonce>``, so t
 crash in the middle of the (slow) recursive delete leaves a tmp dir, which no reader
 lists and the next collection removes, never a half snapshot under a committed name.
 
+Snapshots of format v4 may read tensors from an earlier snapshot's file: before a
+snapshot is renamed away, the files of it that other committed snapshots read are
+kept in ``<run>/shared/`` (snapd/keepshared.py), and after the deletes the entries
+there that no committed snapshot reads are swept. Doomed snapshots go newest first,
+so a file only doomed snapshots read never needs keeping.
+
 Collecting tmp dirs by hand (``snapd gc --collect-tmp``, :func:`collect_tmp`) happens
 under the root's lock (snapd/rootlock.py), so never beside a serving daemon, and
 skips every run whose writer lock (snapd/runlock.py) a live client holds, since an
 in-process writer (``daemon=False``) writes tmp dirs without the root's lock.
+``snapd gc``'s deletes (:func:`gc`) take the same locks, and hold the run's writer
+lock meanwhile: a snapshot written beside them could refer to a file of a snapshot
+they delete.
 """
 
 from __future__ import annotations
@@ -39,12 +48,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from snapd import fsio
-from snapd.errors import CorruptSnapshot
+from snapd import fsio, keepshared, sharing
+from snapd.errors import CorruptSnapshot, RunInUse
 from snapd.names import WRITER_LOCK_GLOB
 from snapd.options import Options
 from snapd.reader import read_summary
 from snapd.rootlock import RootLock
+from snapd.runlock import RunLock
 from snapd.store import (TMP_PREFIX, RunStore, SnapshotId, list_runs, remove_pointer)
 
 DELETING_PREFIX = f"{TMP_PREFIX}deleting-"
@@ -156,12 +166,17 @@ def collect_parts(store: RunStore, latest: Optional[SnapshotId]) -> Tuple[List[s
     return names, trash
 
 
-def trash_snapshot(store: RunStore, sid: SnapshotId) -> str:
-    """Un-commit a snapshot with one rename; returns the tmp dir to purge."""
+def trash_snapshot(store: RunStore, sid: SnapshotId,
+                   marks: Optional[keepshared.Marks] = None) -> str:
+    """Un-commit a snapshot with one rename; returns the tmp dir to purge. The files
+    other committed snapshots read are kept in ``shared/`` first (snapd/keepshared.py;
+    ``marks``: the run's references when the caller has read them)."""
+    keepshared.keep_referenced(store, sid, marks)   # 1. shared files get a second name
     trash = os.path.join(store.snapshots_path,
                          f"{DELETING_PREFIX}{sid.name}-{secrets.token_hex(4)}")
-    os.rename(store.snapshot_path(sid), trash)   # 1. no longer a committed name
-    fsio.fsync_dir(store.snapshots_path)         # 2. the un-commit is durable first
+    os.rename(store.snapshot_path(sid), trash)   # 2. no longer a committed name
+    fsio.fsync_dir(store.snapshots_path)         # 3. the un-commit is durable first
+    keepshared.passed("trashed")
     return trash
 
 
@@ -188,17 +203,27 @@ class RetentionResult:
     refused: List[str] = field(default_factory=list)   # unreadable, left alone
     kept: List[str] = field(default_factory=list)      # what the rules keep
     protected: List[str] = field(default_factory=list)  # kept only because LATEST names it
-    bytes: int = 0                                      # of the deleted (gc measures it)
+    bytes: int = 0                      # freed by the deletes (gc measures it)
     incomplete: List[str] = field(default_factory=list)  # .parts- dirs removed
+    # Files of the deleted snapshots that kept ones read: kept in shared/ ("S/file").
+    kept_shared: List[str] = field(default_factory=list)
+    kept_shared_bytes: int = 0
+    # shared/ entries no committed snapshot reads any more, removed (snapd/keepshared.py).
+    swept: List[str] = field(default_factory=list)
+    swept_bytes: int = 0                # freed: the removed entries that were last names
+    sweep_blocked_by: List[str] = field(default_factory=list)  # unreadable: nothing swept
+    busy: bool = False                  # gc: a live client writes the run, left alone
 
 
 def apply_retention(store: RunStore, opts: Options, *, purge_now: bool = True,
-                    dry_run: bool = False) -> RetentionResult:
+                    dry_run: bool = False, sweep: bool = False) -> RetentionResult:
     """Delete what the rules do not keep and move BEST; returns what it did.
 
     The one entry point of retention (see the module rules). ``purge_now=False``
     leaves the renamed directories for :func:`purge`, so that a caller can report
-    the commit (or measure them) before the slow recursive delete.
+    the commit (or measure them) before the slow recursive delete. The ``shared/``
+    entries no committed snapshot reads are swept after the deletes (``sweep``: even
+    when nothing was deleted, as ``snapd gc`` does).
     """
     infos, refused = scan(store)
     latest = store.read_pointer("LATEST")
@@ -208,17 +233,61 @@ def apply_retention(store: RunStore, opts: Options, *, purge_now: bool = True,
     result = RetentionResult(deleted=[i.sid.name for i in plan.delete], refused=refused,
                              kept=[i.sid.name for i in plan.keep],
                              protected=[i.sid.name for i in plan.protected])
+    marks = keepshared.mark(store) if plan.delete or sweep else {}
     if dry_run:
         result.incomplete = [sid.name for sid, _ in stale_parts(store, latest)]
+        _plan_shared(store, plan.delete, marks, result, sweep)
         return result
-    result.trash = [trash_snapshot(store, i.sid) for i in plan.delete]
+    _delete(store, plan.delete, marks, result)
     result.incomplete, parts_trash = collect_parts(store, latest)
     result.trash += parts_trash
     update_best(store, plan.keep, opts.best_mode)
+    if plan.delete or sweep:
+        _record_sweep(keepshared.sweep(store, marks), result)
     if purge_now:
         purge(result.trash)
         result.trash = []
     return result
+
+
+def _delete(store: RunStore, doomed: Sequence[SnapshotInfo], marks: keepshared.Marks,
+            result: RetentionResult) -> None:
+    """Un-commit ``doomed``, newest first: a file one doomed snapshot reads from an
+    older doomed one then needs no second name, since its reader is gone first (a
+    crash part way leaves the older ones committed, which the rules delete next
+    time)."""
+    for info in reversed(doomed):
+        kept = keepshared.files_to_keep(store, info.sid, marks)
+        result.trash.append(trash_snapshot(store, info.sid, marks))
+        marks.pop(info.sid.name, None)   # no longer committed: it refers to nothing
+        result.kept_shared += [f"{info.sid.name}/{f}" for f in kept]
+        result.kept_shared_bytes += sum(
+            _size(sharing.shared_path(store.path, info.sid.name, f)) for f in kept)
+
+
+def _plan_shared(store: RunStore, doomed: Sequence[SnapshotInfo], marks: keepshared.Marks,
+                 result: RetentionResult, sweep: bool) -> None:
+    """What :func:`_delete` and the sweep would keep and remove (a dry run)."""
+    for info in reversed(doomed):
+        kept = keepshared.files_to_keep(store, info.sid, marks)
+        marks.pop(info.sid.name, None)
+        result.kept_shared += [f"{info.sid.name}/{f}" for f in kept]
+        result.kept_shared_bytes += sum(
+            _size(os.path.join(store.snapshot_path(info.sid), f)) for f in kept)
+    if doomed or sweep:
+        _record_sweep(keepshared.sweep(store, marks, dry_run=True), result)
+
+
+def _record_sweep(swept: keepshared.Swept, result: RetentionResult) -> None:
+    result.swept, result.swept_bytes = swept.files, swept.bytes
+    result.sweep_blocked_by = swept.blocked_by
+
+
+def _size(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
 
 
 # --- snapd gc -----------------------------------------------------------------------
@@ -276,21 +345,56 @@ def collect_tmp(root: str, runs: Sequence[str], *,
 
 def gc(root: str, opts: Options, runs: Optional[Sequence[str]] = None, *,
        dry_run: bool = False) -> Dict[str, RetentionResult]:
-    """Retention over runs of a root (every run by default); results per run.
+    """Retention over runs of a root (every run by default), then the sweep of
+    ``shared/``; results per run. ``bytes`` is what the deletes free: the deleted
+    snapshots' files less those kept in ``shared/`` for kept snapshots (measured
+    before the purge).
 
-    Trash is measured (``bytes``) before it is purged, for the report.
+    A gc that deletes holds the root's lock (AlreadyServing while a daemon serves the
+    root) and each run's writer lock (a run a live client writes is skipped, ``busy``):
+    a writer that referred to a snapshot's file while gc un-committed the snapshot
+    would commit a reference to a file no one keeps (snapd/keepshared.py). A dry run
+    changes nothing and takes no lock.
     """
+    names = list(runs) if runs is not None else list_runs(root)
+    if dry_run:
+        return {run: _gc_run(RunStore(root, run), opts, True) for run in names}
     results = {}
-    for run in runs if runs is not None else list_runs(root):
-        store = RunStore(root, run)
-        result = apply_retention(store, opts, dry_run=dry_run, purge_now=False)
-        paths = result.trash if not dry_run else \
-            [os.path.join(store.snapshots_path, n) for n in result.deleted]
-        result.bytes = sum(dir_bytes(p) for p in paths)
-        purge(result.trash)
-        result.trash = []
-        results[run] = result
+    with RootLock(root):
+        for run in names:
+            store = RunStore(root, run)
+            lock = _writer_lock(store)
+            if lock is None:
+                results[run] = RetentionResult(busy=True)
+                continue
+            try:
+                results[run] = _gc_run(store, opts, False)
+            finally:
+                lock.release()
     return results
+
+
+def _writer_lock(store: RunStore) -> Optional[RunLock]:
+    """Rank 0's writer lock of a run no live client writes (held: no one-rank writer,
+    the only kind that shares, starts meanwhile), or None."""
+    if writer_active(store):
+        return None
+    lock = RunLock(store.path, store.run, 0)
+    try:
+        lock.acquire()
+    except RunInUse:
+        return None
+    return lock
+
+
+def _gc_run(store: RunStore, opts: Options, dry_run: bool) -> RetentionResult:
+    result = apply_retention(store, opts, dry_run=dry_run, purge_now=False, sweep=True)
+    paths = result.trash if not dry_run else \
+        [os.path.join(store.snapshots_path, n) for n in result.deleted]
+    result.bytes = sum(dir_bytes(p) for p in paths) - result.kept_shared_bytes
+    purge(result.trash)
+    result.trash = []
+    return result
 
 
 def dir_bytes(path: str) -> int:

@@ -142,7 +142,12 @@ class RunStore:
 
     def set_aside(self, sid: SnapshotId) -> str:
         """Rename a damaged snapshot to ``.damaged-<name>-<nonce>``: no longer listed as
-        committed, never collected, kept for inspection. Returns its new path."""
+        committed, never collected, kept for inspection. Returns its new path.
+
+        The files other committed snapshots read from it are kept in ``shared/``
+        first, as before any un-commit (snapd/keepshared.py)."""
+        from snapd import keepshared   # it builds on this module
+        keepshared.keep_referenced(self, sid)
         aside = os.path.join(self.snapshots_path,
                              f"{DAMAGED_PREFIX}{sid.name}-{secrets.token_hex(4)}")
         os.rename(self.snapshot_path(sid), aside)

@@ -7,8 +7,11 @@ nor the one LATEST names, nor one whose manifest cannot be read. A delete is one
 rename out of the committed namespace, then the slow recursive removal, so an
 interrupted gc leaves no half snapshot. The ``.parts-<name>`` directories of multi-rank
 snapshots older than LATEST (a rank's part never came) are removed and reported.
-``--collect-tmp`` removes old tmp dirs under
-the root's lock, skipping runs a live client writes (retention.collect_tmp).
+The files of deleted snapshots that kept ones read are kept in ``<run>/shared/``, and
+the entries there no snapshot reads any more are swept (snapd/keepshared.py); both
+reported. Deleting holds the root's lock (refused while a daemon serves it) and
+skips runs a live client writes. ``--collect-tmp`` removes old tmp dirs under the
+same locks (retention.collect_tmp).
 """
 
 from __future__ import annotations
@@ -27,7 +30,36 @@ from snapd.text import human_bytes
 
 def _as_json(r: retention.RetentionResult) -> Dict[str, Any]:
     return {"deleted": r.deleted, "kept": r.kept, "protected_latest": r.protected,
-            "refused": r.refused, "bytes": r.bytes, "incomplete_removed": r.incomplete}
+            "refused": r.refused, "bytes": r.bytes, "incomplete_removed": r.incomplete,
+            "kept_shared": r.kept_shared, "kept_shared_bytes": r.kept_shared_bytes,
+            "swept": r.swept, "swept_bytes": r.swept_bytes,
+            "sweep_blocked_by": r.sweep_blocked_by, "busy": r.busy}
+
+
+def _retain(base: str, opts: Options, names: List[str],
+            dry_run: bool) -> Dict[str, retention.RetentionResult]:
+    try:
+        return retention.gc(base, opts, names, dry_run=dry_run)
+    except AlreadyServing as e:
+        fail(f"{e}\n  hint: gc deletes only while no daemon serves the root (a snapshot "
+             "it is writing may read a file of one gc deletes); the daemon applies the "
+             "same rules after each commit (SNAPD_KEEP_*). --dry-run works beside it", 1)
+
+
+def report_shared(run: str, r: retention.RetentionResult, dry_run: bool) -> None:
+    """What the deletes keep in shared/ and what the sweep removes (snapd/keepshared.py)."""
+    if r.kept_shared:
+        click.echo(f"  {run}: {'would keep' if dry_run else 'kept'} "
+                   f"{human_bytes(r.kept_shared_bytes)} in shared/, read by kept "
+                   f"snapshots: {', '.join(r.kept_shared)}")
+    if r.swept:
+        click.echo(f"  {run}: {'would sweep' if dry_run else 'swept'} "
+                   f"{human_bytes(r.swept_bytes)} from shared/, read by no snapshot: "
+                   f"{', '.join(r.swept)}")
+    if r.sweep_blocked_by:
+        click.echo(f"  {run}: shared/ not swept: the manifest of "
+                   f"{', '.join(r.sweep_blocked_by)} cannot be read, and it may read any "
+                   f"shared file (snapd verify {run}/<name> says why)")
 
 
 def _collect(root: str, runs: List[str]) -> retention.Collected:
@@ -42,6 +74,9 @@ def _collect(root: str, runs: List[str]) -> retention.Collected:
 def report(results: Dict[str, retention.RetentionResult], dry_run: bool) -> None:
     verb = "would delete" if dry_run else "deleted"
     for run, r in results.items():
+        if r.busy:
+            click.echo(f"{run}: left alone, a live client writes this run")
+            continue
         line = f"{run}: {verb} {', '.join(r.deleted) or 'nothing'}"
         if r.deleted:
             line += f" ({human_bytes(r.bytes)})"
@@ -56,6 +91,7 @@ def report(results: Dict[str, retention.RetentionResult], dry_run: bool) -> None
                        f"multi-rank snapshot parts (a rank's part never came, and a newer "
                        f"snapshot is committed): "
                        + ", ".join(f".parts-{n}" for n in r.incomplete))
+        report_shared(run, r, dry_run)
 
 
 @click.command()
@@ -79,7 +115,10 @@ def gc(root: Optional[str], runs: tuple, keep_last: Optional[int], keep_every: O
     """Delete the snapshots the retention rules do not keep. Never deletes the newest
     snapshot whose manifest verifies, the one LATEST names, or one whose manifest
     cannot be read. Rules not given come from SNAPD_KEEP_LAST, SNAPD_KEEP_EVERY,
-    SNAPD_KEEP_BEST, SNAPD_BEST_MODE; with no rule at all nothing is deleted.
+    SNAPD_KEEP_BEST, SNAPD_BEST_MODE; with no rule at all nothing is deleted. The
+    files of deleted snapshots that kept ones read are kept in RUN/shared/, and what
+    no snapshot reads any more is swept from there. Refused (exit 1) while a daemon
+    serves the root; runs a live client writes are left alone.
 
     Example: snapd gc --root checkpoints --keep-last 3 --keep-best 1 --dry-run
     """
@@ -92,7 +131,7 @@ def gc(root: Optional[str], runs: tuple, keep_last: Optional[int], keep_every: O
     except ValueError as e:
         fail(f"{e}; fix the environment variable or pass the option", 2)
     names = list(runs) or list_runs(base)
-    results = retention.gc(base, opts, names, dry_run=dry_run)
+    results = _retain(base, opts, names, dry_run)
     tmp = _collect(base, names) if collect_tmp and not dry_run else retention.Collected()
     no_rule = opts.keep_last is None and not opts.keep_every and not opts.keep_best
     if as_json:

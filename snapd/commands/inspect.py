@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from snapd import keepshared
 from snapd.commands import inspectparts, remote
 from snapd.commands.common import (ROOT_HELP, console, emit_json, files_bytes, is_multirank,
                                    read_manifest)
@@ -54,11 +55,13 @@ def summary(path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
                     "bytes": t["nbytes"], "device": t.get("device"),
                     "stored_bytes": sum(c[1] for c in t["chunks"]),
                     "chunks": len(t["chunks"]),
-                    "codecs": sorted({c[3] for c in t["chunks"]})} for t in obj["tensors"]]
+                    "codecs": sorted({c[3] for c in t["chunks"]}),
+                    "shared_from": _shared_from(manifest, t)} for t in obj["tensors"]]
         objects[name] = {"type": obj.get("type"), "file": obj.get("file"),
                          "tensors": tensors, "count": len(tensors),
                          "bytes": sum(t["bytes"] for t in tensors),
                          "stored_bytes": sum(t["stored_bytes"] for t in tensors)}
+    use = keepshared.usage(manifest)
     files_problem = None
     try:
         SnapshotReader(path)  # stats each file against files[name].size
@@ -71,7 +74,30 @@ def summary(path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
             "lineage": manifest.get("lineage"),
             "rng": {k: len(v) for k, v in sorted(manifest["rng"].items())},
             "cursor": cursor_info(manifest.get("cursor")), "objects": objects,
-            "parts": None, "bytes": files_bytes(manifest), "files_problem": files_problem}
+            "parts": None, "bytes": files_bytes(manifest), "owned_bytes": use.owned,
+            "shared_bytes": use.shared, "shared_with": use.shared_with,
+            "files_problem": files_problem}
+
+
+def _shared_from(manifest: Dict[str, Any], t: Dict[str, Any]) -> Optional[str]:
+    """``<snapshot>/<file>`` an entry reads its chunks from, when not its own file."""
+    if t.get("src") is None:
+        return None
+    where = manifest["shared"][t["src"]]
+    return f"{where['snapshot']}/{where['file']}"
+
+
+def _files_text(obj: Dict[str, Any]) -> str:
+    """The object's own file, and the earlier snapshots' files it reads."""
+    shared = sorted({t["shared_from"] for t in obj["tensors"] if t.get("shared_from")})
+    return escape(", ".join(([obj["file"]] if obj["file"] else []) + shared) or "-")
+
+
+def _shared_text(info: Dict[str, Any]) -> str:
+    if not info.get("shared_bytes"):
+        return ""
+    return (f"  shares {human_bytes(info['shared_bytes'])} of "
+            + ", ".join(info["shared_with"]) + "'s files")
 
 
 def render(info: Dict[str, Any], console: Console) -> None:
@@ -85,8 +111,8 @@ def render(info: Dict[str, Any], console: Console) -> None:
         f"  created {info['created_iso']} "
         f"({age(None if created is None else time.time() - created)} ago)"
         f"  data_version {escape(repr(info['data_version']))}\n"
-        f"  lineage {escape(lineage_text(info['lineage']))}  files {human_bytes(info['bytes'])}",
-        highlight=False)
+        f"  lineage {escape(lineage_text(info['lineage']))}  files {human_bytes(info['bytes'])}"
+        + _shared_text(info), highlight=False)
     if info["files_problem"]:
         console.print(f"  [red]files: {escape(info['files_problem'])}[/red]", highlight=False)
     if info["parts"]:
@@ -99,7 +125,7 @@ def render(info: Dict[str, Any], console: Console) -> None:
                                                                   "stored") else "left")
     for name, obj in info["objects"].items():
         objects.add_row(name, obj["type"], str(obj["count"]), human_bytes(obj["bytes"]),
-                        human_bytes(obj["stored_bytes"]), obj["file"] or "-")
+                        human_bytes(obj["stored_bytes"]), _files_text(obj))
     console.print(objects)
     for name, obj in info["objects"].items():
         if not obj["tensors"]:
@@ -155,6 +181,9 @@ def inspect(snapshot: str, root: Optional[str], as_json: bool) -> None:
         info = inspectparts.summary(loc.path) if is_multirank(loc.path) else \
             summary(loc.path, read_manifest(loc.path))
         info["snapshot"] = loc.label
+    info.setdefault("owned_bytes", info.get("bytes"))   # many ranks, remote: never shared
+    info.setdefault("shared_bytes", 0)
+    info.setdefault("shared_with", [])
     if as_json:
         emit_json(info)
     else:

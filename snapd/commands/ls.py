@@ -8,6 +8,10 @@ A multi-rank snapshot is one row: its world size and the bytes of all its parts 
 part's manifest checked against the commit record). The ``.parts-<name>`` directories
 of snapshots some rank never completed are listed after the table as incomplete, with
 the ranks present and missing: they are never restored, and gc removes them.
+
+``size`` is the bytes of a snapshot's own files; ``shared`` the stored bytes of the
+chunks it reads from earlier snapshots' files (format v4, snapd/keepshared.py's
+``usage``): what it holds only by reference.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
+from snapd import keepshared
 from snapd.commands import remote
 from snapd.commands.common import (ROOT_HELP, console as out_console, emit_json, files_bytes,
                                    resolve_root, run_dir)
@@ -38,7 +43,8 @@ def describe(store: RunStore, sid: SnapshotId, *, verify: bool,
     "DAMAGED" with the reason in ``error``."""
     path = store.snapshot_path(sid)
     row: Dict[str, Any] = {"run": store.run, "name": sid.name, "path": path, "marks": marks,
-                           "step": None, "lineage": None, "bytes": None, "metric": None,
+                           "step": None, "lineage": None, "bytes": None, "owned_bytes": None,
+                           "shared_bytes": None, "shared_with": [], "metric": None,
                            "created": None, "world_size": None, "verified": "unverified",
                            "error": None}
     try:
@@ -51,7 +57,12 @@ def describe(store: RunStore, sid: SnapshotId, *, verify: bool,
         row.update(verified="DAMAGED", error=f"{e.filename or path}: cannot be read "
                                              f"({e.strerror})")
         return row
-    row["world_size"] = snap.world_size if isinstance(snap, GlobalSnapshot) else 1
+    many = isinstance(snap, GlobalSnapshot)
+    row["world_size"] = snap.world_size if many else 1
+    # Bytes its own files hold, and those it reads from earlier snapshots' files
+    # (many ranks never share).
+    use = keepshared.Usage(files_bytes(m), 0, []) if many else keepshared.usage(m)
+    row.update(owned_bytes=use.owned, shared_bytes=use.shared, shared_with=use.shared_with)
     row.update(step=m["step"], lineage=m.get("lineage"), bytes=files_bytes(m),
                metric=m.get("metric"), created=m.get("created"),
                data_version=m.get("data_version"), verified="manifest ok")
@@ -90,13 +101,13 @@ def collect(root: str, runs: List[str], verify: bool) -> List[Dict[str, Any]]:
 def render(rows: List[Dict[str, Any]], now: float, with_run: bool = True) -> Table:
     """The table; ``with_run=False`` leaves out the run column (one run listed)."""
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
-    columns = ("run", "snapshot", "marks", "step", "lineage", "ranks", "size", "metric",
-               "created", "age", "verified")[0 if with_run else 1:]
+    columns = ("run", "snapshot", "marks", "step", "lineage", "ranks", "size", "shared",
+               "metric", "created", "age", "verified")[0 if with_run else 1:]
     for column in columns:
         table.add_column(column, no_wrap=column != "lineage",
                          min_width=8 if column == "lineage" else None,
-                         justify="right" if column in ("step", "ranks", "size", "metric",
-                                                       "age") else "left")
+                         justify="right" if column in ("step", "ranks", "size", "shared",
+                                                       "metric", "age") else "left")
     for r in rows:
         created = iso_time(r["created"])
         cells = [
@@ -104,7 +115,9 @@ def render(rows: List[Dict[str, Any]], now: float, with_run: bool = True) -> Tab
             "-" if r["step"] is None else str(r["step"]),
             "-" if r["lineage"] is None else lineage_text(r["lineage"], r["run"]),
             "-" if r["world_size"] is None else str(r["world_size"]),
-            human_bytes(r["bytes"]), "-" if r["metric"] is None else f"{r['metric']:.4g}",
+            human_bytes(r.get("owned_bytes", r["bytes"])),   # a remote row: its bytes
+            human_bytes(r["shared_bytes"]) if r.get("shared_bytes") else "-",
+            "-" if r["metric"] is None else f"{r['metric']:.4g}",
             created[5:16].replace("T", " ") if created else "-",
             age(None if r["created"] is None else now - r["created"]),
             "[red]DAMAGED[/red]" if r["verified"] == "DAMAGED" else r["verified"]]
@@ -120,7 +133,7 @@ def render(rows: List[Dict[str, Any]], now: float, with_run: bool = True) -> Tab
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def ls(run: Optional[str], root: Optional[str], verify: bool, as_json: bool) -> None:
     """Committed snapshots of RUN (default: every run): step, lineage, ranks, size
-    (all parts), metric, age, verification state, and the LATEST/BEST marks; then the
+    (all parts), bytes read from earlier snapshots' files (shared), metric, age, verification state, and the LATEST/BEST marks; then the
     incomplete multi-rank snapshots (ranks present and missing). Exit code 1 if
     --verify (or a manifest) finds damage.
 

@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
 
+from snapd import keepshared
 from snapd.commands import remote
 from snapd.commands.common import ROOT_HELP, emit_json, resolve_root, run_dir
 from snapd.commands.locate import Located, committed_of, locate
@@ -42,14 +43,18 @@ def check(loc: Located, advance: Advance = None) -> Dict[str, Any]:
     and for a multi-rank snapshot ``world_size`` and the ``rank`` whose part failed)."""
     result: Dict[str, Any] = {"snapshot": loc.label, "path": loc.path, "ok": False,
                               "bytes": None, "error": None, "file": None, "field": None,
-                              "world_size": None, "rank": None}
+                              "world_size": None, "rank": None, "owned_bytes": None,
+                              "shared_bytes": 0, "shared_with": []}
     try:
         snap = open_snapshot(loc.path)
         if isinstance(snap, GlobalSnapshot):
             _check_parts(snap, result, advance)
         else:
             check_name_matches(loc.path, snap.manifest)
-            result.update(world_size=1, bytes=_files_bytes(snap))
+            use = keepshared.usage(snap.manifest)
+            # Checked: its own files, and the chunks it reads from earlier snapshots'.
+            result.update(world_size=1, bytes=use.owned + use.shared, owned_bytes=use.owned,
+                          shared_bytes=use.shared, shared_with=use.shared_with)
             _check_files(snap, advance)
         result["ok"] = True
     except SnapdError as e:   # CorruptSnapshot, and DanglingReference (refs check)
@@ -59,10 +64,6 @@ def check(loc: Located, advance: Advance = None) -> Dict[str, Any]:
         result.update(error=f"{e.filename or loc.path}: cannot be read ({e.strerror})",
                       file=e.filename)
     return result
-
-
-def _files_bytes(reader: SnapshotReader) -> int:
-    return sum(e["size"] for e in reader.manifest["files"].values())
 
 
 def _check_files(reader: SnapshotReader, advance: Advance) -> None:
@@ -77,7 +78,8 @@ def _check_files(reader: SnapshotReader, advance: Advance) -> None:
 def _check_parts(snap: GlobalSnapshot, result: Dict[str, Any], advance: Advance) -> None:
     """Every part's manifest against the record, every reference, every part's files.
     ``result["rank"]`` is the rank being checked when an error escapes."""
-    result.update(world_size=snap.world_size, bytes=snap.record.get("bytes"))
+    result.update(world_size=snap.world_size, bytes=snap.record.get("bytes"),
+                  owned_bytes=snap.record.get("bytes"))
     for rank in range(snap.world_size):
         result["rank"] = rank
         snap.part(rank)
@@ -87,6 +89,15 @@ def _check_parts(snap: GlobalSnapshot, result: Dict[str, Any], advance: Advance)
         result["rank"] = rank
         _check_files(snap.part(rank), advance)
     result["rank"] = None
+
+
+def checked_text(r: Dict[str, Any]) -> str:
+    """``1.2 MiB checked``, and how much of it other snapshots' files hold."""
+    text = f"{human_bytes(r['bytes'])} checked"
+    if r.get("shared_bytes"):
+        text += (f", {human_bytes(r['shared_bytes'])} of them shared with "
+                 + ", ".join(r["shared_with"]))
+    return text
 
 
 def _targets(snapshot: Optional[str], all_: bool, run: Optional[str],
@@ -177,7 +188,7 @@ def verify(snapshot: Optional[str], all_: bool, run: Optional[str], root: Option
         for r in results:
             if r["ok"]:
                 console.print(f"[green]ok[/green]      {escape(r['snapshot'])}  "
-                              f"({human_bytes(r['bytes'])} checked)")
+                              f"({checked_text(r)})")
             else:
                 console.print(f"[red]DAMAGED[/red] {escape(r['snapshot'])}: "
                               f"{escape(r['error'])}")
