@@ -103,7 +103,7 @@ def _manifest(plan: SnapshotPlan, written: Dict[str, Dict[str, Any]]) -> Dict[st
             "created": time.time(),
             "data_version": plan.data_version, "metric": plan.metric,
             "lineage": plan.lineage, "rng": plan.rng, "cursor": plan.cursor,
-            "objects": objects, "files": files}
+            "objects": objects, "files": files, "base": plan.base}
 
 
 def _same_snapshot_committed(store: RunStore, plan: SnapshotPlan, final: str,

@@ -24,6 +24,7 @@ from snapd.errors import (
     UnsupportedState,
 )
 from snapd.options import Options
+from snapd_client.base import Base
 from snapd_client.client import Client
 from snapd_client.cursor import BatchStream
 from snapd_client.handle import CloseSummary, SnapshotHandle, SnapshotWarning
@@ -31,6 +32,7 @@ from snapd_client.journal import ReplayWarning
 from snapd_client.restore import FallbackWarning
 
 __all__ = [
+    "Base",
     "BatchStream",
     "Client",
     "CloseSummary",

@@ -61,7 +61,7 @@ def test_manifest_bytes_match_the_documented_offsets(tmp_path):
     payload = msgpack.unpackb(data[32:], raw=False, strict_map_key=False)
     assert set(payload) == {"format", "run", "step", "rank", "world_size", "session", "created",
                             "data_version", "metric", "lineage", "rng", "cursor",
-                            "objects", "files"}
+                            "objects", "files", "base"}
     assert payload["format"] == 3
     tensors = open(os.path.join(result.path, "model.tensors"), "rb").read()
     assert tensors[:8] == b"SNAPDTN\0" and struct.unpack_from("<I", tensors, 8)[0] == 3
