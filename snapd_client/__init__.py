@@ -24,6 +24,7 @@ from snapd.errors import (
     UnsupportedState,
 )
 from snapd.options import Options
+from snapd.outputs import compare_outputs
 from snapd_client.base import Base
 from snapd_client.client import Client
 from snapd_client.cursor import BatchStream
@@ -57,4 +58,5 @@ __all__ = [
     "SnapshotWarning",
     "UnknownOption",
     "UnsupportedState",
+    "compare_outputs",
 ]
