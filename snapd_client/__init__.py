@@ -24,6 +24,8 @@ from snapd.errors import (
     UnsupportedState,
 )
 from snapd.options import Options
+from snapd.outputs import compare_outputs
+from snapd_client.base import Base
 from snapd_client.client import Client
 from snapd_client.cursor import BatchStream
 from snapd_client.handle import CloseSummary, SnapshotHandle, SnapshotWarning
@@ -31,6 +33,7 @@ from snapd_client.journal import ReplayWarning
 from snapd_client.restore import FallbackWarning
 
 __all__ = [
+    "Base",
     "BatchStream",
     "Client",
     "CloseSummary",
@@ -55,4 +58,5 @@ __all__ = [
     "SnapshotWarning",
     "UnknownOption",
     "UnsupportedState",
+    "compare_outputs",
 ]

@@ -36,6 +36,7 @@ from snapd.options import Options
 from snapd.recovery import RunProgress, read_progress
 from snapd.runlock import RunLock
 from snapd.store import RunStore, SnapshotId
+from snapd_client.base import Base, LiveBase
 from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
 from snapd_client.frozen import Unchanged, frozen_flags, trainable_ptrs
@@ -94,17 +95,21 @@ class Client:
     ``read_only=True`` (evaluation beside a live run, inspection): restore() works,
     from the files or the daemon's hot copy, but no lock is taken, no log record
     written, no daemon started, and snapshot()/log() are refused.
+
+    ``base`` (fine-tuning): the base model the tracked modules' frozen weights are,
+    as :class:`~snapd_client.base.Base` ``(name, revision)`` (or a dict or a tuple);
+    same as ``track(..., base=...)``, whose docstring says what it does.
     """
 
     def __init__(self, root: str, run: str, data_version: Optional[str] = None, *,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  options: Optional[Options] = None,
                  daemon: Optional[bool] = None, read_only: bool = False,
-                 **option_overrides: Any) -> None:
+                 base: Any = None, **option_overrides: Any) -> None:
         # A typo (keep_lsat=3) is refused before anything is created on disk.
         Options.check_names(option_overrides, where="Client",
                             also=("data_version", "rank", "world_size", "options", "daemon",
-                                  "read_only"))
+                                  "read_only", "base"))
         self.store = RunStore(root, run)
         self.read_only = bool(read_only)
         if not self.read_only:
@@ -122,6 +127,9 @@ class Client:
         self.rng = RngStreams()
         self._tracked: Dict[str, Any] = {}
         self._unchanged = Unchanged()   # frozen leaves an earlier snapshot holds
+        # The base model and its digest over the tracked modules (snapd_client/base.py).
+        self._base: Optional[LiveBase] = \
+            None if base is None else LiveBase(Base.of(base), self._tracked)
         self._stream: Optional[BatchStream] = None
         self._summary: Optional[CloseSummary] = None
         self.lineage: Dict[str, Any] = {"id": 0, "mode": "fresh", "parent": None}
@@ -167,15 +175,29 @@ class Client:
 
     # --- what is tracked -----------------------------------------------------------
 
-    def track(self, **objects: Any) -> "Client":
+    def track(self, base: Any = None, **objects: Any) -> "Client":
         """Track objects with state_dict()/load_state_dict(), torch.Generators, tensors
         (restored in place, shape and dtype checked) and lists/dicts of plain values
         (restored in place). A number or string cannot be restored in place: keep it in
         :meth:`values` or name it with :meth:`track_globals`.
 
         ``None`` values are ignored, so optional objects need no ``if``.
+
+        ``base`` is reserved (no object can be tracked under that name): the base model
+        a fine-tuning run trains over, ``Base(name, revision)``, a ``{"name",
+        "revision"}`` dict or a ``(name, revision)`` tuple, e.g.
+        ``track(model=model, optimizer=opt, base=("llama-3-8b", "8cde5ca"))``. snapd
+        digests the frozen tensors of the tracked modules (one pass over their bytes,
+        here and again at restore(): load the base weights first), every snapshot
+        carries ``{name, revision, digest}``, and restore() and warm starts refuse a
+        snapshot whose base digest differs (docs/format.md, "Base model").
         """
+        if base is not None:
+            self._base = LiveBase(Base.of(base), self._tracked)
         tracking.track(self._tracked, self.rng, objects)
+        if self._base is not None:
+            self._base.forget()
+            self._base.record()   # the one pass over the base's bytes, here
         self._warm_up()
         return self
 
@@ -271,7 +293,8 @@ class Client:
             cursor=self._stream.state() if self._stream is not None else None,
             objects=objects,
             supersedes=tuple(self.restored.refused) if self.restored else (),
-            world_size=self.world_size, session=self.session)
+            world_size=self.world_size, session=self.session,
+            base=self._base.record() if self._base is not None else None)
 
     def _mark_frozen(self, objects: Tuple[Any, ...], share: bool) -> Tuple[Any, ...]:
         """Each leaf's ``frozen`` flag, and with ``share`` (one rank, the option on) the
@@ -388,6 +411,8 @@ class Client:
         self._check_open()
         if mode not in MODES:
             raise ValueError(f"restore(mode={mode!r}): choose 'resume' or 'warm_start'")
+        if self._base is not None:   # digested again, as it is now, when a snapshot
+            self._base.forget()      # names a base to compare with (or at the next capture)
         if mode == "warm_start":
             return self._warm_start()
         world = world_size_of(self)
@@ -413,7 +438,8 @@ class Client:
                                          need_cursor=self._stream is not None,
                                          tensor_source=hot, omit=set(_omit),
                                          reached=self.recovery.furthest,
-                                         verify_steps=self.options.verify_steps)
+                                         verify_steps=self.options.verify_steps,
+                                         base=self._base)
             finally:
                 if hot is not None:
                     hot.close()
@@ -518,7 +544,7 @@ class Client:
     def _warm_start(self) -> int:
         modules = {n: o for n, o in self._tracked.items() if isinstance(o, torch.nn.Module)}
         self._unchanged.forget()
-        loaded = load_weights(self.store, modules)
+        loaded = load_weights(self.store, modules, base=self._base)
         committed = self.store.committed()
         new_id = max((s.lineage for s in committed), default=-1) + 1
         parent = None

@@ -4,7 +4,7 @@ Order of trust: LATEST is a hint, tried first; then every committed snapshot, ne
 first. A snapshot that fails verification (a damaged file, a damaged RNG field) is
 reported and the next older one is tried; it is never deleted. A snapshot that
 verifies but does not fit the program (tracked names, types, shapes, dtypes,
-``data_version``, an RNG stream this process has and it lacks: MissingRngStream)
+``data_version``, the base model's digest, an RNG stream this process has and it lacks: MissingRngStream)
 stops the restore with IncompatibleState: an older snapshot of the same run would
 not fit either, and silently starting over would lose the run.
 
@@ -44,6 +44,7 @@ from snapd.format import dtype_name
 from snapd.reader import SnapshotReader, check_name_matches
 from snapd.skeleton import unflatten
 from snapd.store import RunStore, SnapshotId
+from snapd_client.base import LiveBase, check_same_base
 from snapd_client.cursor import check_cursor
 from snapd_client.rng import RngStreams
 from snapd_client.state import flatten, tensor_meta
@@ -375,8 +376,9 @@ def rng_omitted(omit: Iterable[str]) -> List[str]:
 
 def check_candidate(reader: SnapshotReader, tracked: Dict[str, Any], rng: RngStreams,
                      *, data_version: Optional[str], need_cursor: bool,
-                     omit: Iterable[str] = ()) -> None:
-    """Every check that needs no tensor: nothing live is touched yet."""
+                     omit: Iterable[str] = (), base: Optional[LiveBase] = None) -> None:
+    """Every check that needs no tensor: nothing live is touched yet. ``base``: the
+    client's base model, whose digest the snapshot's must equal (snapd_client/base.py)."""
     source = os.path.join(reader.path, "manifest.snapd")
     check_name_matches(reader.path, reader.manifest)
     rng.check(reader.manifest["rng"], source=source, omit=rng_omitted(omit))
@@ -388,6 +390,7 @@ def check_candidate(reader: SnapshotReader, tracked: Dict[str, Any], rng: RngStr
         check_cursor(reader.manifest["cursor"], rng, source=source,
                      omit=rng_omitted(omit))
     check_fit(reader.manifest, tracked, source=source, data_version=data_version)
+    check_same_base(reader.manifest, base, source)
     for name in tracked:  # every skeleton decodes to a state dict before a tensor is read
         if not isinstance(unflatten(reader.objects[name]["skeleton"], None, source=source),
                           dict):
@@ -402,7 +405,8 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                     data_version: Optional[str], need_cursor: bool,
                     tensor_source: Optional[TensorProvider] = None,
                     omit: Iterable[str] = (), reached: Optional[int] = None,
-                    verify_steps: int = 0) -> Optional[Loaded]:
+                    verify_steps: int = 0, base: Optional[LiveBase] = None
+                    ) -> Optional[Loaded]:
     """The newest snapshot that verifies and fits, fully read; None if the run is new.
     Objects named in ``omit`` are checked but not read (their states are absent);
     ``rng:<stream>`` in it is neither checked nor (by :func:`apply`) restored.
@@ -418,14 +422,15 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
     written: Set[str] = set()   # left partly written by a refused snapshot
     order, pick = resume_order(store, reached, verify_steps)
     fallbacks = _Fallbacks(store, order, lambda r: check_candidate(
-        r, tracked, rng, data_version=data_version, need_cursor=need_cursor, omit=omit))
+        r, tracked, rng, data_version=data_version, need_cursor=need_cursor, omit=omit,
+        base=base))
     for i, sid in enumerate(order):
         path = store.snapshot_path(sid)
         in_place: Set[str] = set()
         try:
             reader = fallbacks.reader(i)
             check_candidate(reader, tracked, rng, data_version=data_version,
-                            need_cursor=need_cursor, omit=omit)
+                            need_cursor=need_cursor, omit=omit, base=base)
             undo = fallbacks.after(i)
             if not undo and before is None and tensor_source is not None:
                 # a hot read lands in live tensors
@@ -587,9 +592,11 @@ def _module_keys(paths: Iterable[str]) -> List[str]:
     return [p[1:] for p in paths]  # a module's flattened paths are ".<key>"
 
 
-def load_weights(store: RunStore, modules: Dict[str, torch.nn.Module]) -> Optional[Loaded]:
+def load_weights(store: RunStore, modules: Dict[str, torch.nn.Module],
+                 base: Optional[LiveBase] = None) -> Optional[Loaded]:
     """For warm_start: the newest verifying snapshot's module weights, shape-checked;
-    a DistributedDataParallel ``module.`` prefix is added or removed to fit."""
+    a DistributedDataParallel ``module.`` prefix is added or removed to fit. A base
+    digest other than ``base``'s is refused (IncompatibleState), as on resume."""
     for sid in candidates(store):
         path = store.snapshot_path(sid)
         try:
@@ -597,6 +604,7 @@ def load_weights(store: RunStore, modules: Dict[str, torch.nn.Module]) -> Option
             check_name_matches(path, reader.manifest)
             names = [n for n in modules if n in reader.objects]
             source = os.path.join(path, "manifest.snapd")
+            check_same_base(reader.manifest, base, source)
             prefixes = {n: _check_weights_fit(n, reader.objects[n], modules[n], source)
                         for n in names}
             states = _read_states(reader, {n: modules[n] for n in names})

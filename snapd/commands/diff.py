@@ -14,6 +14,11 @@ but the optimizers: weights, buffers, schedulers, values), optimizer, RNG (strea
 only seeded differently and never drawn from are said to be so, not a difference),
 cursor (the differing field named). Exit code 0 when weights and optimizer are equal,
 1 when either differs; with ``--strict``, 1 on any difference at all.
+
+``--outputs``: not the tensors but what the model makes of them: the same inputs
+through the model built from A and from B (a snapshot or a safetensors export), the
+largest output difference against the thresholds of practice
+(snapd/commands/diffoutputs.py, snapd/outputs.py).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from snapd.commands import diffparts as parts
+from snapd import outputs as output_check
+from snapd.commands import diffoutputs, diffparts as parts
 from snapd.commands.common import (ROOT_HELP, console as out_console, emit_json, fail,
                                    open_reader, state_leaves)
 from snapd.commands.locate import locate
@@ -301,8 +307,23 @@ def verdict_line(out: Dict[str, Any], strict: bool) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print every comparison as JSON.")
 @click.option("--strict", is_flag=True,
               help="Exit 1 on any difference (RNG, cursor, unused seeds included).")
+@click.option("--outputs", is_flag=True,
+              help="Compare the model's outputs on fixed inputs instead: A and B may be "
+                   "snapshots or safetensors exports. Needs --model.")
+@click.option("--model", "model", metavar="MODULE:FUNCTION",
+              help="--outputs: a zero-argument factory returning the nn.Module "
+                   "(imported from the current directory).")
+@click.option("--inputs", "inputs", metavar="MODULE:FUNCTION",
+              help="--outputs: returns the input tensor (or a tuple of arguments).")
+@click.option("--input-shape", metavar="N,M,...",
+              help="--outputs: a float32 torch.randn of this shape, fixed seed.")
+@click.option("--device", default="cpu", show_default=True, help="--outputs: where to run.")
+@click.option("--tolerance", type=float, default=output_check.WRONG, show_default=True,
+              help="--outputs: exit 1 above this largest absolute difference.")
 def diff(a: str, b: str, root: Optional[str], objects: Tuple[str, ...], show_equal: bool,
-         as_json: bool, strict: bool) -> None:
+         as_json: bool, strict: bool, outputs: bool = False, model: Optional[str] = None,
+         inputs: Optional[str] = None, input_shape: Optional[str] = None,
+         device: str = "cpu", tolerance: float = output_check.WRONG) -> None:
     """Compare snapshots A and B tensor by tensor: max absolute and relative
     difference (float64; integers and bools exactly), shape/dtype mismatches, tensors
     on one side only, plain values; then a verdict per part: weights, optimizer, RNG
@@ -313,8 +334,24 @@ def diff(a: str, b: str, root: Optional[str], objects: Tuple[str, ...], show_equ
     A and B are snapshot directories, RUN/NAME (gpt/00001200), RUN or RUN@latest, or
     RUN@best, relative to --root.
 
+    With --outputs, run the same fixed inputs through the model (--model
+    module:function) built from A and from B (snapshots, or safetensors exports: one
+    written by export --only-trainable is loaded with strict=False over the factory's
+    model, which must hold the base) and report the largest absolute output
+    difference: about 1e-4 is noise, above 1e-2 something is wrong. Exit 1 above
+    --tolerance (1e-2).
+
     Example: snapd diff gpt/00001200 gpt-resumed/00001200 --root checkpoints
+
+    Example: snapd diff --outputs ft@latest ft.safetensors --model train:build_model
+    --input-shape 4,16 --root checkpoints
     """
+    if outputs:
+        code = diffoutputs.run(a, b, root, model, inputs, input_shape,
+                               objects[0] if objects else None, device, tolerance, as_json)
+        if code:
+            raise SystemExit(code)
+        return
     loc_a, loc_b = locate(a, root), locate(b, root)
     only = list(objects) or None   # --object: only their files are needed
     reader_a, reader_b = open_reader(loc_a.path, only), open_reader(loc_b.path, only)

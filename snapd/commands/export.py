@@ -2,17 +2,24 @@
 
 ``--format safetensors`` (the default): only the tracked nn.Module's state goes out:
 no optimizer state, no RNG, no cursor, no path of the training machine. Which object
-is the module is decided from the manifest without executing anything it names: a ``type`` under ``torch`` is looked up
-in torch itself (``torch.nn.modules.container.Sequential`` is a Module,
-``torch.optim.adamw.AdamW`` is not); a type from user code (``__main__.GPT``) is
-never imported, and counts as a module when its state carries the ``_metadata`` only a
-module's ``state_dict()`` has. Only the chosen object's tensor file is read (and
-verified, chunk by chunk).
+is the module is decided from the manifest without executing anything it names
+(snapd/weights.py). Only the chosen object's tensor file is read (and verified,
+chunk by chunk). ``--only-trainable``: only its tensors whose manifest entry lacks
+``"frozen": true`` (a fine-tuned adapter or head, without the base it was trained
+over); the base model's reference in the metadata says which base to load first.
 
 safetensors metadata (all strings; absent values are ""): ``format`` ("pt"),
 ``snapd.run``, ``snapd.step``, ``snapd.snapshot`` (the snapshot's name),
-``snapd.object``, ``snapd.data_version``, ``snapd.base_revision`` (the lineage
-parent, ``run/snapshot``, of a warm-started lineage).
+``snapd.object``, ``snapd.data_version``, ``snapd.parent`` (the lineage parent,
+``run/snapshot``, of a warm-started lineage), ``snapd.base_name``,
+``snapd.base_revision``, ``snapd.base_digest`` (the manifest's ``base``),
+``snapd.only_trainable`` ("true" or "false").
+
+No exported metadata names a place on the training machine: the values are names
+the manifest holds (run, snapshot, object), never the root, a directory, a data file
+or the host; a free-text value (the data version, the base's name or revision) that
+looks like a local path or names the host is left out, and the command says so
+(:func:`local_values`).
 
 ``--format dcp``: a directory that ``torch.distributed.checkpoint.load(state_dict,
 checkpoint_id=OUT)`` reads, holding every tracked object's state (or ``--object``'s)
@@ -26,12 +33,13 @@ exported without the wrapper's ``module.`` key prefix, so it loads into the bare
 
 from __future__ import annotations
 
-import importlib
 import os
+import re
 import secrets
 import shutil
+import socket
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import click
 import torch
@@ -41,34 +49,12 @@ from snapd.commands.common import (ROOT_HELP, Snapshot as SnapshotReader, fail, 
 from snapd.commands import remote
 from snapd.commands.locate import Located
 from snapd.errors import CorruptSnapshot
-from snapd.skeleton import unflatten
 from snapd.text import count, human_bytes
+from snapd.weights import is_module, modules, state_of, weights
 
-DDP_TYPE_SUFFIX = "DistributedDataParallel"
-DDP_PREFIX = "module."
-
-
-def _torch_class(type_name: str) -> Optional[type]:
-    """The class a ``module.QualName`` string names, looked up only inside torch."""
-    parts = type_name.split(".")
-    if parts[0] != "torch":
-        return None
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            value: Any = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            value = getattr(value, attr, None)
-        return value if isinstance(value, type) else None
-    return None
-
-
-def is_module(entry: Dict[str, Any]) -> bool:
-    cls = _torch_class(str(entry.get("type")))
-    if cls is not None:
-        return issubclass(cls, torch.nn.Module)
-    return entry.get("metadata") is not None
+# Free-text values the user chose: left out when they look like a local path.
+FREE_TEXT = ("snapd.data_version", "snapd.base_name", "snapd.base_revision")
+_ABSOLUTE = re.compile(r"^(?:[/\\~]|\.{1,2}[/\\]|[A-Za-z]:[/\\])|^file:", re.IGNORECASE)
 
 
 def choose_object(reader: SnapshotReader, wanted: Optional[str]) -> str:
@@ -80,62 +66,62 @@ def choose_object(reader: SnapshotReader, wanted: Optional[str]) -> str:
         if not is_module(objects[wanted]):
             fail(f"{reader.path}: objects.{wanted}.type is {objects[wanted].get('type')}, "
                  "not a torch.nn.Module; export writes model weights only (no optimizer "
-                 f"state). Modules here: {', '.join(_modules(reader)) or 'none'}", 2)
+                 f"state). Modules here: {', '.join(modules(reader)) or 'none'}", 2)
         return wanted
-    modules = _modules(reader)
-    if not modules:
+    found = modules(reader)
+    if not found:
         fail(f"{reader.path}: no tracked object is a torch.nn.Module (objects: {listing}); "
              "export writes model weights only", 1)
-    if len(modules) > 1:
-        fail(f"{reader.path}: several objects are modules ({', '.join(modules)}); choose "
+    if len(found) > 1:
+        fail(f"{reader.path}: several objects are modules ({', '.join(found)}); choose "
              "one with --object NAME", 2)
-    return modules[0]
+    return found[0]
 
 
-def _modules(reader: SnapshotReader) -> List[str]:
-    return [n for n, o in reader.objects.items() if is_module(o)]
-
-
-def is_ddp(entry: Dict[str, Any]) -> bool:
-    """Saved from a DistributedDataParallel wrapper: its keys carry ``module.``."""
-    return str(entry.get("type") or "").endswith(DDP_TYPE_SUFFIX)
-
-
-def state_of(reader: SnapshotReader, name: str) -> Any:
-    """An object's state tree, whole tensors; a DDP wrapper's keys without
-    ``module.``, so that the bare model's load_state_dict takes it."""
-    entry = reader.objects[name]
-    tree = unflatten(entry["skeleton"], reader.load_object(name),
-                     source=os.path.join(reader.path, entry.get("file") or "manifest.snapd"))
-    if is_ddp(entry) and isinstance(tree, dict):
-        items = [(k[len(DDP_PREFIX):] if isinstance(k, str) and k.startswith(DDP_PREFIX)
-                  else k, v) for k, v in tree.items()]
-        tree = type(tree)(items)   # an OrderedDict stays one
-    return tree
-
-
-def weights(reader: SnapshotReader, name: str) -> Tuple[Dict[str, torch.Tensor], List[str]]:
-    """The object's tensors keyed by state_dict key, and the plain leaves skipped."""
-    tree = state_of(reader, name)
-    out, skipped = {}, []
-    for path, leaf in state_leaves(tree):
-        key = path[1:] if path.startswith(".") else path
-        if isinstance(leaf, torch.Tensor):
-            out[key] = leaf.contiguous()
-        else:
-            skipped.append(key)
-    return out, skipped
-
-
-def metadata(reader: SnapshotReader, name: str, snapshot_name: str) -> Dict[str, str]:
+def metadata(reader: SnapshotReader, name: str, snapshot_name: str,
+             only_trainable: bool = False) -> Dict[str, str]:
     m = reader.manifest
     parent = (m.get("lineage") or {}).get("parent")
     version = m.get("data_version")
+    base = m.get("base") or {}
     return {"format": "pt", "snapd.run": str(m.get("run") or ""),
             "snapd.step": str(m["step"]), "snapd.snapshot": snapshot_name,
             "snapd.object": name, "snapd.data_version": "" if version is None else str(version),
-            "snapd.base_revision": f"{parent.get('run')}/{parent.get('snapshot')}"
-                                   if parent else ""}
+            "snapd.parent": f"{parent.get('run')}/{parent.get('snapshot')}"
+                            if parent else "",
+            "snapd.base_name": str(base.get("name") or ""),
+            "snapd.base_revision": str(base.get("revision") or ""),
+            "snapd.base_digest": str(base.get("digest") or ""),
+            "snapd.only_trainable": "true" if only_trainable else "false"}
+
+
+def local_values(meta: Dict[str, str], places: List[str]) -> List[str]:
+    """The free-text keys whose value looks like a place on this machine: an absolute
+    or ``./`` path, a ``file:`` URL, or one of ``places`` (the root, the snapshot's
+    directory, the host name) inside it."""
+    found = []
+    for key in FREE_TEXT:
+        value = meta.get(key) or ""
+        if _ABSOLUTE.search(value) or any(p and p.lower() in value.lower() for p in places):
+            found.append(key)
+    return found
+
+
+def _places(reader: SnapshotReader) -> List[str]:
+    snapshot_dir = os.path.abspath(reader.path)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(snapshot_dir)))
+    host = socket.gethostname()
+    return [p for p in (snapshot_dir, root if root != os.sep else "",
+                        host if len(host) >= 3 else "") if p]
+
+
+def clean_metadata(reader: SnapshotReader, meta: Dict[str, str]) -> Dict[str, str]:
+    """``meta`` without a local place in it (module docstring), each key left out said."""
+    for key in local_values(meta, _places(reader)):
+        click.echo(f"left out of the metadata: {key} ({meta[key]!r} looks like a place "
+                   "on this machine; exported metadata never names one)")
+        meta[key] = ""
+    return meta
 
 
 def _read(loc: Located, read: Any) -> Any:
@@ -154,29 +140,52 @@ def _fresh_output(output: str) -> str:
 
 
 def export_safetensors(loc: Located, reader: SnapshotReader, wanted: Optional[str],
-                       output: str, save_file: Any) -> None:
+                       output: str, save_file: Any, only_trainable: bool = False) -> None:
     name = choose_object(reader, wanted)
-    tensors, skipped = _read(loc, lambda: weights(reader, name))
+    tensors, skipped = _read(loc, lambda: weights(reader, name, only_trainable))
     if not tensors:
-        fail(f"{reader.path}: objects.{name} holds no tensor; nothing to export", 1)
+        fail(f"{reader.path}: objects.{name} holds no "
+             f"{'trainable ' if only_trainable else ''}tensor; nothing to export", 1)
     output = _fresh_output(output)
     if os.path.isdir(output):
         fail(f"{output}: a directory; -o names the file to write (--format dcp writes "
              "a directory)", 2)
+    meta = clean_metadata(reader, metadata(reader, name, loc.name, only_trainable))
     tmp = f"{output}.tmp-{secrets.token_hex(4)}"
     try:
-        save_file(tensors, tmp, metadata=metadata(reader, name, loc.name))  # write aside
+        save_file(tensors, tmp, metadata=meta)  # write aside
         os.replace(tmp, output)  # then publish whole: a reader never sees half a file
     except Exception as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
         fail(f"{output}: safetensors could not write objects.{name}: {e}", 1)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    click.echo(f"wrote {output}: {count(len(tensors), 'tensor')} of {name} ({human_bytes(total)}) "
+    what = "trainable tensor" if only_trainable else "tensor"
+    click.echo(f"wrote {output}: {count(len(tensors), what)} of {name} ({human_bytes(total)}) "
                f"from {loc.label}, step {reader.step}")
+    if only_trainable:
+        _say_base(reader.manifest, reader.objects[name], len(tensors))
     if skipped:
         click.echo(f"skipped {len(skipped)} non-tensor value(s): {', '.join(skipped[:5])}"
                    + (" ..." if len(skipped) > 5 else ""))
+
+
+def _say_base(manifest: Dict[str, Any], entry: Dict[str, Any], kept: int) -> None:
+    """What an only-trainable export needs beside it: the base, named or not."""
+    frozen = sum(1 for t in entry["tensors"] if t.get("frozen") is True)
+    base = manifest.get("base")
+    if base:
+        click.echo(f"base: {base['name']}@{base['revision']} (digest {base['digest']}); "
+                   f"{count(frozen, 'frozen tensor')} left out: load that base, then "
+                   "load_state_dict(this, strict=False)")
+    else:
+        click.echo(f"base: none recorded (the run gave no track(..., base=...)): the "
+                   f"metadata cannot say which base these {kept} tensors go over; "
+                   f"{count(frozen, 'frozen tensor')} left out")
+    if not frozen:
+        click.echo("no tensor is marked frozen in this snapshot (written before snapd "
+                   "recorded frozen tensors, or nothing was frozen): every tensor was "
+                   "written")
 
 
 def export_dcp(loc: Located, reader: SnapshotReader, wanted: Optional[str],
@@ -197,7 +206,7 @@ def export_dcp(loc: Located, reader: SnapshotReader, wanted: Optional[str],
     try:
         with warnings.catch_warnings():   # "assuming the intent is to save in a single
             warnings.simplefilter("ignore")   # process": that is the intent
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+            dcp.save(state, storage_writer=_writer_without_path(dcp, tmp), no_dist=True)
         os.rename(tmp, output)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -208,6 +217,19 @@ def export_dcp(loc: Located, reader: SnapshotReader, wanted: Optional[str],
     total = sum(t.numel() * t.element_size() for t in tensors)
     click.echo(f"wrote {output} (DCP): {', '.join(names)}, {count(len(tensors), 'tensor')} "
                f"({human_bytes(total)}) from {loc.label}, step {reader.step}")
+
+
+def _writer_without_path(dcp: Any, directory: str) -> Any:
+    """DCP's file writer, except that the ``.metadata`` it writes does not record the
+    directory it was written to (``StorageMeta.checkpoint_id``, by default the path of
+    the checkpoint on this machine); loading never needs it."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Writer(dcp.FileSystemWriter):
+        def storage_meta(self) -> Any:
+            return StorageMeta(save_id=self.save_id)
+
+    return Writer(directory)
 
 
 @click.command()
@@ -221,12 +243,19 @@ def export_dcp(loc: Located, reader: SnapshotReader, wanted: Optional[str],
                    "directory (dcp) to write.")
 @click.option("--object", "wanted", help="The object to export (safetensors: the module, "
                                          "when several are tracked).")
+@click.option("--only-trainable", is_flag=True,
+              help="safetensors: only the tensors not marked frozen (a fine-tuned "
+                   "adapter or head), with the base model's name, revision and digest in "
+                   "the metadata.")
 @click.option("--root", help=ROOT_HELP)
 def export(snapshot: str, fmt: str, output: str, wanted: Optional[str],
-           root: Optional[str]) -> None:
+           only_trainable: bool, root: Optional[str]) -> None:
     """Write the model weights of SNAPSHOT (the tracked nn.Module's state only: no
     optimizer state, no data paths) to a safetensors file, with run, step, snapshot,
-    data_version and base revision in its metadata. Non-tensor leaves are skipped.
+    data_version, lineage parent and base model in its metadata, and no path, directory
+    or host name. Non-tensor leaves are skipped. --only-trainable: only the tensors
+    not marked frozen (an adapter, a head); load the base the metadata names, then
+    load_state_dict(load_file(OUT), strict=False).
     With --format dcp, write every tracked object's state (model, optimizer, ...)
     keyed by object name to a directory torch.distributed.checkpoint.load reads.
 
@@ -239,6 +268,8 @@ def export(snapshot: str, fmt: str, output: str, wanted: Optional[str],
 
     Example: snapd export gpt-small@best -o gpt-small.safetensors --root checkpoints
     """
+    if only_trainable and fmt == "dcp":
+        fail("--only-trainable writes safetensors; drop --format dcp", 2)
     save_file = None if fmt == "dcp" else \
         optional_import("safetensors.torch", "export", "export").save_file
     with remote.located(snapshot, root) as loc:   # a remote one pulled, then removed
@@ -246,4 +277,4 @@ def export(snapshot: str, fmt: str, output: str, wanted: Optional[str],
         if fmt == "dcp":
             export_dcp(loc, reader, wanted, output)
         else:
-            export_safetensors(loc, reader, wanted, output, save_file)
+            export_safetensors(loc, reader, wanted, output, save_file, only_trainable)
