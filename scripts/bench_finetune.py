@@ -71,7 +71,7 @@ RUN = "finetune"
 MiB = 1 << 20
 METHODS = ("snapd_shared", "snapd_full", "torch_save")
 LABEL = {"snapd_shared": "snapd (frozen base shared, the default)",
-         "snapd_full": "snapd, `share_unchanged=False` (whole state copied)",
+         "snapd_full": "snapd, `share_unchanged=False` (whole state copied and written)",
          "torch_save": "`torch.save` of the trainable state only + fsync"}
 
 
@@ -299,12 +299,6 @@ def notes(summ: Dict[str, Any], cfg: Dict[str, Any]) -> List[str]:
                    f"{bench.fr(shared['stall_s'], full['stall_s'])}, staged "
                    f"{bench.fr(shared['staged'], full['staged'])}, time to durable "
                    f"{bench.fr(shared['durable_s'], full['durable_s'])}")
-    if full and full["staged"] and full["written"] < full["staged"] / 2:
-        out.append("- with `share_unchanged=False` the client copies the whole base at "
-                   "every snapshot and the daemon hashes it, but writes only what "
-                   "changed: content addressing (snapd/sharing.py) finds the base's "
-                   "chunks, by identity, in the newest committed snapshot and refers to "
-                   "them. What writing the whole state costs is the first snapshot's row")
     for method, s in ((m, summ.get(m)) for m in ("snapd_shared", "snapd_full")):
         if not s:
             continue

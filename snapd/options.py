@@ -25,7 +25,7 @@ Compression = Union[str, int]  # "off", "auto", or a zstd level 1..22
 # The options a client sends with each submit: the run's writer and retention
 # settings, which the daemon applies to that run's snapshots only.
 SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
-                  "best_mode", "hot_restore")
+                  "best_mode", "hot_restore", "share_unchanged")
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ class Options:
     writer_threads: int = 2
     hot_restore: bool = True
     # Fine-tuning: a frozen tensor unchanged since a snapshot wrote it is referred to,
-    # not copied again (snapd_client/frozen.py); False copies every tensor every time.
+    # not copied again (snapd_client/frozen.py), and the writer refers to any tensor
+    # whose bytes the newest snapshot holds (snapd/sharing.py); False copies and
+    # writes every tensor every time (each snapshot stands alone on disk).
     share_unchanged: bool = True
     # Remote tier (docs/remote.md): committed snapshots replicated to an fsspec URL.
     remote: Optional[str] = None  # s3://bucket/prefix or file:///shared/path; None: off

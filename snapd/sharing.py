@@ -116,6 +116,7 @@ class Resolver:
         self.avoid = set(avoid)
         self._newest: Optional[Tuple[str, Dict[str, Any]]] = None
         self._loaded = False
+        self._present: Dict[Tuple[str, str], bool] = {}
         self._by_identity: Optional[Dict[Tuple[Any, ...], Tuple[Where, Dict[str, Any]]]] = None
 
     def newest(self) -> Optional[Tuple[str, Dict[str, Any]]]:
@@ -158,7 +159,7 @@ class Resolver:
         if newest is not None and wanted is not None and \
                 SnapshotId.parse(newest[0]) >= wanted:
             found = locations(*newest).get((obj, path))
-            if found is not None and \
+            if found is not None and self.present(found[0]) and \
                     (found[1]["dtype"], list(found[1]["shape"])) == (dtype, list(shape)):
                 return found
         raise CorruptSnapshot(
@@ -177,6 +178,8 @@ class Resolver:
                 key = identity(entry)
                 if key is not None:
                     self._by_identity.setdefault(key, (where, entry))
+            for where, _ in locations(*newest).values():
+                self.present(where)   # here, before the writer's threads share the cache
         return self
 
     def same_bytes(self, dtype: str, shape: Sequence[int],
@@ -184,4 +187,17 @@ class Resolver:
         """A tensor of the newest committed snapshot with these bytes, or None."""
         if not self._by_identity:
             return None
-        return self._by_identity.get((dtype, tuple(shape), tuple(ids)))
+        found = self._by_identity.get((dtype, tuple(shape), tuple(ids)))
+        return found if found is not None and self.present(found[0]) else None
+
+    def present(self, where: Where) -> bool:
+        """Whether the file ``where`` names is there, at its size: a reference to a
+        file that is gone would commit a snapshot that cannot be read."""
+        key = (where["snapshot"], where["file"])
+        if key not in self._present:
+            try:
+                path = locate(self.store.path, *key, wanted_by=self.store.snapshots_path)
+                self._present[key] = os.lstat(path).st_size == where["size"]
+            except (SnapdError, OSError):
+                self._present[key] = False
+        return self._present[key]

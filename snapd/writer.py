@@ -222,7 +222,8 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
         store.set_aside(plan.sid)  # refused as damaged (at restore or here): kept, renamed
     tmp = store.new_tmp_dir(plan.sid)
     total = _write_directory(tmp, plan, opts, progress,
-                             sharing.Resolver(store, avoid=plan.supersedes))
+                             sharing.Resolver(store, avoid=plan.supersedes)
+                             if opts.share_unchanged else None)
     # 3. The tmp dir's entries durable, then the rename that commits the snapshot,
     #    then the parent fsynced so that the rename survives a power loss.
     fsio.publish_directory(tmp, final)

@@ -154,3 +154,25 @@ def test_a_tensor_of_other_shape_with_the_same_bytes_is_written(tmp_path):
                                                   tensor_bytes(base))])], {"python": b"s"})
     done = write_snapshot(store, plan, OPTS)
     assert SnapshotReader(done.path).manifest["shared"] == []
+
+
+def test_bytes_of_a_file_that_is_gone_are_written_not_referred_to(tmp_path):
+    store = RunStore(str(tmp_path), "r")
+    first = write_snapshot(store, plan_for(state(0), step=1), OPTS)
+    os.unlink(os.path.join(first.path, "model.tensors"))   # the newest's file is gone
+    done = write_snapshot(store, plan_for(state(0), step=2), OPTS)
+    assert SnapshotReader(done.path).manifest["shared"] == []
+    plan = with_reuse(plan_for(state(0), step=3), {".base": "00000002"})
+    os.unlink(os.path.join(done.path, "model.tensors"))
+    with pytest.raises(CorruptSnapshot) as e:
+        write_snapshot(store, plan, OPTS)
+    assert e.value.field == "reuse"
+
+
+def test_share_unchanged_off_writes_every_byte(tmp_path):
+    store = RunStore(str(tmp_path), "r")
+    first = write_snapshot(store, plan_for(state(0), step=1), OPTS)
+    done = write_snapshot(store, plan_for(state(0), step=2), Options(chunk_bytes=4096,
+                                                                     share_unchanged=False))
+    assert done.bytes_written == first.bytes_written
+    assert SnapshotReader(done.path).manifest["shared"] == []
