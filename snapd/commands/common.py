@@ -120,13 +120,3 @@ def read_manifest(path: str) -> Dict[str, Any]:
 def files_bytes(manifest: Dict[str, Any]) -> int:
     """The bytes a snapshot's files hold, by its manifest."""
     return sum(int(entry["size"]) for entry in manifest.get("files", {}).values())
-
-
-def state_leaves(tree: Any, prefix: str = "") -> List[tuple]:
-    """(path, leaf) of a state tree, paths spelt as the manifest spells tensor paths:
-    ``.key`` for a mapping entry, ``[i]`` for a list or tuple item."""
-    if isinstance(tree, dict):
-        return [leaf for k, v in tree.items() for leaf in state_leaves(v, f"{prefix}.{k}")]
-    if isinstance(tree, (list, tuple)):
-        return [leaf for i, v in enumerate(tree) for leaf in state_leaves(v, f"{prefix}[{i}]")]
-    return [(prefix, tree)]

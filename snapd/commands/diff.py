@@ -37,9 +37,10 @@ from rich.table import Table
 from snapd import outputs as output_check
 from snapd.commands import diffoutputs, diffparts as parts
 from snapd.commands.common import (ROOT_HELP, console as out_console, emit_json, fail,
-                                   open_reader, state_leaves)
+                                   open_reader)
 from snapd.commands.locate import locate
 from snapd.errors import CorruptSnapshot
+from snapd.weights import state_leaves
 from snapd.reader import SnapshotReader
 from snapd.skeleton import unflatten
 from snapd.text import count

@@ -45,12 +45,12 @@ import click
 import torch
 
 from snapd.commands.common import (ROOT_HELP, Snapshot as SnapshotReader, fail, open_reader,
-                                   optional_import, state_leaves)
+                                   optional_import)
 from snapd.commands import remote
 from snapd.commands.locate import Located
 from snapd.errors import CorruptSnapshot
 from snapd.text import count, human_bytes
-from snapd.weights import is_module, modules, state_of, weights
+from snapd.weights import is_module, modules, state_leaves, state_of, weights
 
 # Free-text values the user chose: left out when they look like a local path.
 FREE_TEXT = ("snapd.data_version", "snapd.base_name", "snapd.base_revision")
