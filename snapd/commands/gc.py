@@ -43,7 +43,8 @@ def _retain(base: str, opts: Options, names: List[str],
     except AlreadyServing as e:
         fail(f"{e}\n  hint: gc deletes only while no daemon serves the root (a snapshot "
              "it is writing may read a file of one gc deletes); the daemon applies the "
-             "same rules after each commit (SNAPD_KEEP_*). --dry-run works beside it", 1)
+             "same rules after each commit (SNAPD_KEEP_*). Stop it first (snapd stop ROOT) "
+             "to delete by other rules; --dry-run works beside it", 1)
 
 
 def report_shared(run: str, r: retention.RetentionResult, dry_run: bool) -> None:
