@@ -648,13 +648,18 @@ def encode_chunk(raw, level: int | None) -> Tuple[bytes | memoryview, str]:
     return _compressor(level).compress(raw), CODEC_ZSTD
 
 
+def chunk_mismatch(chunk: List[Any], *, path: str, field: str) -> CorruptSnapshot:
+    """The error of a chunk whose stored bytes do not hash to its digest."""
+    return CorruptSnapshot(f"{path}: checksum mismatch in {field} at byte offset "
+                           f"{chunk[0]}; the file is damaged, use an older snapshot",
+                           path=path, field=field)
+
+
 def decode_chunk(stored, chunk: List[Any], *, path: str, field: str):
     """Verify one stored chunk and return its raw bytes."""
     raw_len, codec, digest = chunk[2], chunk[3], chunk[4]
     if checksum(stored) != digest:
-        raise CorruptSnapshot(f"{path}: checksum mismatch in {field} at byte offset "
-                              f"{chunk[0]}; the file is damaged, use an older snapshot",
-                              path=path, field=field)
+        raise chunk_mismatch(chunk, path=path, field=field)
     if codec == CODEC_RAW:
         return stored
     try:

@@ -39,7 +39,10 @@ from snapd.names import SHM_DIR, SHM_PREFIX
 from snapd.plan import tensor_extent
 from snapd.reader import SnapshotReader
 
-PIECE_BYTES = 4 << 20  # read, then hashed while still in cache
+# Read, then hashed while still in the core's L2: measured at 1 GiB on a 2-CPU VM, a
+# restore took 180 ms with 4 MiB pieces (the hash reading back from memory), 160 ms
+# with 256 KiB, 195 ms with 64 KiB (the syscalls).
+PIECE_BYTES = 256 << 10
 MAX_READERS = 4
 
 
