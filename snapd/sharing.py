@@ -13,9 +13,10 @@ The writer refers to committed bytes in two cases (:class:`Resolver`):
 - the client says a frozen tensor is unchanged since snapshot H (``reuse``): its
   entry is the newest committed snapshot's, which is H or newer (see
   :meth:`Resolver.reused`);
-- content addressing: a tensor whose dtype, shape and chunk identities (xxh3-128 of
-  each chunk's raw bytes, with its length) equal a tensor of the newest committed
-  snapshot is the same bytes, and is referred to.
+- content addressing: a frozen tensor whose dtype, shape and chunk identities
+  (xxh3-128 of each chunk's raw bytes, with its length) equal a tensor of the newest
+  committed snapshot is the same bytes, and is referred to (tensors that train carry
+  no identities: they change at every step).
 """
 
 from __future__ import annotations

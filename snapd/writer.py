@@ -89,16 +89,20 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
 def _committed_bytes(obj: str, t: TensorSource, opts: Options,
                      resolver: Optional[sharing.Resolver]):
     """Where a committed snapshot holds ``t``'s bytes, as (shared entry, tensor
-    entry); else the identities of its chunks, for the entries written."""
+    entry); else the identities of its chunks for the entries written (None each for
+    a tensor that trains: its bytes change at every step, so hashing them once more
+    would only slow every snapshot)."""
     if t.reuse is not None:
         if resolver is None:
             raise CorruptSnapshot(f"tensor {t.path!r} of {obj!r} refers to snapshot "
                                   f"{t.reuse}, but a part of a multi-rank snapshot "
                                   "cannot share bytes", field="reuse")
         return resolver.reused(obj, t.path, t.dtype, t.shape, t.reuse)
+    starts = range(0, len(t.data), opts.chunk_bytes)
+    if not t.frozen:
+        return [(None, 0)] * len(starts)
     ids = [(fmt.chunk_id(t.data[start:start + opts.chunk_bytes]),
-            min(opts.chunk_bytes, len(t.data) - start))
-           for start in range(0, len(t.data), opts.chunk_bytes)]
+            min(opts.chunk_bytes, len(t.data) - start)) for start in starts]
     if resolver is not None and ids:
         found = resolver.same_bytes(t.dtype, t.shape, ids)
         if found is not None:
@@ -119,7 +123,8 @@ def _write_tensor(out: BlockFile, t: TensorSource, ids: list, policy: Compressio
         raw_digest.update(raw)  # just hashed or compressed: still in cache
         offset = out.append(stored)
         file_digest.chunk(stored, digest)
-        chunks.append([offset, len(stored), len(raw), codec, digest, chunk_id])
+        chunks.append([offset, len(stored), len(raw), codec, digest] +
+                      ([chunk_id] if chunk_id is not None else []))
         if progress is not None:
             progress(len(raw))
     return _entry(t, chunks, raw_digest.intdigest())

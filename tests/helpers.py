@@ -105,10 +105,13 @@ def write_manifest_raw(snapshot_dir: str, manifest: dict) -> None:
         f.write(fmt.encode_manifest(manifest))
 
 
-def plan_for(state, step: int = 1, name: str = "model") -> SnapshotPlan:
-    """A one-object plan of ``state`` for ``write_snapshot``, as a client would make it."""
+def plan_for(state, step: int = 1, name: str = "model",
+             frozen: bool = False) -> SnapshotPlan:
+    """A one-object plan of ``state`` for ``write_snapshot``, as a client would make it;
+    ``frozen``: every tensor marked frozen (nothing trains it)."""
     flat = flatten(state, name)
-    tensors = [TensorSource(p, str(t.dtype)[6:], list(t.shape), tensor_bytes(t))
+    tensors = [TensorSource(p, str(t.dtype)[6:], list(t.shape), tensor_bytes(t),
+                            frozen=frozen)
                for p, t in zip(flat.paths, flat.tensors)]
     return SnapshotPlan("r", step, {"id": 0, "mode": "fresh", "parent": None},
                         [ObjectPlan(name, "x.Y", flat.skeleton, tensors)], {"python": b"s"})

@@ -112,7 +112,7 @@ def test_what_the_writer_refers_to_survives_retention(store):
     base = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     for step in (1, 2, 3):   # base unchanged: written once, then referred to
         write_snapshot(store, plan_for({"base": base, "head": torch.full((8,), step * 1.0)},
-                                       step=step), Options(chunk_bytes=4096))
+                                       step=step, frozen=True), Options(chunk_bytes=4096))
     assert sharing.references(manifest_of(store.snapshot_path(S3))) == \
         {("00000001", MODEL_FILE)}
     apply_retention(store, Options(keep_last=1))

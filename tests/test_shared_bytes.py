@@ -24,6 +24,11 @@ from helpers import plan_for
 OPTS = Options(chunk_bytes=4096)
 
 
+def frozen_plan(state, step):
+    """Content addressing covers the tensors the client marks frozen."""
+    return plan_for(state, step=step, frozen=True)
+
+
 def state(seed: int, changed: float = 0.0):
     g = torch.Generator().manual_seed(seed)
     return {"base": torch.randn(64, 64, generator=g),            # 4 chunks of 4096
@@ -47,8 +52,8 @@ def with_reuse(plan: SnapshotPlan, reuse: dict) -> SnapshotPlan:
 
 def test_equal_bytes_are_referred_to_not_written(tmp_path):
     store = RunStore(str(tmp_path), "r")
-    first = write_snapshot(store, plan_for(state(0), step=1), OPTS)
-    second = write_snapshot(store, plan_for(state(0, changed=1.0), step=2), OPTS)
+    first = write_snapshot(store, frozen_plan(state(0), step=1), OPTS)
+    second = write_snapshot(store, frozen_plan(state(0, changed=1.0), step=2), OPTS)
     back, reader = read_back(second.path)
     assert torch.equal(back[".base"], state(0)["base"])
     assert torch.equal(back[".head"], state(0)["head"] + 1.0)
@@ -65,8 +70,8 @@ def test_equal_bytes_are_referred_to_not_written(tmp_path):
 
 def test_identical_state_writes_no_file(tmp_path):
     store = RunStore(str(tmp_path), "r")
-    write_snapshot(store, plan_for(state(0), step=1), OPTS)
-    second = write_snapshot(store, plan_for(state(0), step=2), OPTS)
+    write_snapshot(store, frozen_plan(state(0), step=1), OPTS)
+    second = write_snapshot(store, frozen_plan(state(0), step=2), OPTS)
     assert second.bytes_written == 0
     assert os.listdir(second.path) == ["manifest.snapd"]
     back, reader = read_back(second.path)
@@ -77,9 +82,9 @@ def test_identical_state_writes_no_file(tmp_path):
 
 def test_a_reused_tensor_resolves_to_its_home_through_later_snapshots(tmp_path):
     store = RunStore(str(tmp_path), "r")
-    write_snapshot(store, plan_for(state(0), step=1), OPTS)
+    write_snapshot(store, frozen_plan(state(0), step=1), OPTS)
     for step in (2, 3):   # each later snapshot sends the base as unchanged since 1
-        plan = with_reuse(plan_for(state(0, changed=step), step=step),
+        plan = with_reuse(frozen_plan(state(0, changed=step), step=step),
                           {".base": "00000001"})
         done = write_snapshot(store, plan, OPTS)
         assert done.bytes_written == 2 * 4096
@@ -91,8 +96,8 @@ def test_a_reused_tensor_resolves_to_its_home_through_later_snapshots(tmp_path):
 
 def test_a_reuse_no_committed_snapshot_holds_fails_the_snapshot(tmp_path):
     store = RunStore(str(tmp_path), "r")
-    write_snapshot(store, plan_for(state(0), step=1), OPTS)
-    plan = with_reuse(plan_for(state(0), step=2), {".base": "00000007"})
+    write_snapshot(store, frozen_plan(state(0), step=1), OPTS)
+    plan = with_reuse(frozen_plan(state(0), step=2), {".base": "00000007"})
     with pytest.raises(CorruptSnapshot) as e:
         write_snapshot(store, plan, OPTS)
     assert e.value.field == "reuse" and "00000007" in str(e.value)
@@ -101,8 +106,8 @@ def test_a_reuse_no_committed_snapshot_holds_fails_the_snapshot(tmp_path):
 
 def test_damage_in_a_shared_file_is_refused_by_the_snapshot_that_reads_it(tmp_path):
     store = RunStore(str(tmp_path), "r")
-    first = write_snapshot(store, plan_for(state(0), step=1), OPTS)
-    second = write_snapshot(store, plan_for(state(0, changed=1.0), step=2), OPTS)
+    first = write_snapshot(store, frozen_plan(state(0), step=1), OPTS)
+    second = write_snapshot(store, frozen_plan(state(0, changed=1.0), step=2), OPTS)
     path = os.path.join(first.path, "model.tensors")
     with open(path, "r+b") as f:   # a byte of the base's first chunk
         f.seek(4096 + 100)
@@ -116,8 +121,8 @@ def test_damage_in_a_shared_file_is_refused_by_the_snapshot_that_reads_it(tmp_pa
 
 def test_a_missing_shared_file_names_both_places(tmp_path):
     store = RunStore(str(tmp_path), "r")
-    first = write_snapshot(store, plan_for(state(0), step=1), OPTS)
-    second = write_snapshot(store, plan_for(state(0, changed=1.0), step=2), OPTS)
+    first = write_snapshot(store, frozen_plan(state(0), step=1), OPTS)
+    second = write_snapshot(store, frozen_plan(state(0, changed=1.0), step=2), OPTS)
     os.unlink(os.path.join(first.path, "model.tensors"))
     with pytest.raises(CorruptSnapshot) as e:
         SnapshotReader(second.path).load_object("model")
@@ -126,8 +131,8 @@ def test_a_missing_shared_file_names_both_places(tmp_path):
 
 def test_a_file_kept_in_shared_is_found_there(tmp_path):
     store = RunStore(str(tmp_path), "r")
-    first = write_snapshot(store, plan_for(state(0), step=1), OPTS)
-    second = write_snapshot(store, plan_for(state(0, changed=1.0), step=2), OPTS)
+    first = write_snapshot(store, frozen_plan(state(0), step=1), OPTS)
+    second = write_snapshot(store, frozen_plan(state(0, changed=1.0), step=2), OPTS)
     kept = os.path.join(store.path, "shared", "00000001")
     os.makedirs(kept)
     os.rename(os.path.join(first.path, "model.tensors"), os.path.join(kept, "model.tensors"))
@@ -137,32 +142,42 @@ def test_a_file_kept_in_shared_is_found_there(tmp_path):
 
 def test_a_refused_snapshot_is_never_referred_to(tmp_path):
     store = RunStore(str(tmp_path), "r")
-    write_snapshot(store, plan_for(state(0), step=1), OPTS)
-    plan = dataclasses.replace(plan_for(state(0), step=2), supersedes=["00000001"])
+    write_snapshot(store, frozen_plan(state(0), step=1), OPTS)
+    plan = dataclasses.replace(frozen_plan(state(0), step=2), supersedes=["00000001"])
     done = write_snapshot(store, plan, OPTS)
     assert SnapshotReader(done.path).manifest["shared"] == []
 
 
-def test_a_tensor_of_other_shape_with_the_same_bytes_is_written(tmp_path):
+def test_tensors_that_train_are_written_without_identities(tmp_path):
     store = RunStore(str(tmp_path), "r")
     write_snapshot(store, plan_for(state(0), step=1), OPTS)
+    done = write_snapshot(store, plan_for(state(0), step=2), OPTS)
+    reader = SnapshotReader(done.path)
+    assert reader.manifest["shared"] == []
+    assert all(len(c) == 5 for t in reader.objects["model"]["tensors"] for c in t["chunks"])
+
+
+def test_a_tensor_of_other_shape_with_the_same_bytes_is_written(tmp_path):
+    store = RunStore(str(tmp_path), "r")
+    write_snapshot(store, frozen_plan(state(0), step=1), OPTS)
     base = state(0)["base"].reshape(32, 128)
     flat = flatten({"base": base}, "model")
     plan = SnapshotPlan("r", 2, {"id": 0, "mode": "fresh", "parent": None},
                         [ObjectPlan("model", "x.Y", flat.skeleton,
                                     [TensorSource(".base", "float32", [32, 128],
-                                                  tensor_bytes(base))])], {"python": b"s"})
+                                                  tensor_bytes(base), frozen=True)])],
+                        {"python": b"s"})
     done = write_snapshot(store, plan, OPTS)
     assert SnapshotReader(done.path).manifest["shared"] == []
 
 
 def test_bytes_of_a_file_that_is_gone_are_written_not_referred_to(tmp_path):
     store = RunStore(str(tmp_path), "r")
-    first = write_snapshot(store, plan_for(state(0), step=1), OPTS)
+    first = write_snapshot(store, frozen_plan(state(0), step=1), OPTS)
     os.unlink(os.path.join(first.path, "model.tensors"))   # the newest's file is gone
-    done = write_snapshot(store, plan_for(state(0), step=2), OPTS)
+    done = write_snapshot(store, frozen_plan(state(0), step=2), OPTS)
     assert SnapshotReader(done.path).manifest["shared"] == []
-    plan = with_reuse(plan_for(state(0), step=3), {".base": "00000002"})
+    plan = with_reuse(frozen_plan(state(0), step=3), {".base": "00000002"})
     os.unlink(os.path.join(done.path, "model.tensors"))
     with pytest.raises(CorruptSnapshot) as e:
         write_snapshot(store, plan, OPTS)
@@ -171,8 +186,8 @@ def test_bytes_of_a_file_that_is_gone_are_written_not_referred_to(tmp_path):
 
 def test_share_unchanged_off_writes_every_byte(tmp_path):
     store = RunStore(str(tmp_path), "r")
-    first = write_snapshot(store, plan_for(state(0), step=1), OPTS)
-    done = write_snapshot(store, plan_for(state(0), step=2), Options(chunk_bytes=4096,
+    first = write_snapshot(store, frozen_plan(state(0), step=1), OPTS)
+    done = write_snapshot(store, frozen_plan(state(0), step=2), Options(chunk_bytes=4096,
                                                                      share_unchanged=False))
     assert done.bytes_written == first.bytes_written
     assert SnapshotReader(done.path).manifest["shared"] == []
