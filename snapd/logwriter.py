@@ -67,7 +67,7 @@ class LogWriter:
     def _open_last(self) -> None:
         """Cut a torn tail and resume after the valid prefix; a newest segment found
         damaged is moved aside instead (see _replace_damaged). With no segment yet the
-        first append creates one, so that its header can name the first step."""
+        first append (or ready()) creates one, so that its header can name the first step."""
         if not (paths := list_segments(self.run_dir, self.rank)):
             return
         try:
@@ -117,6 +117,16 @@ class LogWriter:
         warnings.warn(LogDamageWarning(
             f"{path}: state-log segment {why}; moved aside to {aside.name} and kept; "
             "its valid records continue in a new segment"), stacklevel=4)
+
+    def ready(self) -> None:
+        """Create the segment the next append goes to, if none is open: its fsyncs
+        then happen here (a trainer's setup) rather than at the first record (the
+        training loop's first step or snapshot). The header's first step is a lower
+        bound of the steps the segment will hold: the last step known, else 0."""
+        with self._lock:
+            self._check_open()
+            if self._fd is None:
+                self._create(self._seq + 1, self._last_step or 0)
 
     def append(self, record: dict) -> None:
         """Frame ``record`` and hand it to the kernel in one write; it is durable after

@@ -468,6 +468,10 @@ class Client:
         return self._handoff.paused() if self._handoff is not None else nullcontext()
 
     def _nothing_to_resume(self) -> int:
+        if not self.read_only:
+            # A fresh run's log segment, made now (after any pull of a replicated log)
+            # rather than at the loop's first record: its fsyncs are not a step's.
+            self.journal.ready()
         if self.recovery.furthest:
             logger.info(f"run {self.run}: no snapshot to resume from; training had "
                         f"reached step {self.recovery.furthest}; starting at step 0")

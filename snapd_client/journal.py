@@ -115,14 +115,26 @@ class Journal:
         self._append(record)
         return record
 
+    def ready(self) -> None:
+        """Open the log and its segment now (directories and segment created and
+        fsynced), so that the first record costs one write. A disk error is left for
+        the first record to meet and report."""
+        try:
+            self._writer().ready()
+        except OSError:
+            pass
+
+    def _writer(self) -> LogWriter:
+        if self.writer is None:
+            self.writer = LogWriter(self.store.path, self.rank,
+                                    segment_bytes=self.opts.log_segment_bytes,
+                                    flush_interval=self.opts.log_flush_interval)
+        return self.writer
+
     def _append(self, record: Dict[str, Any]) -> bool:
         """Write one record; a disk error drops it (counted, warned once), never raises."""
         try:
-            if self.writer is None:
-                self.writer = LogWriter(self.store.path, self.rank,
-                                        segment_bytes=self.opts.log_segment_bytes,
-                                        flush_interval=self.opts.log_flush_interval)
-            self.writer.append(record)
+            self._writer().append(record)
         except OSError as e:
             self._dropped(e)
             return False

@@ -301,3 +301,24 @@ def test_damage_is_warned_with_segment_and_offset_and_moved_aside(trained):
         warnings.simplefilter("error", LogDamageWarning)
         assert list(read_records(store.path, 0))[-len(records):] == records[1:] + [
             {"kind": "note"}]
+
+
+def test_a_fresh_runs_log_segment_is_made_by_restore_not_by_the_first_record(tmp_path):
+    """The segment's fsyncs belong to the trainer's setup: restore() of a fresh run makes
+    it, and the first record only writes."""
+    import torch
+    from snapd_client import Client
+    from snapd import statelog
+    c = Client(str(tmp_path), "fresh", daemon=False)
+    c.track(model=torch.nn.Linear(2, 2))
+    assert statelog.list_segments(c.store.path, 0) == []
+    assert c.restore() == 0
+    [segment] = statelog.list_segments(c.store.path, 0)
+    size = os.path.getsize(segment)
+    writer = c.journal.writer
+    calls = []
+    writer._fsync = lambda fd: calls.append(fd)
+    c.log(1, loss=1.0)
+    assert calls == [] and os.path.getsize(segment) > size
+    assert statelog.list_segments(c.store.path, 0) == [segment]
+    c.close()
