@@ -205,7 +205,10 @@ class Client:
         """The daemon and an arena for the tracked state, readied here, on the
         trainer's thread, the arena's pages faulted in in the background (handoff.py,
         "Warm-up"), so that the first snapshot() costs what later ones do."""
-        if self._handoff is None or self.read_only or self._closed:
+        if self._handoff is None or self._closed:
+            return
+        if self.read_only:   # no arena, no daemon started; one that serves is reached
+            self._handoff.reach()   # now, as a writer's track() does, not in restore()
             return
         if self._before_first_step():
             self._handoff.warm_up(None)   # the daemon now, the arena after the step

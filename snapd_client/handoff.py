@@ -344,6 +344,14 @@ class Handoff:
         except SnapdError:
             return [], 0.0   # no daemon, or none that answers: restore reads the files
 
+    def reach(self) -> None:
+        """Connect to a daemon already serving the root, if one does (a read-only
+        client's track(): its restore then asks at once); never starts one."""
+        try:
+            self.connect(spawn=False)
+        except SnapdError:
+            pass   # none serves: restore reads the files
+
     def hot_source(self) -> Optional[HotSource]:
         """The daemon's held copy of this run, if a daemon already serves the root."""
         try:
