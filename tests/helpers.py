@@ -143,3 +143,15 @@ class ThreadCollective:
                 threads.barrier.wait()
                 return out
         return Member()
+
+
+def record_puts(remote, run: str) -> list:
+    """Every write to ``remote`` (a RemoteRoot) from now on, in order, as a path
+    relative to ``run``'s directory there."""
+    order, base = [], remote.run_path(run) + "/"
+    put, pipe = remote.fs.put_file, remote.fs.pipe_file
+    remote.fs.put_file = lambda src, dst, **k: (order.append(dst[len(base):]),
+                                                put(src, dst, **k))
+    remote.fs.pipe_file = lambda dst, data, **k: (order.append(dst[len(base):]),
+                                                  pipe(dst, data, **k))
+    return order

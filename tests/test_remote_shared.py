@@ -27,6 +27,8 @@ from snapd.writer import write_snapshot
 from snapd_client.capture import tensor_bytes
 from snapd_client.state import flatten
 
+from helpers import record_puts
+
 RUN = "r"
 BASE = {"w1": torch.arange(4096, dtype=torch.float32), "w2": torch.ones(64, 64)}
 
@@ -109,14 +111,6 @@ def shared_puts(remote):
     return order
 
 
-def all_puts(remote):
-    order, base = [], remote.run_path(RUN) + "/"
-    put, pipe = remote.fs.put_file, remote.fs.pipe_file
-    remote.fs.put_file = lambda src, dst, **k: (order.append(dst[len(base):]),
-                                                put(src, dst, **k))
-    remote.fs.pipe_file = lambda dst, data, **k: (order.append(dst[len(base):]),
-                                                  pipe(dst, data, **k))
-    return order
 
 
 def loaded(reader, obj):
@@ -133,7 +127,7 @@ def test_upload_puts_the_shared_file_once_before_the_manifest_and_lists_it(store
     s2, own, size = write_sharing(store, 2, s1, tmp_path)
     s3, _, _ = write_sharing(store, 3, s1, tmp_path)
     upload_snapshot(remote, store, s1.name)
-    order = all_puts(remote)
+    order = record_puts(remote, RUN)
     record = upload_snapshot(remote, store, s2.name)
     shared = f"shared/{s1.name}/{own}"
     assert order.count(shared) == 1

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from helpers import plan_for, wait_for
+from helpers import plan_for, record_puts, wait_for
 from snapd import format as fmt
 from snapd.errors import InvalidOption, RemoteUnavailable
 from snapd.options import Options
@@ -44,15 +44,6 @@ def commit(store, step, n=2048):
     return write_snapshot(store, plan_for(state, step), Options()).sid
 
 
-def record_puts(remote):
-    """Every remote write, in order, as a path relative to the run."""
-    order, base = [], remote.run_path(RUN) + "/"
-    put, pipe = remote.fs.put_file, remote.fs.pipe_file
-    remote.fs.put_file = lambda src, dst, **k: (order.append(dst[len(base):]),
-                                                put(src, dst, **k))
-    remote.fs.pipe_file = lambda dst, data, **k: (order.append(dst[len(base):]),
-                                                  pipe(dst, data, **k))
-    return order
 
 
 def remote_bytes(remote, name, rel):
@@ -61,7 +52,7 @@ def remote_bytes(remote, name, rel):
 
 def test_every_file_goes_up_then_the_manifest_then_the_record(store, remote):
     sid = commit(store, 1)
-    order = record_puts(remote)
+    order = record_puts(remote, RUN)
     record = upload_snapshot(remote, store, sid.name, threads=2)
     files = local_files(store.snapshot_path(sid))
     assert sorted(order) == sorted([f"snapshots/{sid.name}/{f.relpath}" for f in files]
@@ -84,7 +75,7 @@ def test_a_second_upload_sends_only_what_is_missing_or_of_the_wrong_size(store, 
     remote.fs.rm_file(remote.record_path(RUN, sid.name))
     remote.fs.rm_file(remote.file_path(RUN, sid.name, fmt.MANIFEST_NAME))
     remote.fs.pipe_file(remote.file_path(RUN, sid.name, tensors[0]), b"torn")
-    order = record_puts(remote)
+    order = record_puts(remote, RUN)
     upload_snapshot(remote, store, sid.name)
     assert order == [f"snapshots/{sid.name}/{tensors[0]}",
                      f"snapshots/{sid.name}/{fmt.MANIFEST_NAME}",
@@ -95,7 +86,7 @@ def test_a_second_upload_sends_only_what_is_missing_or_of_the_wrong_size(store, 
 def test_a_snapshot_already_committed_remotely_is_not_sent_again(store, remote):
     sid = commit(store, 1)
     first = upload_snapshot(remote, store, sid.name)
-    order = record_puts(remote)
+    order = record_puts(remote, RUN)
     assert upload_snapshot(remote, store, sid.name) == first
     assert order == []
 
