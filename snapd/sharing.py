@@ -108,8 +108,8 @@ def identity(entry: Dict[str, Any]) -> Optional[Tuple[Any, ...]]:
 
 class Resolver:
     """The committed bytes one write may refer to: the run's newest committed one-rank
-    snapshot, read once per write (the daemon writes a run's snapshots one at a
-    time, so nothing it holds is deleted meanwhile), and a reused tensor's home."""
+    snapshot, read once per write by :meth:`prepare` (the daemon writes a run's
+    snapshots one at a time, so nothing it holds is deleted meanwhile)."""
 
     def __init__(self, store: Any, avoid: Sequence[str] = ()) -> None:
         """``avoid``: snapshots restore refused as damaged: nothing refers to them."""
@@ -118,7 +118,8 @@ class Resolver:
         self._newest: Optional[Tuple[str, Dict[str, Any]]] = None
         self._loaded = False
         self._present: Dict[Tuple[str, str], bool] = {}
-        self._by_identity: Optional[Dict[Tuple[Any, ...], Tuple[Where, Dict[str, Any]]]] = None
+        self._where: Dict[Tuple[str, str], Tuple[Where, Dict[str, Any]]] = {}
+        self._by_identity: Dict[Tuple[Any, ...], Tuple[Where, Dict[str, Any]]] = {}
 
     def newest(self) -> Optional[Tuple[str, Dict[str, Any]]]:
         if not self._loaded:
@@ -159,7 +160,7 @@ class Resolver:
         wanted = SnapshotId.parse(home)
         if newest is not None and wanted is not None and \
                 SnapshotId.parse(newest[0]) >= wanted:
-            found = locations(*newest).get((obj, path))
+            found = self._where.get((obj, path))
             if found is not None and self.present(found[0]) and \
                     (found[1]["dtype"], list(found[1]["shape"])) == (dtype, list(shape)):
                 return found
@@ -171,16 +172,17 @@ class Resolver:
             path=self.store.snapshots_path, field="reuse")
 
     def prepare(self) -> "Resolver":
-        """Read what the lookups need, before the writer's threads share it."""
-        self._by_identity = {}
+        """Read what the lookups need, once per write, before the writer's threads
+        share it: the newest snapshot's tensors by name and by identity, and which of
+        the files they lie in are there."""
         newest = self.newest()
         if newest is not None:
-            for where, entry in locations(*newest).values():
+            self._where = locations(*newest)
+            for where, entry in self._where.values():
                 key = identity(entry)
                 if key is not None:
                     self._by_identity.setdefault(key, (where, entry))
-            for where, _ in locations(*newest).values():
-                self.present(where)   # here, before the writer's threads share the cache
+                self.present(where)
         return self
 
     def same_bytes(self, dtype: str, shape: Sequence[int],
