@@ -48,7 +48,6 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from snapd import format as fmt
 from snapd import fsio, sharing
 from snapd.errors import SnapdError
-from snapd.reader import read_manifest_bytes
 from snapd.store import DIR_MODE, TMP_PREFIX, RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
@@ -82,16 +81,16 @@ def mark(store: RunStore) -> Marks:
     marks: Marks = {}
     for sid in store.committed():
         path = store.snapshot_path(sid)
-        if os.path.lexists(os.path.join(path, fmt.COMMIT_NAME)):
-            continue
-        manifest_path = os.path.join(path, fmt.MANIFEST_NAME)
         try:
-            manifest = fmt.decode_manifest(read_manifest_bytes(path), path=manifest_path)
-            marks[sid.name] = sharing.references(manifest)
+            manifest = sharing.one_rank_manifest(path)
         except (SnapdError, OSError) as e:
             log.warning("run %r: %s cannot be read (%s); shared files are kept as if it "
-                        "referred to all of them", store.run, manifest_path, e)
+                        "referred to all of them", store.run,
+                        os.path.join(path, fmt.MANIFEST_NAME), e)
             marks[sid.name] = None
+            continue
+        if manifest is not None:
+            marks[sid.name] = sharing.references(manifest)
     return marks
 
 

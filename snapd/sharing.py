@@ -22,7 +22,7 @@ The writer refers to committed bytes in two cases (:class:`Resolver`):
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, SnapdError
@@ -71,6 +71,16 @@ def references(manifest: Dict[str, Any]) -> Set[Tuple[str, str]]:
     used = {t["src"] for o in manifest["objects"].values() for t in o["tensors"]
             if t.get("src") is not None}
     return {(shared[i]["snapshot"], shared[i]["file"]) for i in used}
+
+
+def one_rank_manifest(snapshot_dir: str) -> Optional[Dict[str, Any]]:
+    """The decoded manifest of a one-rank snapshot directory; None for a multi-rank
+    one (its parts never share). Raises what reading or decoding it raises."""
+    from snapd.reader import read_manifest_bytes   # reader imports this module
+    if os.path.lexists(os.path.join(snapshot_dir, fmt.COMMIT_NAME)):
+        return None
+    return fmt.decode_manifest(read_manifest_bytes(snapshot_dir),
+                               path=os.path.join(snapshot_dir, fmt.MANIFEST_NAME))
 
 
 def where_own(name: str, manifest: Dict[str, Any], obj: Dict[str, Any]) -> Where:
@@ -136,13 +146,8 @@ class Resolver:
     def _manifest(self, name: str) -> Optional[Dict[str, Any]]:
         """A committed one-rank snapshot's manifest, or None (multi-rank, unreadable:
         nothing there is referred to)."""
-        from snapd.reader import read_manifest_bytes   # reader imports this module
-        directory = os.path.join(self.store.snapshots_path, name)
-        if os.path.lexists(os.path.join(directory, fmt.COMMIT_NAME)):
-            return None
         try:
-            path = os.path.join(directory, fmt.MANIFEST_NAME)
-            return fmt.decode_manifest(read_manifest_bytes(directory), path=path)
+            return one_rank_manifest(os.path.join(self.store.snapshots_path, name))
         except (SnapdError, OSError):
             return None
 
