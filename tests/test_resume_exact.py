@@ -18,32 +18,48 @@ TRAINER = os.path.join(os.path.dirname(__file__), "trainer.py")
 STEPS, CUT, DIED = 12, 5, 9   # snapshot at CUT, the first process dies after DIED
 
 
-def run_trainer(tmp_path, name, **cfg):
+def start_trainer(tmp_path, name, **cfg):
     out = tmp_path / f"{name}.json"
     cfg = {"out": str(out), "steps": STEPS, **cfg}
     # Output to a file, not a pipe: the trainer's DataLoader workers, orphaned by its
     # os._exit, hold a pipe open until they notice (up to 5 s each run).
     log = tmp_path / f"{name}.log"
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, TRAINER, json.dumps(cfg)], stdout=f,
-                              stderr=subprocess.STDOUT, timeout=300)
-    assert proc.returncode == 0, log.read_text()[-3000:]
+        proc = subprocess.Popen([sys.executable, TRAINER, json.dumps(cfg)], stdout=f,
+                                stderr=subprocess.STDOUT)
+    return proc, out, log
+
+
+def finish_trainer(started):
+    proc, out, log = started
+    try:
+        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
     with open(out) as f:
         return json.load(f)
 
 
-def continuous_and_resumed(tmp_path, omit=(), **cfg):
-    root = str(tmp_path / "root")
-    whole = run_trainer(tmp_path, "whole", root=root, run="whole", **cfg)
-    first = run_trainer(tmp_path, "first", root=root, run="cut", stop=DIED,
-                        snapshot_at=[CUT], **cfg)
+def run_trainer(tmp_path, name, **cfg):
+    return finish_trainer(start_trainer(tmp_path, name, **cfg))
+
+
+def continuous_and_resumed(tmp_path, root=None, omit=(), **cfg):
+    """The continuous run and the interrupted one side by side (separate runs of one
+    root: nothing shared but the daemon), then the resumed half."""
+    root = root or str(tmp_path / "root")
+    whole = start_trainer(tmp_path, "whole", root=root, run="whole", **cfg)
+    first = start_trainer(tmp_path, "first", root=root, run="cut", stop=DIED,
+                          snapshot_at=[CUT], **cfg)
+    whole, first = finish_trainer(whole), finish_trainer(first)
     second = run_trainer(tmp_path, "second", root=root, run="cut", omit=list(omit), **cfg)
     return whole, first, second
 
 
-CASES = [("momentum", 0, False), ("momentum", 0, True), ("momentum", 2, False),
-         ("momentum", 2, True), ("transformer", 0, True), ("transformer", 2, False),
-         ("transformer", 2, True), ("transformer", 0, False)]
+# Every pair of (model, loader workers, loader generator) values, in 4 cases of the 8.
+CASES = [("momentum", 0, False), ("momentum", 2, True), ("transformer", 0, True),
+         ("transformer", 2, False)]
 
 
 @pytest.mark.parametrize("model,workers,loader_generator", CASES)
@@ -85,8 +101,10 @@ def control_base(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("controls")
     cfg = dict(model="momentum", workers=0, loader_generator=True)
     root = str(tmp / "root")
-    whole = run_trainer(tmp, "whole", root=root, run="whole", **cfg)
-    run_trainer(tmp, "first", root=root, run="cut", stop=DIED, snapshot_at=[CUT], **cfg)
+    whole = start_trainer(tmp, "whole", root=root, run="whole", **cfg)
+    first = start_trainer(tmp, "first", root=root, run="cut", stop=DIED, snapshot_at=[CUT],
+                          **cfg)
+    whole, _ = finish_trainer(whole), finish_trainer(first)
     return tmp, whole, cfg
 
 
@@ -113,9 +131,6 @@ def test_resumed_run_equals_continuous_run_through_the_daemon(tmp_path, short_ro
                                                               model, workers):
     cfg = dict(model=model, workers=workers, loader_generator=True,
                options={"daemon": True, "mode": mode})
-    whole = run_trainer(tmp_path, "whole", root=short_root, run="whole", **cfg)
-    first = run_trainer(tmp_path, "first", root=short_root, run="cut", stop=DIED,
-                        snapshot_at=[CUT], **cfg)
-    second = run_trainer(tmp_path, "second", root=short_root, run="cut", **cfg)
+    whole, first, second = continuous_and_resumed(tmp_path, root=short_root, **cfg)
     assert_same_run(whole, first, second)
     assert second["restored_from"] == "hot"  # the daemon still held step CUT in memory

@@ -37,6 +37,8 @@ from jobs import (Job, files_exist, job_env, logged_step, newest_snapshot, part_
                   parts_dir, run_job, snapshot_dir, tensor_file_bytes)
 from rankstate import (load_close, load_progress, load_state, sample_differences,
                        state_differences, with_prefix)
+from snapd.recovery import read_progress
+from snapd.store import RunStore
 
 DDP = {"steps": 30, "snapshot_every": 8, "batch_size": 4, "samples": 96}
 KILL_AT, RESUMED_AT = 20, 16       # killed after step 20: between snapshots 16 and 24
@@ -240,12 +242,25 @@ def load_json(path: str) -> dict:
         return json.load(f)
 
 
-@pytest.mark.parametrize("saved, restored, world, first, last", [
-    ("at4", "at2", 2, 4, 8), ("at2", "back4", 4, 8, 10)])
-def test_fsdp_restores_at_another_world_size(fsdp, saved, restored, world, first, last):
+@pytest.mark.parametrize("saved, restored, was, world, first, last", [
+    ("at4", "at2", 4, 2, 4, 8), ("at2", "back4", 2, 4, 8, 10)])
+def test_fsdp_restores_at_another_world_size(base, fsdp, saved, restored, was, world,
+                                             first, last):
     want = full_tensors(fsdp[saved], "final.npz")
     got = full_tensors(fsdp[restored], "restored.npz")
     assert int(want["step"]) == int(got["step"]) == first
     assert len(with_prefix(want, "opt/")) >= 3 * len(with_prefix(want, "param/"))
     assert state_differences(got, want) == []
     went_on(fsdp[restored], world, first, last)
+    with open(os.path.join(base, f"fsdp-{restored}.log")) as f:   # every rank says so
+        said = f.read()
+    assert said.count(f"resharded step {first} saved on {was} rank(s) onto {world}") \
+        == world, said[-3000:]
+
+
+def test_each_rank_logs_how_it_resumed(base, fsdp):
+    """The state log keeps the last resume of every rank: back4's, a reshard from 2."""
+    store = RunStore(os.path.join(base, "fsdp-root"), f"{TAG}-fsdp")
+    for rank in range(4):
+        resume = read_progress(store, rank).last_resume
+        assert (resume["mode"], resume["old_world_size"]) == ("reshard", 2), resume
