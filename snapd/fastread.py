@@ -13,8 +13,10 @@ are in the page cache (``RWF_NOWAIT``): a warm file costs one copy and no device
 access. What is not cached is read by direct I/O (``O_DIRECT``; chunks start at
 4096-byte boundaries and files end at one) into the destination when it is aligned
 (new memory for a tensor of 1 MiB or more is page-aligned: ``reader.new_tensor``),
-else into an aligned buffer of the thread and copied from there while it is hot; a
-filesystem that refuses direct I/O (tmpfs) is read buffered.
+else (live tensors sit 64 bytes past a page boundary) into an aligned buffer of the
+thread, from which each 256 KiB piece is copied out, without the GIL, and hashed
+while the core's cache still holds it; a filesystem that refuses direct I/O (tmpfs)
+is read buffered.
 
 What is checked is what the sequential reader checks: each chunk against its digest,
 the padding for zeros, the file digest (in v2 a fold of the header and the chunk
@@ -30,6 +32,7 @@ live tensors.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -172,11 +175,16 @@ def _raw_chunk(f: FileRead, t: Dict[str, Any], j: int, chunk: List[Any],
     # speed); the rest (or all of a cold chunk) read whole, then hashed.
     hasher = xxhash.xxh3_64()
     cached = _read_cached(f, dst, offset, hasher)
-    bufs = [dst[cached:], memoryview(pad)] if pad else [dst[cached:]]
-    if _read_into(f, bufs, offset + cached) != stored_len - cached + len(pad):
-        raise CorruptSnapshot(f"{f.path}: short read in {_field(t, j)}", path=f.path,
-                              field=_field(t, j))
-    hasher.update(dst[cached:])
+    # A cold rest read through the thread's aligned buffer is hashed there, piece by
+    # piece, as it is copied out; what could not be read so is read, then hashed.
+    done, pad_done = _read_bounced(f, dst[cached:], pad, offset + cached, hasher)
+    hashed = cached + done
+    if hashed < len(dst) or not pad_done:
+        bufs = [b for b in (dst[hashed:], memoryview(pad)) if len(b)]
+        if _read_into(f, bufs, offset + hashed) != stored_len - hashed + len(pad):
+            raise CorruptSnapshot(f"{f.path}: short read in {_field(t, j)}", path=f.path,
+                                  field=_field(t, j))
+        hasher.update(dst[hashed:])
     if hasher.intdigest() != chunk[4]:
         raise fmt.chunk_mismatch(chunk, path=f.path, field=_field(t, j))
     if pad:
@@ -275,6 +283,43 @@ def _bounce(size: int) -> memoryview:
     if buf is None or len(buf) < size:
         _local.bounce = buf = mmap.mmap(-1, fmt.align_up(size, BLOCK))
     return memoryview(buf)
+
+
+def _read_bounced(f: FileRead, dst: memoryview, pad: bytearray, offset: int,
+                  hasher: Any) -> Tuple[int, bool]:
+    """Read ``dst`` (and the zeros after it into ``pad``) by direct I/O through this
+    thread's aligned buffer, copying each piece out and hashing it while the core's
+    cache holds it. Returns the bytes of ``dst`` done and whether ``pad`` was filled
+    (0 and not: not this way; the caller reads the rest).
+
+    For a destination direct I/O cannot reach (live tensors sit 64 bytes past a page
+    boundary): the copy out releases the GIL (``ctypes.memmove``), so the other
+    threads' reads go on beside it; a copy by slice assignment held it."""
+    if f.direct_fd is None or not dst or \
+            (offset % BLOCK == 0 and len(dst) % BLOCK == 0 and _address(dst) % BLOCK == 0):
+        return 0, not pad   # nothing cold, or aligned: _read_into reads into dst
+    start = offset - offset % BLOCK
+    span = fmt.align_up(offset + len(dst) + len(pad), BLOCK) - start
+    bounce = _bounce(span)[:span]
+    try:
+        got = os.preadv(f.direct_fd, [bounce], start)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return 0, not pad
+    lead = offset - start
+    n = max(0, min(len(dst), got - lead))
+    at, to = _address(bounce) + lead, _address(dst)
+    for p in range(0, n, PIECE):
+        k = min(PIECE, n - p)
+        ctypes.memmove(to + p, at + p, k)
+        hasher.update(bounce[lead + p:lead + p + k])
+    if n < len(dst) or not pad:
+        return n, not pad
+    if got - lead - n < len(pad):
+        return n, False   # the file ends before its zeros: the caller's read says so
+    pad[:] = bounce[lead + n:lead + n + len(pad)]
+    return n, True
 
 
 def _read_direct(f: FileRead, bufs: List[memoryview], offset: int) -> int:

@@ -6,6 +6,7 @@ import mmap
 import os
 
 import numpy as np
+import xxhash
 import pytest
 import safetensors.torch
 import torch
@@ -181,6 +182,39 @@ def test_direct_reads_land_in_unaligned_destinations_whole(tmp_path):
         dst = area[1:1 + 2 * fastread.BLOCK + 100]      # unaligned, not whole blocks
         assert fastread._read_into(read, [dst], fastread.BLOCK) == len(dst)
         assert bytes(dst) == data[fastread.BLOCK:fastread.BLOCK + len(dst)].tobytes()
+    finally:
+        os.close(direct)
+        os.close(fd)
+
+
+def test_cold_bytes_through_the_aligned_buffer_are_hashed_as_they_are_copied(tmp_path):
+    """_read_bounced: a cold, unaligned destination gets its bytes and the zeros after
+    it from one direct read, hashed in order; a file that ends before those zeros
+    leaves them to the caller's read (which reports the short read)."""
+    path = str(tmp_path / "f")
+    data = np.random.default_rng(1).integers(0, 256, 5 * fastread.BLOCK, np.uint8)
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    direct = fastread.open_direct(path, fd)
+    if direct is None:
+        os.close(fd)
+        pytest.skip("this filesystem refuses O_DIRECT")
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        read = fastread.FileRead(path, fd, direct, [], [])
+        area = memoryview(mmap.mmap(-1, 4 * fastread.BLOCK))
+        dst = area[64:64 + 2 * fastread.BLOCK + 100]    # as a live tensor sits
+        pad = bytearray(fastread.BLOCK - 100)
+        hasher = xxhash.xxh3_64()
+        at = fastread.BLOCK
+        assert fastread._read_bounced(read, dst, pad, at, hasher) == (len(dst), True)
+        assert bytes(dst) == data[at:at + len(dst)].tobytes()
+        assert bytes(pad) == data[at + len(dst):at + len(dst) + len(pad)].tobytes()
+        assert hasher.intdigest() == xxhash.xxh3_64(data[at:at + len(dst)]).intdigest()
+        tail = area[64:64 + fastread.BLOCK - 10]          # ends 10 bytes before EOF
+        at = 4 * fastread.BLOCK
+        assert fastread._read_bounced(read, tail, bytearray(100), at,
+                                      xxhash.xxh3_64()) == (len(tail), False)
     finally:
         os.close(direct)
         os.close(fd)
