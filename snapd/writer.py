@@ -119,8 +119,11 @@ def _write_tensor(out: BlockFile, t: TensorSource, ids: list, policy: Compressio
     for (chunk_id, _), start in zip(ids, range(0, len(t.data), opts.chunk_bytes)):
         raw = t.data[start:start + opts.chunk_bytes]
         stored, codec = fmt.encode_chunk(raw, level)
-        digest = fmt.checksum(stored)
-        raw_digest.update(raw)  # just hashed or compressed: still in cache
+        if codec == fmt.CODEC_RAW:
+            digest = _raw_chunk_digest(raw, raw_digest)
+        else:
+            digest = fmt.checksum(stored)
+            raw_digest.update(raw)  # just compressed: still in cache
         offset = out.append(stored)
         file_digest.chunk(stored, digest)
         chunks.append([offset, len(stored), len(raw), codec, digest] +
@@ -128,6 +131,22 @@ def _write_tensor(out: BlockFile, t: TensorSource, ids: list, policy: Compressio
         if progress is not None:
             progress(len(raw))
     return _entry(t, chunks, raw_digest.intdigest())
+
+
+HASH_PIECE = 256 << 10   # hashed for both digests while in a core's L2
+
+
+def _raw_chunk_digest(raw: memoryview, raw_digest: Any) -> int:
+    """A raw chunk's digest, feeding the tensor's raw digest the same bytes, piece by
+    piece: one pass over memory for the two. Two passes over the whole chunk cost
+    180 ms per GiB here, this 135 ms: the daemon's write competes with the trainer's
+    memory-bound optimizer step for the same memory."""
+    chunk = xxhash.xxh3_64()
+    for at in range(0, len(raw), HASH_PIECE):
+        piece = raw[at:at + HASH_PIECE]
+        chunk.update(piece)
+        raw_digest.update(piece)
+    return chunk.intdigest()
 
 
 def _entry(t: TensorSource, chunks: list, digest: int) -> Dict[str, Any]:

@@ -49,6 +49,25 @@ def test_roundtrip_bit_for_bit_with_small_chunks(tmp_path, monkeypatch, compress
     assert codecs == ({"raw"} if compression == "off" else {"raw", "zstd"})
 
 
+def test_chunk_and_tensor_digests_of_a_tensor_of_many_chunks_and_pieces(tmp_path):
+    """The writer hashes a raw chunk in pieces for its digest and the tensor's at
+    once (writer.HASH_PIECE): each chunk's digest is its stored bytes', the tensor's
+    its whole raw bytes'."""
+    big = torch.randn(655_360 + 17)                  # 2.5 MiB + 68 bytes
+    result = write_snapshot(RunStore(str(tmp_path), "r"), plan_for({"big": big}),
+                            Options(chunk_bytes=1 << 20))
+    payload = SnapshotReader(result.path).objects["model"]
+    entry = payload["tensors"][0]
+    raw = big.numpy().tobytes()
+    assert len(entry["chunks"]) == 3 and entry["xxh3"] == xxhash.xxh3_64_intdigest(raw)
+    data = open(os.path.join(result.path, "model.tensors"), "rb").read()
+    at = 0
+    for offset, stored, length, codec, digest in entry["chunks"]:
+        assert codec == "raw" and data[offset:offset + stored] == raw[at:at + length]
+        assert digest == xxhash.xxh3_64_intdigest(raw[at:at + length])
+        at += length
+
+
 def test_manifest_bytes_match_the_documented_offsets(tmp_path):
     result = write_snapshot(RunStore(str(tmp_path), "r"), plan_for(STATE), Options())
     data = open(os.path.join(result.path, "manifest.snapd"), "rb").read()
