@@ -285,18 +285,22 @@ def _bounce(size: int) -> memoryview:
     return memoryview(buf)
 
 
+def _aligned(dst: memoryview, offset: int) -> bool:
+    """Whether direct I/O can read ``dst`` at ``offset`` straight into it."""
+    return offset % BLOCK == 0 and len(dst) % BLOCK == 0 and _address(dst) % BLOCK == 0
+
+
 def _read_bounced(f: FileRead, dst: memoryview, pad: bytearray, offset: int,
                   hasher: Any) -> Tuple[int, bool]:
     """Read ``dst`` (and the zeros after it into ``pad``) by direct I/O through this
-    thread's aligned buffer, copying each piece out and hashing it while the core's
-    cache holds it. Returns the bytes of ``dst`` done and whether ``pad`` was filled
-    (0 and not: not this way; the caller reads the rest).
+    thread's aligned buffer, copying each piece out and (with a ``hasher``) hashing
+    it while the core's cache holds it. Returns the bytes of ``dst`` done and whether
+    ``pad`` was filled (0 and not: not this way; the caller reads the rest).
 
     For a destination direct I/O cannot reach (live tensors sit 64 bytes past a page
     boundary): the copy out releases the GIL (``ctypes.memmove``), so the other
     threads' reads go on beside it; a copy by slice assignment held it."""
-    if f.direct_fd is None or not dst or \
-            (offset % BLOCK == 0 and len(dst) % BLOCK == 0 and _address(dst) % BLOCK == 0):
+    if f.direct_fd is None or not dst or _aligned(dst, offset):
         return 0, not pad   # nothing cold, or aligned: _read_into reads into dst
     start = offset - offset % BLOCK
     span = fmt.align_up(offset + len(dst) + len(pad), BLOCK) - start
@@ -313,7 +317,8 @@ def _read_bounced(f: FileRead, dst: memoryview, pad: bytearray, offset: int,
     for p in range(0, n, PIECE):
         k = min(PIECE, n - p)
         ctypes.memmove(to + p, at + p, k)
-        hasher.update(bounce[lead + p:lead + p + k])
+        if hasher is not None:
+            hasher.update(bounce[lead + p:lead + p + k])
     if n < len(dst) or not pad:
         return n, not pad
     if got - lead - n < len(pad):
@@ -324,24 +329,14 @@ def _read_bounced(f: FileRead, dst: memoryview, pad: bytearray, offset: int,
 
 def _read_direct(f: FileRead, bufs: List[memoryview], offset: int) -> int:
     """Read the first buffer (at least) by direct I/O; 0 when that cannot be done
-    (then the caller reads buffered). The block-aligned span around it is read."""
+    (then the caller reads buffered). An unaligned one goes through the thread's
+    aligned buffer."""
     dst = bufs[0]
-    start = offset - offset % BLOCK
-    if start == offset and len(dst) % BLOCK == 0 and _address(dst) % BLOCK == 0:
-        try:
-            return os.preadv(f.direct_fd, [dst], offset)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            return 0
-    span = fmt.align_up(offset + len(dst), BLOCK) - start
-    bounce = _bounce(span)[:span]
+    if not _aligned(dst, offset):
+        return _read_bounced(f, dst, bytearray(), offset, None)[0]
     try:
-        got = os.preadv(f.direct_fd, [bounce], start)
+        return os.preadv(f.direct_fd, [dst], offset)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
         return 0
-    n = max(0, min(len(dst), got - (offset - start)))
-    dst[:n] = bounce[offset - start:offset - start + n]
-    return n

@@ -164,33 +164,10 @@ def saved_model(root, name):
                                          reader.load_object("model"))}
 
 
-def test_direct_reads_land_in_unaligned_destinations_whole(tmp_path):
-    """Bytes the page cache does not hold come by direct I/O, through the thread's
-    aligned buffer when the destination or the length is not a block multiple."""
-    path = str(tmp_path / "f")
-    data = np.random.default_rng(0).integers(0, 256, 5 * fastread.BLOCK, np.uint8)
-    data.tofile(path)
-    fd = os.open(path, os.O_RDONLY)
-    direct = fastread.open_direct(path, fd)
-    if direct is None:
-        os.close(fd)
-        pytest.skip("this filesystem refuses O_DIRECT")
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        read = fastread.FileRead(path, fd, direct, [], [])
-        area = memoryview(mmap.mmap(-1, 4 * fastread.BLOCK))
-        dst = area[1:1 + 2 * fastread.BLOCK + 100]      # unaligned, not whole blocks
-        assert fastread._read_into(read, [dst], fastread.BLOCK) == len(dst)
-        assert bytes(dst) == data[fastread.BLOCK:fastread.BLOCK + len(dst)].tobytes()
-    finally:
-        os.close(direct)
-        os.close(fd)
-
-
-def test_cold_bytes_through_the_aligned_buffer_are_hashed_as_they_are_copied(tmp_path):
-    """_read_bounced: a cold, unaligned destination gets its bytes and the zeros after
-    it from one direct read, hashed in order; a file that ends before those zeros
-    leaves them to the caller's read (which reports the short read)."""
+@pytest.fixture
+def cold_file(tmp_path):
+    """5 blocks of random bytes in a file, none of them cached: (the bytes, a
+    FileRead with a direct-I/O descriptor)."""
     path = str(tmp_path / "f")
     data = np.random.default_rng(1).integers(0, 256, 5 * fastread.BLOCK, np.uint8)
     data.tofile(path)
@@ -199,25 +176,40 @@ def test_cold_bytes_through_the_aligned_buffer_are_hashed_as_they_are_copied(tmp
     if direct is None:
         os.close(fd)
         pytest.skip("this filesystem refuses O_DIRECT")
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        read = fastread.FileRead(path, fd, direct, [], [])
-        area = memoryview(mmap.mmap(-1, 4 * fastread.BLOCK))
-        dst = area[64:64 + 2 * fastread.BLOCK + 100]    # as a live tensor sits
-        pad = bytearray(fastread.BLOCK - 100)
-        hasher = xxhash.xxh3_64()
-        at = fastread.BLOCK
-        assert fastread._read_bounced(read, dst, pad, at, hasher) == (len(dst), True)
-        assert bytes(dst) == data[at:at + len(dst)].tobytes()
-        assert bytes(pad) == data[at + len(dst):at + len(dst) + len(pad)].tobytes()
-        assert hasher.intdigest() == xxhash.xxh3_64(data[at:at + len(dst)]).intdigest()
-        tail = area[64:64 + fastread.BLOCK - 10]          # ends 10 bytes before EOF
-        at = 4 * fastread.BLOCK
-        assert fastread._read_bounced(read, tail, bytearray(100), at,
-                                      xxhash.xxh3_64()) == (len(tail), False)
-    finally:
-        os.close(direct)
-        os.close(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    yield data, fastread.FileRead(path, fd, direct, [], [])
+    os.close(direct)
+    os.close(fd)
+
+
+def test_direct_reads_land_in_unaligned_destinations_whole(cold_file):
+    """Bytes the page cache does not hold come by direct I/O, through the thread's
+    aligned buffer when the destination or the length is not a block multiple."""
+    data, read = cold_file
+    area = memoryview(mmap.mmap(-1, 4 * fastread.BLOCK))
+    dst = area[1:1 + 2 * fastread.BLOCK + 100]      # unaligned, not whole blocks
+    assert fastread._read_into(read, [dst], fastread.BLOCK) == len(dst)
+    assert bytes(dst) == data[fastread.BLOCK:fastread.BLOCK + len(dst)].tobytes()
+
+
+def test_cold_bytes_through_the_aligned_buffer_are_hashed_as_they_are_copied(cold_file):
+    """_read_bounced: a cold, unaligned destination gets its bytes and the zeros after
+    it from one direct read, hashed in order; a file that ends before those zeros
+    leaves them to the caller's read (which reports the short read)."""
+    data, read = cold_file
+    area = memoryview(mmap.mmap(-1, 4 * fastread.BLOCK))
+    dst = area[64:64 + 2 * fastread.BLOCK + 100]    # as a live tensor sits
+    pad = bytearray(fastread.BLOCK - 100)
+    hasher = xxhash.xxh3_64()
+    at = fastread.BLOCK
+    assert fastread._read_bounced(read, dst, pad, at, hasher) == (len(dst), True)
+    assert bytes(dst) == data[at:at + len(dst)].tobytes()
+    assert bytes(pad) == data[at + len(dst):at + len(dst) + len(pad)].tobytes()
+    assert hasher.intdigest() == xxhash.xxh3_64(data[at:at + len(dst)]).intdigest()
+    tail = area[64:64 + fastread.BLOCK - 10]          # ends 10 bytes before EOF
+    at = 4 * fastread.BLOCK
+    assert fastread._read_bounced(read, tail, bytearray(100), at,
+                                  xxhash.xxh3_64()) == (len(tail), False)
 
 
 class Refuses:
