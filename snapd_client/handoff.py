@@ -47,7 +47,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional, Tuple
 
 from snapd import protocol as proto
-from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
+from snapd.errors import DaemonStartFailed, DaemonUnavailable, InsufficientSpace, SnapdError
+from snapd.names import SHM_DIR
 from snapd.options import SUBMIT_OPTIONS, Options
 from snapd.plan import used_bytes
 from snapd.store import RunStore, SnapshotId
@@ -206,11 +207,21 @@ class Handoff:
         """A free slot of an arena large enough, attached to the daemon."""
         if self.arena is None or need > self.arena.slot_bytes:
             self._new_arena(conn, need)
-        if not self.arena.ready():   # a warm-up's pages: the rest faulted in now
-            self._new_arena(conn, need)   # they could not be: allocated here, or raised
         with self._cond:
             kept = set() if self._kept is None else {self._kept}
             slot = min(set(range(self.arena.slots)) - set(self._inflight) - kept)
+            busy = bool(self._inflight)
+        # A warm-up's pages: what is left of this slot's is faulted in now.
+        if not self.arena.ready(slot):
+            if busy:   # another slot is in use: this arena cannot be replaced now
+                raise InsufficientSpace(
+                    f"{self.arena.path}: the pages of staging slot {slot} could not be "
+                    f"allocated; this snapshot is not taken, and the arena is made "
+                    f"again once the snapshots in flight end. Free space in {SHM_DIR} "
+                    "or use slots=1", path=self.arena.path, field="slots")
+            self._new_arena(conn, need)   # allocated here, or raised
+            slot = 0
+        with self._cond:
             self._inflight[slot] = handle
             self.recovery.reserved(slot)
         return slot

@@ -88,16 +88,19 @@ class Prefault:
         self._finished = True
         self.pause()
 
-    def wait(self) -> Optional[BaseException]:
-        """Finish on this thread what is left (the arena is needed now); the error
-        that stopped it, if any (the copy then faults the rest in itself)."""
+    def wait(self, upto: Optional[int] = None) -> Optional[BaseException]:
+        """Finish on this thread what is left of the first ``upto`` bytes (default:
+        all; that part is needed now), and let the thread go on with the rest; the
+        error that stopped it, if any (the copy then faults the rest in itself)."""
+        upto = self.nbytes if upto is None else min(upto, self.nbytes)
         self.pause()
-        if self.error is None and not self._finished and self.done < self.nbytes:
+        if self.error is None and not self._finished and self.done < upto:
             try:
-                populate(self.address + self.done, self.nbytes - self.done)
-                self.done = self.nbytes
+                populate(self.address + self.done, upto - self.done)
+                self.done = upto
             except OSError as e:
                 self.error = e
+        self.start()   # the rest, if any, in the background
         return self.error
 
     def _run(self) -> None:

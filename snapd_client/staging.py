@@ -199,13 +199,19 @@ class Arena:
         :meth:`fault_in` goes on."""
         self._prefault.pause()
 
-    def ready(self) -> bool:
-        """Every page faulted in (the rest done here), before the first copy; False if
-        that failed (a full /dev/shm): the arena must not be copied into."""
-        error = self._prefault.wait()
+    def ready(self, slot: Optional[int] = None) -> bool:
+        """The pages up to the end of ``slot`` (None: of every slot) faulted in, what
+        is left of them done here, before a copy into it; the later slots' go on in
+        the background. False if that failed (a full /dev/shm): the arena must not be
+        copied into.
+
+        A first snapshot waits for its own slot's pages only: with hot restore on,
+        the arena has a slot more, and this machine has faulted in shared memory at
+        anywhere from 0.13 to over 2 GB/s (docs/benchmarks.md, issue 15)."""
+        error = self._prefault.wait(None if slot is None else (slot + 1) * self.slot_bytes)
         if error is not None:
-            logger.info("staging arena %s: its pages could not be allocated (%s); a "
-                        "new arena is made", self.path, error)
+            logger.info("staging arena %s: its pages could not be allocated (%s)",
+                        self.path, error)
         return error is None
 
     def view(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:

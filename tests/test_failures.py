@@ -4,13 +4,14 @@ the test sends the events a daemon would, or loses it."""
 
 from __future__ import annotations
 
+import errno
 import warnings
 
 import pytest
 import torch
 
 from snapd import protocol as proto
-from snapd.errors import DaemonUnavailable, SnapshotFailed
+from snapd.errors import DaemonUnavailable, InsufficientSpace, SnapshotFailed
 from snapd.store import SnapshotId
 from snapd_client import Client, CloseSummary, SnapshotWarning
 from snapd_client import handoff as handoff_mod
@@ -151,6 +152,28 @@ def test_an_older_failure_first_seen_at_close_is_warned_at_the_users_close(tmp_p
     with pytest.warns(SnapshotWarning, match="step 1") as w:
         assert c.close() == CloseSummary(committed=(2,), failed=(1,))
     assert [r.filename for r in w] == [__file__]
+
+
+def test_a_later_slot_whose_pages_could_not_be_allocated_fails_that_snapshot_only(
+        tmp_path):
+    """A first snapshot waits for its own slot's pages only (staging.Arena.ready).
+    Suppose a later slot's pages cannot be allocated while another slot is in flight.
+    Then that snapshot fails, naming the slot, and the arena the other one is staged
+    in is kept."""
+    c = Client(str(tmp_path), "r", daemon=True, slots=2)
+    c._handoff.conn = conn = StandIn()
+    c.track(model=torch.nn.Linear(8, 4))
+    first = c.snapshot(1)
+    arena = c._handoff.arena
+    arena._prefault.error = OSError(errno.ENOSPC, "No space left on device")
+    second = c.snapshot(2)
+    assert second.failed and isinstance(second.error, InsufficientSpace)
+    assert "staging slot 1" in str(second.error) and arena.path in str(second.error)
+    assert c._handoff.arena is arena and not first.done()
+    commit(c, conn, 1)
+    assert first.wait().bytes_written == 100
+    with pytest.raises(SnapshotFailed, match="staging slot 1"):   # the newest failed
+        c.close()
 
 
 def test_a_skipped_newest_is_not_a_failure(tmp_path):

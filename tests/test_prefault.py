@@ -38,6 +38,32 @@ def test_a_background_fault_in_maps_every_page_before_the_first_copy():
         arena.close()
 
 
+def test_a_copy_waits_for_its_own_slots_pages_and_the_rest_goes_on(monkeypatch):
+    """ready(slot) faults in what is left up to the end of that slot on the calling
+    thread; the thread goes on with the later slots (the hot copy's) after."""
+    monkeypatch.setattr(prefault, "PIECE", 1 << 20)
+    gate, real = threading.Event(), prefault.populate
+
+    def slow(address, nbytes):   # the thread's pieces are held back until the gate
+        if threading.current_thread().name == "snapd-prefault":
+            gate.wait(0.3)
+        real(address, nbytes)
+
+    monkeypatch.setattr(prefault, "populate", slow)
+    arena = Arena(16 << 20, slots=2, background=True)
+    try:
+        assert arena.ready(0)
+        assert arena._prefault.done >= arena.slot_bytes
+        assert resident_bytes(arena) >= arena.slot_bytes
+        assert resident_bytes(arena) < arena.size and prefault_threads()
+        gate.set()
+        assert arena.ready()
+        assert resident_bytes(arena) == arena.size and not prefault_threads()
+    finally:
+        gate.set()
+        arena.close()
+
+
 def test_no_prefault_thread_is_alive_across_a_fork_and_the_parent_goes_on(monkeypatch):
     monkeypatch.setattr(prefault, "PIECE", 1 << 20)   # many pieces: it is still running
     arena = Arena(256 << 20, background=True)
