@@ -22,8 +22,10 @@ shape, which restore checks against: the piece a rank holds depends on the world
 
 from __future__ import annotations
 
+import sys
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import msgpack
 import numpy as np
@@ -33,9 +35,24 @@ from snapd.errors import UnsupportedState
 from snapd.format import dtype_name
 from snapd.skeleton import (EXT_DEVICE, EXT_DTYPE, EXT_NDARRAY, EXT_NPSCALAR, EXT_ORDERED,
                             EXT_TENSOR, EXT_TUPLE, TENSOR_INDEX, pack)
-from snapd_client.replicas import dtensor_piece, is_dtensor
+from snapd_client.replicas import dtensor_piece
 
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+_NAMED_DTYPES: Set[torch.dtype] = set()   # dtypes dtype_name() has accepted
+_TENSOR_EXTS: List[msgpack.ExtType] = []   # EXT_TENSOR values by index, made once
+
+
+_TENSOR_EXTS_GROWING = threading.Lock()
+
+
+def _tensor_ext(index: int) -> msgpack.ExtType:
+    """The skeleton's EXT_TENSOR value for tensor ``index`` (immutable, so shared)."""
+    if index >= len(_TENSOR_EXTS):
+        with _TENSOR_EXTS_GROWING:   # entry i must hold index i
+            while len(_TENSOR_EXTS) <= index:
+                _TENSOR_EXTS.append(msgpack.ExtType(EXT_TENSOR,
+                                                    TENSOR_INDEX.pack(len(_TENSOR_EXTS))))
+    return _TENSOR_EXTS[index]
 
 
 @dataclass
@@ -62,12 +79,15 @@ class _Flattener:
         self.shards: List[Optional[Dict[str, List[int]]]] = []
         self.leaves: List[torch.Tensor] = []
         self.writers: List[Optional[int]] = []
+        dtensor = sys.modules.get("torch.distributed.tensor")  # looked up, never imported
+        self.dtensors = dtensor.DTensor if dtensor is not None else None
 
     def walk(self, value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor):
-            return msgpack.ExtType(EXT_TENSOR, self._add(value, path))
+            return self._add(value, path)
         if isinstance(value, np.ndarray):
-            return msgpack.ExtType(EXT_NDARRAY, self._add(torch.from_numpy(value), path))
+            index = self._add(torch.from_numpy(value), path).data
+            return msgpack.ExtType(EXT_NDARRAY, index)
         if isinstance(value, dict):
             items = [(self._key(k, path), self.walk(v, f"{path}.{k}"))
                      for k, v in value.items()]
@@ -82,19 +102,24 @@ class _Flattener:
         return self._plain(value, path)
 
     def _add(self, tensor: torch.Tensor, path: str) -> bytes:
+        # Per tensor, at every snapshot (1344 tensors for a 1 GiB transformer): the
+        # checks are cached by dtype, and detach() (a new tensor object) is only paid
+        # by a leaf autograd tracks.
         shard = writer = None
         self.leaves.append(tensor)
-        if is_dtensor(tensor):
+        if self.dtensors is not None and isinstance(tensor, self.dtensors):
             tensor, shard, writer = dtensor_piece(tensor, f"{self.name}{path}")
         if tensor.layout != torch.strided or tensor.is_quantized:
             raise UnsupportedState(f"{self.name}{path}: {tensor.layout} tensors cannot be saved; "
                                    "convert to dense in state_dict()")
-        dtype_name(tensor.dtype)
-        self.tensors.append(tensor.detach())
+        if tensor.dtype not in _NAMED_DTYPES:
+            dtype_name(tensor.dtype)   # raises for a dtype the format has no name for
+            _NAMED_DTYPES.add(tensor.dtype)
+        self.tensors.append(tensor.detach() if tensor.requires_grad else tensor)
         self.paths.append(path)
         self.shards.append(shard)
         self.writers.append(writer)
-        return TENSOR_INDEX.pack(len(self.tensors) - 1)
+        return _tensor_ext(len(self.tensors) - 1)
 
     def _key(self, key: Any, path: str) -> Any:
         if key is None or isinstance(key, (str, int, float, bool)):

@@ -80,3 +80,27 @@ def test_skeleton_pointing_past_the_tensor_list_is_corrupt():
 def test_garbage_skeleton_is_corrupt_not_executed():
     with pytest.raises(CorruptSnapshot, match="skeleton"):
         unflatten(b"\xc1\xc1\xc1", [], source="test")
+
+
+def test_a_leaf_autograd_tracks_is_detached_and_the_others_are_taken_as_they_are():
+    weight = torch.nn.Parameter(torch.randn(3))
+    buffer = torch.randn(2)
+    flat = flatten({"w": weight, "b": buffer}, "obj")
+    assert not flat.tensors[0].requires_grad
+    assert flat.tensors[0].data_ptr() == weight.data_ptr()   # a view, not a copy
+    assert flat.tensors[1] is buffer
+    assert flat.leaves == [weight, buffer]
+
+
+def test_tensor_indices_stay_right_past_any_earlier_flatten():
+    flatten({"a": torch.zeros(1), "b": torch.ones(1)}, "small")
+    state = {f"t{i}": torch.full((1,), float(i)) for i in range(300)}
+    _, back = roundtrip(state)
+    assert [float(back[f"t{i}"]) for i in range(300)] == [float(i) for i in range(300)]
+
+
+def test_a_dtype_without_a_name_is_refused_every_time():
+    # float8_e4m3fnuz has no name in the format (snapd/format.py ITEMSIZES)
+    for _ in range(2):
+        with pytest.raises(CorruptSnapshot, match="float8_e4m3fnuz has no snapd encoding"):
+            flatten({"t": torch.zeros(2, dtype=torch.float8_e4m3fnuz)}, "obj")
