@@ -2,8 +2,10 @@
 
 Imported by scripts/bench.py (workers and report); not run on its own.
 
-- ``direct_read``: the floor for a cold restore, the same bytes read back by
-  ``O_DIRECT`` into a page-aligned buffer, in the ``ref`` worker.
+- ``direct_read`` / ``DirectReader``: the floor for a cold restore, bytes read back by
+  ``O_DIRECT`` into a page-aligned buffer: the ``ref`` worker's file, and, paired,
+  snapd's own snapshot files between its cold restores (the ``restore_direct``
+  target's reference).
 - ``w_memory`` (methods ``mem_hot`` / ``mem_nohot``): a run with hot restore on or off
   (snapshots, the trainer closes, a new one restores, snapshots again), sampling the
   bytes of snapd's shared memory and the daemon's RSS outside shared memory.
@@ -44,38 +46,59 @@ def direct_read(path: str, reps: int, threads: int = 1) -> List[float]:
     """Read ``path`` by O_DIRECT into a page-aligned buffer (faulted in first, as the
     live tensors are), in 8 MiB pieces on ``threads`` threads; ``reps`` times, each
     after dropping the file's cached pages. Empty when O_DIRECT is refused."""
-    from concurrent.futures import ThreadPoolExecutor
-    size = os.path.getsize(path)
+    reader = DirectReader([path], threads)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return []
-    buf = mmap.mmap(-1, max(size, 4096))
-    buf.write(b"\0" * len(buf))
-    view = memoryview(buf)
-    pieces = [(view[o:o + PIECE], o) for o in range(0, size, PIECE)]
-    shares = [pieces[i::threads] for i in range(threads)]
+        return [reader.read() for _ in range(reps)] if reader.fds else []
+    finally:
+        reader.close()
 
-    def read(share):
-        for out, at in share:
+
+class DirectReader:
+    """Reads some files by O_DIRECT, one after the other, into one page-aligned buffer
+    (faulted in first, as the live tensors are) in 8 MiB pieces on ``threads`` threads,
+    each :meth:`read` after dropping the files' cached pages. ``fds`` is empty where
+    the filesystem refuses O_DIRECT."""
+
+    def __init__(self, paths: List[str], threads: int = 1) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+        self.paths, self.threads, self.fds = paths, threads, []
+        sizes = [os.path.getsize(p) for p in paths]
+        try:
+            self.fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
+        except OSError:
+            for fd in self.fds:
+                os.close(fd)
+            self.fds = []
+        self.buf = mmap.mmap(-1, max(sizes + [4096]))
+        self.buf.write(b"\0" * len(self.buf))
+        view = memoryview(self.buf)
+        pieces = [(fd, view[o:o + PIECE], o) for fd, size in zip(self.fds, sizes)
+                  for o in range(0, size, PIECE)]
+        self.shares = [pieces[i::threads] for i in range(threads)]
+        self.pool = ThreadPoolExecutor(max(threads - 1, 1))
+
+    def read(self) -> float:
+        """One cold read of every file; seconds."""
+        for path in self.paths:
+            drop_file(path)
+        t0 = time.perf_counter()
+        others = [self.pool.submit(self._read, s) for s in self.shares[1:]]
+        self._read(self.shares[0])
+        for f in others:
+            f.result()
+        return time.perf_counter() - t0
+
+    @staticmethod
+    def _read(share) -> None:
+        for fd, out, at in share:
             os.preadv(fd, [out], at)
 
-    times = []
-    try:
-        with ThreadPoolExecutor(max(threads - 1, 1)) as pool:
-            for _ in range(reps):
-                drop_file(path)
-                t0 = time.perf_counter()
-                others = [pool.submit(read, s) for s in shares[1:]]
-                read(shares[0])
-                for f in others:
-                    f.result()
-                times.append(time.perf_counter() - t0)
-    finally:
-        os.close(fd)
-        del pieces, shares, view
-        buf.close()
-    return times
+    def close(self) -> None:
+        self.pool.shutdown()
+        for fd in self.fds:
+            os.close(fd)
+        self.shares = []
+        self.buf.close()
 
 
 def drop_file(path: str) -> None:
@@ -375,7 +398,8 @@ TARGETS = [
                      "and dcp.load"),
     ("restore_cold", "file restore, cold: ≤ the faster of torch.load + load_state_dict "
                      "and dcp.load"),
-    ("restore_direct", "file restore, cold: ≤ 1.2× a raw O_DIRECT read of the same bytes"),
+    ("restore_direct", "file restore, cold: ≤ 1.2× a raw O_DIRECT read of the same bytes "
+                       "(paired since 2026-12-02: its own files, between its restores)"),
     ("shm_hot", "/dev/shm peak of a run, hot_restore on: ≤ 2.05× the state"),
     ("shm_nohot", "/dev/shm peak of a run, hot_restore off: ≤ 1.05× the state"),
     ("daemon_rss", "daemon RSS outside shared memory < 100 MiB"),
@@ -477,8 +501,9 @@ def size_targets(size: str, per: Dict[str, Dict[str, Any]]) -> List[Dict[str, An
         target("restore_cold", size, m("snapd_wait", "restore_cold_s"),
                faster(m("torch_save", "restore_cold_s"), m("dcp_save", "restore_cold_s")),
                1.0),
+        # Paired where measured: the snapshot's own files, read between its restores.
         target("restore_direct", size, m("snapd_wait", "restore_cold_s"),
-               m("ref", "direct_read_s"), 1.2)]
+               m("snapd_wait", "paired_direct_s") or m("ref", "direct_read_s"), 1.2)]
     for method, tid, limit in (("mem_hot", "shm_hot", 2.05), ("mem_nohot", "shm_nohot", 1.05)):
         r = per.get(method, {})
         if "meter" in r:
@@ -569,7 +594,8 @@ def first_line(per: Dict[str, Dict[str, Any]]) -> List[str]:
     if "first_call_s" not in sw or not sw.get("stall_s"):
         return []
     later = statistics.median(sw["stall_s"])
-    return [f"- first snapshot (mode=wait): track() took {_ms(sw.get('track_s'))}; then "
+    return [f"- first snapshot (mode=wait): track() took {_ms(sw.get('track_s'))}, "
+            f"restore() of the fresh run {_ms(sw.get('fresh_restore_s'))}; then "
             f"an optimizer step and training until the first snapshot "
             f"({_ms(sw.get('gap_s'))}: `--first-gap`, the steps before a loop's first "
             "snapshot, while the daemon starts and the arena is made in the "
