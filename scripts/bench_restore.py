@@ -353,6 +353,21 @@ def w_loop(args, model, opt, tensors, sampler, res, *, run: str, daemon_pid_of,
         return {"step": t3 - t0, "call": t1 - t0, "fwd_bwd": t2 - t1,
                 "blocked": stamp.get("t", t2) - t2}
 
+    def bare_step(private) -> float:
+        """The floor of any snapshot that copies behind the forward and backward: the
+        same ``copy_`` on a second thread of this process, no snapd, joined before
+        optimizer.step(). What it adds to a step is the copy's cost to the forward
+        and backward beside it (memory bandwidth, the other core)."""
+        t0 = time.perf_counter()
+        copier = threading.Thread(target=lambda: [d.copy_(t) for d, t in
+                                                  zip(private, tensors)])
+        copier.start()
+        opt.zero_grad(set_to_none=False)
+        model(x).pow(2).mean().backward()
+        copier.join()
+        opt.step()
+        return time.perf_counter() - t0
+
     c = Client(args.root, run, mode="overlap")
     c.track(model=model, optimizer=opt)
     step(c, 0)   # warm-up: daemon, arena
@@ -361,7 +376,7 @@ def w_loop(args, model, opt, tensors, sampler, res, *, run: str, daemon_pid_of,
     opt.register_step_pre_hook(lambda *a: stamp.__setitem__("t", time.perf_counter()))
     private = [torch.empty_like(t) for t in tensors]
     timed_copy(private, tensors)   # faults the destination in
-    base, snap, copy = [], [], []
+    base, snap, copy, bare = [], [], [], []
     for i in range(1, args.reps + 1):
         wait_idle(pid)
         step()
@@ -369,9 +384,12 @@ def w_loop(args, model, opt, tensors, sampler, res, *, run: str, daemon_pid_of,
         step()
         copy.append(timed_copy(private, tensors))
         step()
+        bare.append(bare_step(private))
+        step()
         snap.append(step(c, i))
     c.close()
     res.update(base_s=[b["step"] for b in base], fwd_bwd_s=[b["fwd_bwd"] for b in base],
+               bare_s=bare,
                snap_s=[s["step"] for s in snap], call_s=[s["call"] for s in snap],
                fwd_bwd_snap_s=[s["fwd_bwd"] for s in snap],
                blocked_s=[s["blocked"] for s in snap], copy_s=copy,
@@ -383,11 +401,14 @@ def loop_summary(r: Dict[str, Any]) -> Dict[str, Optional[float]]:
     """Medians, the step-time increase and that increase over the copy's time."""
     med = {k: (statistics.median(r[k]) if r.get(k) else None)
            for k in ("base_s", "snap_s", "call_s", "blocked_s", "copy_s", "fwd_bwd_s",
-                     "fwd_bwd_snap_s")}
-    inc = None if med["snap_s"] is None or med["base_s"] is None \
-        else med["snap_s"] - med["base_s"]
-    med["increase_s"] = inc
-    med["fraction"] = None if inc is None or not med["copy_s"] else inc / med["copy_s"]
+                     "fwd_bwd_snap_s", "bare_s")}
+
+    def over_copy(step_s):
+        inc = None if step_s is None or med["base_s"] is None else step_s - med["base_s"]
+        return inc, (None if inc is None or not med["copy_s"] else inc / med["copy_s"])
+
+    med["increase_s"], med["fraction"] = over_copy(med["snap_s"])
+    med["bare_increase_s"], med["bare_fraction"] = over_copy(med["bare_s"])
     return med
 
 
@@ -527,9 +548,11 @@ def loop_target(size: str, r: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     s = loop_summary(r)
     if s["fraction"] is None:
         return None
+    floor = "" if s["bare_fraction"] is None else \
+        f"; a bare copy_ beside: {s['bare_fraction']:.2f}×"
     return {"id": "loop", "size": size,
             "measured": f"{s['fraction']:.2f}× (+{_ms(s['increase_s'])} per step "
-                        f"vs a copy of {_ms(s['copy_s'])})",
+                        f"vs a copy of {_ms(s['copy_s'])}{floor})",
             "ratio": s["fraction"], "ok": s["fraction"] <= 0.3}
 
 
@@ -617,22 +640,30 @@ def loop_lines(loops: Dict[str, Dict[str, Any]]) -> List[str]:
            "pre-hook waits for what is left of it). Steps with and without a snapshot "
            "alternate, each after an untimed step; after a snapshot step the daemon's "
            "write is waited out, untimed. The copy alone is a `copy_` of the state into "
-           "preallocated memory on the same thread count, timed between the same steps.",
+           "preallocated memory on the same thread count, timed between the same steps. "
+           "*Bare copy beside* is the floor of any snapshot that copies behind the "
+           "forward and backward: the same `copy_` on a second thread of the trainer, "
+           "no snapd, joined before optimizer.step(), between the same steps.",
            "", "| state | layers | step, no snapshot | step with snapshot | increase | "
-           "copy alone | increase / copy | forward+backward, no snapshot / with | "
-           "snapshot() call | blocked in pre-hook |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "copy alone | increase / copy | bare copy beside: increase / copy | "
+           "forward+backward, no snapshot / with | snapshot() call | blocked in pre-hook |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def frac(x):
+        return "–" if x is None else f"{x:.2f}"
+
     for size, r in loops.items():
         if "error" in r:
-            out.append(f"| {size} | error | | | | | | | | |")
+            out.append(f"| {size} | error | | | | | | | | | |")
             continue
         s = loop_summary(r)
-        frac = "–" if s["fraction"] is None else f"{s['fraction']:.2f}"
         inc = "–" if s["increase_s"] is None else f"{s['increase_s'] * 1e3:+.1f} ms"
+        bare = "–" if s["bare_increase_s"] is None else \
+            f"{frac(s['bare_fraction'])} ({s['bare_increase_s'] * 1e3:+.1f} ms)"
         out.append(f"| {size} ({r['state_bytes'] / GiB:.2f} GiB) | {r.get('layers')} | "
                    f"{_ms(s['base_s'])} | {_ms(s['snap_s'])} | {inc} | "
-                   f"{_ms(s['copy_s'])} | {frac} | {_ms(s['fwd_bwd_s'])} / "
-                   f"{_ms(s['fwd_bwd_snap_s'])} | "
+                   f"{_ms(s['copy_s'])} | {frac(s['fraction'])} | {bare} | "
+                   f"{_ms(s['fwd_bwd_s'])} / {_ms(s['fwd_bwd_snap_s'])} | "
                    f"{_ms(s['call_s'])} | {_ms(s['blocked_s'])} |")
     n = next((len(r["snap_s"]) for r in loops.values() if r.get("snap_s")), 0)
     return out + ["", f"({n} steps of each kind; medians.)", ""]
