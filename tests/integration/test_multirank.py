@@ -70,11 +70,39 @@ def ddp(base: str, name: str, run: str, nproc: int = 2, **cfg):
 
 
 @pytest.fixture(scope="module")
-def reference(base):
-    """The uninterrupted run, without snapd."""
-    cfg, n = ddp(base, "reference", "ref", snapd=False)
-    run_job("ddp_job.py", n, cfg, os.path.join(base, "reference.log"))
-    return cfg["out"]
+def ddp_runs(base):
+    """The uninterrupted run, without snapd, side by side with the same run with snapd:
+    SIGKILLed whole once snapshot 16 is globally committed and every rank has done
+    step 20; restarted, run to the end."""
+    ref, n = ddp(base, "reference", "ref", snapd=False)
+    uninterrupted = Job("ddp_job.py", n, ref, os.path.join(base, "reference.log"))
+    try:
+        cut = killed_and_resumed(base)
+    except BaseException:
+        uninterrupted.kill()
+        raise
+    uninterrupted.expect_ok()
+    return {"reference": ref["out"], **cut}
+
+
+def killed_and_resumed(base: str) -> dict:
+    cfg, n = ddp(base, "killed", "cut", pause_at=KILL_AT)
+    job = Job("ddp_job.py", n, cfg, os.path.join(base, "killed.log"))
+    committed = os.path.join(snapshot_dir(cfg["root"], cfg["run"], RESUMED_AT), "commit.snapd")
+    job.wait_until(files_exist(committed, *(os.path.join(cfg["out"], f"paused-{r}")
+                                            for r in range(n))),
+                   90, f"snapshot {RESUMED_AT}'s global commit and step {KILL_AT} on every rank")
+    job.kill()
+    assert logged_step(cfg["root"], cfg["run"], 0) == KILL_AT
+    again, _ = ddp(base, "resumed", "cut")
+    run_job("ddp_job.py", n, again, os.path.join(base, "resumed.log"))
+    return {"root": cfg["root"], "run": cfg["run"], "killed": cfg["out"],
+            "resumed": again["out"]}
+
+
+@pytest.fixture(scope="module")
+def reference(ddp_runs):
+    return ddp_runs["reference"]
 
 
 def test_a_job_is_killed_whole(base, reference):
@@ -94,21 +122,8 @@ def test_a_job_is_killed_whole(base, reference):
 
 
 @pytest.fixture(scope="module")
-def resumed(base):
-    """The same run with snapd: SIGKILLed whole once snapshot 16 is globally
-    committed and every rank has done step 20; restarted, run to the end."""
-    cfg, n = ddp(base, "killed", "cut", pause_at=KILL_AT)
-    job = Job("ddp_job.py", n, cfg, os.path.join(base, "killed.log"))
-    committed = os.path.join(snapshot_dir(cfg["root"], cfg["run"], RESUMED_AT), "commit.snapd")
-    job.wait_until(files_exist(committed, *(os.path.join(cfg["out"], f"paused-{r}")
-                                            for r in range(n))),
-                   90, f"snapshot {RESUMED_AT}'s global commit and step {KILL_AT} on every rank")
-    job.kill()
-    assert logged_step(cfg["root"], cfg["run"], 0) == KILL_AT
-    again, _ = ddp(base, "resumed", "cut")
-    run_job("ddp_job.py", n, again, os.path.join(base, "resumed.log"))
-    return {"root": cfg["root"], "run": cfg["run"], "killed": cfg["out"],
-            "resumed": again["out"]}
+def resumed(ddp_runs):
+    return ddp_runs
 
 
 @pytest.mark.parametrize("rank", [0, 1])
