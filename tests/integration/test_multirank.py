@@ -13,7 +13,9 @@ and tests/integration/jobs.py kills them whole. Issue 14's acceptance cases:
 5. A 4-rank DDP snapshot takes about one copy of model and optimizer on disk.
 
 Jobs are slow to start (torch on every rank): each module-scoped fixture runs its
-jobs once and several tests read their output.
+jobs once and several tests read their output, and jobs that do not depend on each
+other run side by side where a core would otherwise wait (two 2-rank jobs; a job in
+its bounded wait beside a 4-rank one).
 """
 
 from __future__ import annotations
