@@ -1,6 +1,9 @@
 """Two real trainer processes of a script that never seeds python or numpy, writing
 through the real daemon: `snapd diff` says weights and optimizer equal, the python
-and numpy streams seeded differently and never drawn from, and exits 0."""
+and numpy streams seeded differently and never drawn from, and exits 0.
+
+The two trainers run side by side (two runs of one root: they share only the daemon),
+and so do the two diffs, which only read."""
 
 from __future__ import annotations
 
@@ -33,18 +36,28 @@ c.close()
 def test_two_processes_that_never_seed_python_or_numpy_diff_equal(tmp_path):
     root = str(tmp_path / "root")
     try:
-        for run in ("a", "b"):
-            subprocess.run([sys.executable, "-c", SCRIPT, root, run], check=True,
-                           timeout=120)
-        result = subprocess.run([sys.executable, "-m", "snapd", "diff", "a", "b", "--root",
-                                 root, "--json"], capture_output=True, text=True, timeout=120)
+        trainers = [subprocess.Popen([sys.executable, "-c", SCRIPT, root, run])
+                    for run in ("a", "b")]
+        assert [finish(p) for p in trainers] == [0, 0]
+        diff = [sys.executable, "-m", "snapd", "diff", "a", "b", "--root", root]
+        result, strict = [subprocess.Popen(diff + [flag], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
+                          for flag in ("--json", "--strict")]
+        (out, err), (strict_out, _) = result.communicate(120), strict.communicate(120)
     finally:
         stop_daemons_under(str(tmp_path))
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = json.loads(result.stdout)
-    assert {p: r["verdict"] for p, r in out["parts"].items()} == {
+    assert result.returncode == 0, out + err
+    parts = json.loads(out)["parts"]
+    assert {p: r["verdict"] for p, r in parts.items()} == {
         "weights": "equal", "optimizer": "equal", "rng": "never-drawn",
         "cursor": "never-drawn"}
-    strict = subprocess.run([sys.executable, "-m", "snapd", "diff", "a", "b", "--root", root,
-                             "--strict"], capture_output=True, text=True, timeout=120)
-    assert strict.returncode == 1 and "never drawn from: numpy, python" in strict.stdout
+    assert strict.returncode == 1 and "never drawn from: numpy, python" in strict_out
+
+
+def finish(proc: subprocess.Popen) -> int:
+    """Its exit status; killed first if it runs past two minutes."""
+    try:
+        return proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()

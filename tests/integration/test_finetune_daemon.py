@@ -46,15 +46,18 @@ def assert_only_trainable_after_the_first(report):
 
 
 def test_lora_every_step_killed_and_resumed_bit_for_bit(tmp_path):
+    procs = []
     try:
+        # the uninterrupted run and the one killed side by side (two runs of one root)
         whole, whole_out = start(tmp_path, "whole", run="whole")
-        report, reference = finish(whole, whole_out, tmp_path, "whole")
-        assert_only_trainable_after_the_first(report)
-
         killed, out = start(tmp_path, "killed", run="cut", pause_at=PAUSE)
+        procs += [whole, killed]   # neither outlives a failure (killed waits forever)
         assert wait_for(lambda: os.path.exists(out / "paused"), timeout=60)
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
+        report, reference = finish(whole, whole_out, tmp_path, "whole")
+        assert_only_trainable_after_the_first(report)
+
         resumed, out = start(tmp_path, "resumed", run="cut", seed=1)
         report, state = finish(resumed, out, tmp_path, "resumed")
         assert report["first_step"] == PAUSE + 1
@@ -68,4 +71,7 @@ def test_lora_every_step_killed_and_resumed_bit_for_bit(tmp_path):
         for sid in store.committed():   # every snapshot kept reads whole
             SnapshotReader(store.snapshot_path(sid)).verify()
     finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
         stop_daemons_under(str(tmp_path))

@@ -13,7 +13,9 @@ and tests/integration/jobs.py kills them whole. Issue 14's acceptance cases:
 5. A 4-rank DDP snapshot takes about one copy of model and optimizer on disk.
 
 Jobs are slow to start (torch on every rank): each module-scoped fixture runs its
-jobs once and several tests read their output.
+jobs once and several tests read their output, and jobs that do not depend on each
+other run side by side where a core would otherwise wait (two 2-rank jobs; a job in
+its bounded wait beside a 4-rank one).
 """
 
 from __future__ import annotations
@@ -70,11 +72,39 @@ def ddp(base: str, name: str, run: str, nproc: int = 2, **cfg):
 
 
 @pytest.fixture(scope="module")
-def reference(base):
-    """The uninterrupted run, without snapd."""
-    cfg, n = ddp(base, "reference", "ref", snapd=False)
-    run_job("ddp_job.py", n, cfg, os.path.join(base, "reference.log"))
-    return cfg["out"]
+def ddp_runs(base):
+    """The uninterrupted run, without snapd, side by side with the same run with snapd:
+    SIGKILLed whole once snapshot 16 is globally committed and every rank has done
+    step 20; restarted, run to the end."""
+    ref, n = ddp(base, "reference", "ref", snapd=False)
+    uninterrupted = Job("ddp_job.py", n, ref, os.path.join(base, "reference.log"))
+    try:
+        cut = killed_and_resumed(base)
+    except BaseException:
+        uninterrupted.kill()
+        raise
+    uninterrupted.expect_ok()
+    return {"reference": ref["out"], **cut}
+
+
+def killed_and_resumed(base: str) -> dict:
+    cfg, n = ddp(base, "killed", "cut", pause_at=KILL_AT)
+    job = Job("ddp_job.py", n, cfg, os.path.join(base, "killed.log"))
+    committed = os.path.join(snapshot_dir(cfg["root"], cfg["run"], RESUMED_AT), "commit.snapd")
+    job.wait_until(files_exist(committed, *(os.path.join(cfg["out"], f"paused-{r}")
+                                            for r in range(n))),
+                   90, f"snapshot {RESUMED_AT}'s global commit and step {KILL_AT} on every rank")
+    job.kill()
+    assert logged_step(cfg["root"], cfg["run"], 0) == KILL_AT
+    again, _ = ddp(base, "resumed", "cut")
+    run_job("ddp_job.py", n, again, os.path.join(base, "resumed.log"))
+    return {"root": cfg["root"], "run": cfg["run"], "killed": cfg["out"],
+            "resumed": again["out"]}
+
+
+@pytest.fixture(scope="module")
+def reference(ddp_runs):
+    return ddp_runs["reference"]
 
 
 def test_a_job_is_killed_whole(base, reference):
@@ -94,21 +124,8 @@ def test_a_job_is_killed_whole(base, reference):
 
 
 @pytest.fixture(scope="module")
-def resumed(base):
-    """The same run with snapd: SIGKILLed whole once snapshot 16 is globally
-    committed and every rank has done step 20; restarted, run to the end."""
-    cfg, n = ddp(base, "killed", "cut", pause_at=KILL_AT)
-    job = Job("ddp_job.py", n, cfg, os.path.join(base, "killed.log"))
-    committed = os.path.join(snapshot_dir(cfg["root"], cfg["run"], RESUMED_AT), "commit.snapd")
-    job.wait_until(files_exist(committed, *(os.path.join(cfg["out"], f"paused-{r}")
-                                            for r in range(n))),
-                   90, f"snapshot {RESUMED_AT}'s global commit and step {KILL_AT} on every rank")
-    job.kill()
-    assert logged_step(cfg["root"], cfg["run"], 0) == KILL_AT
-    again, _ = ddp(base, "resumed", "cut")
-    run_job("ddp_job.py", n, again, os.path.join(base, "resumed.log"))
-    return {"root": cfg["root"], "run": cfg["run"], "killed": cfg["out"],
-            "resumed": again["out"]}
+def resumed(ddp_runs):
+    return ddp_runs
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -171,14 +188,35 @@ def test_one_damaged_part_makes_every_rank_fall_back_together(base, resumed):
     assert any("rank 1" in line or "rank-00001" in line for line in lines), job.output()
 
 
-def test_a_snapshot_missing_a_part_is_never_restored(base):
+MISSING_ENV = {"SNAPD_GLOBAL_COMMIT_TIMEOUT": "5"}
+
+
+@pytest.fixture(scope="module")
+def side_by_side(base):
+    """Two jobs that share nothing but the root's daemon, at once: one whose rank 1
+    never submits its part of snapshot 8 (rank 0's close() waits out its bounded 5 s
+    meanwhile), and a 4-rank DDP job. name -> (settings, finished job)."""
+    jobs = {"missing": ddp(base, "missing", "miss", steps=8, snapshot_every=4,
+                           skip_part_at=8),
+            "four": ddp(base, "four", "four", nproc=4, steps=2, snapshot_every=2,
+                        hidden=128)}
+    started = {name: Job("ddp_job.py", n, cfg, os.path.join(base, f"{name}.log"),
+                         env=job_env(**MISSING_ENV) if name == "missing" else None)
+               for name, (cfg, n) in jobs.items()}
+    try:
+        return {name: (jobs[name][0], job.expect_ok()) for name, job in started.items()}
+    finally:
+        for job in started.values():
+            if job.proc.poll() is None:
+                job.kill()
+
+
+def test_a_snapshot_missing_a_part_is_never_restored(base, side_by_side):
     """Rank 1 never submits its part of snapshot 8: rank 0's close() raises
     IncompleteSnapshot within its bounded wait, snapshot 8 stays parts only, and the
     restart resumes both ranks from 4."""
-    cfg, n = ddp(base, "missing", "miss", steps=8, snapshot_every=4, skip_part_at=8)
-    env = job_env(SNAPD_GLOBAL_COMMIT_TIMEOUT="5")
-    run_job("ddp_job.py", n, cfg, os.path.join(base, "missing.log"), env=env)
-    closed = [load_close(cfg["out"], r) for r in range(n)]
+    cfg, job = side_by_side["missing"]
+    closed = [load_close(cfg["out"], r) for r in range(job.nproc)]
     assert closed[0]["error"] == "IncompleteSnapshot", closed
     parts = parts_dir(cfg["root"], cfg["run"], 8)
     message = closed[0]["message"]
@@ -189,14 +227,15 @@ def test_a_snapshot_missing_a_part_is_never_restored(base):
     assert not os.path.exists(snapshot_dir(cfg["root"], cfg["run"], 8))
     assert os.path.isdir(os.path.join(parts, "rank-00000"))
     assert not os.path.exists(os.path.join(parts, "rank-00001"))
-    steps, _ = restore_only(base, cfg["root"], cfg["run"], "missing-restart", env=env)
+    steps, _ = restore_only(base, cfg["root"], cfg["run"], "missing-restart",
+                            env=job_env(**MISSING_ENV))
     assert steps == [4, 4]
     assert not os.path.exists(snapshot_dir(cfg["root"], cfg["run"], 8))
 
 
-def test_a_4_rank_ddp_snapshot_takes_about_one_copy(base):
-    cfg, n = ddp(base, "four", "four", nproc=4, steps=2, snapshot_every=2, hidden=128)
-    job = run_job("ddp_job.py", n, cfg, os.path.join(base, "four.log"))
+def test_a_4_rank_ddp_snapshot_takes_about_one_copy(side_by_side):
+    cfg, job = side_by_side["four"]
+    n = job.nproc
     assert "SnapshotWarning" not in job.output(200_000), job.output()
     assert [load_close(cfg["out"], r)["error"] for r in range(n)] == [None] * n
     snapshot = snapshot_dir(cfg["root"], cfg["run"], 2)

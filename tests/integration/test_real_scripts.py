@@ -25,10 +25,22 @@ CASES = {"nanogpt_style.py": (25, 20), "word_lm_style.py": (45, 42),
          "mingpt_adder_style.py": (37, 30)}
 
 
+def start_script(path, **cfg):
+    return subprocess.Popen([sys.executable, path, json.dumps(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(path))
+
+
+def finish_script(proc):
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+        proc.wait()
+    return proc.returncode, out.splitlines(), err
+
+
 def run_script(path, **cfg):
-    proc = subprocess.run([sys.executable, path, json.dumps(cfg)], capture_output=True,
-                          text=True, timeout=240, cwd=os.path.dirname(path))
-    return proc.returncode, proc.stdout.splitlines(), proc.stderr
+    return finish_script(start_script(path, **cfg))
 
 
 def snapd_lines(path):
@@ -45,11 +57,13 @@ def test_script_adds_at_most_six_lines(script):
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_killed_mid_epoch_resumes_bit_for_bit(short_root, script):
     path, (kill_at, resumed_at) = os.path.join(SCRIPTS, script), CASES[script]
-    rc, whole, err = run_script(path, root=short_root, run="whole")
+    # the uninterrupted run and the one killed side by side (two runs of one root)
+    whole = start_script(path, root=short_root, run="whole")
+    first = start_script(path, root=short_root, run="cut", kill_at=kill_at)
+    (rc, whole, err), (rc_first, first, err_first) = finish_script(whole), finish_script(first)
     assert rc == 0, err[-3000:]
     assert whole[-1].startswith("weights ")
-    rc, first, err = run_script(path, root=short_root, run="cut", kill_at=kill_at)
-    assert rc == -signal.SIGKILL, err[-3000:]
+    assert rc_first == -signal.SIGKILL, err_first[-3000:]
     rc, second, err = run_script(path, root=short_root, run="cut")
     assert rc == 0, err[-3000:]
     assert f"resuming from step {resumed_at}" in err, err[-3000:]

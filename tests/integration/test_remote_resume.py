@@ -23,16 +23,30 @@ TRAINER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS, CUT, DIED = 12, 5, 9   # snapshot at CUT, the first process is killed after DIED
 
 
-def run_trainer(base, name, **cfg):
+def start_trainer(base, name, **cfg):
     out = os.path.join(base, f"{name}.json")
     cfg = {"out": out, "steps": STEPS, "model": "momentum", "workers": 0,
            "loader_generator": True, **cfg}
-    proc = subprocess.run([sys.executable, TRAINER, json.dumps(cfg)], capture_output=True,
-                          text=True, timeout=300)
-    killed = cfg.get("sigkill") and proc.returncode == -signal.SIGKILL
-    assert proc.returncode == 0 or killed, proc.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, TRAINER, json.dumps(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, out, cfg.get("sigkill")
+
+
+def finish_trainer(started):
+    proc, out, sigkill = started
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+    killed = sigkill and proc.returncode == -signal.SIGKILL
+    assert proc.returncode == 0 or killed, stderr[-3000:]
     with open(out) as f:
-        return json.load(f), proc.stderr
+        return json.load(f), stderr
+
+
+def run_trainer(base, name, **cfg):
+    return finish_trainer(start_trainer(base, name, **cfg))
 
 
 def remote_log_caught_up(remote, root, run):
@@ -59,10 +73,12 @@ def test_a_job_that_lost_its_node_resumes_from_the_remote(tmp_path, s3_env, monk
     node_a = os.path.join("/tmp", f"snapd-a-{os.getpid()}-{tmp_path.name[-8:]}")
     node_b = os.path.join("/tmp", f"snapd-b-{os.getpid()}-{tmp_path.name[-8:]}")
     try:
-        whole, _ = run_trainer(base, "whole", root=os.path.join(base, "plain"), run="r",
-                               options={"daemon": False})
-        first, _ = run_trainer(base, "first", root=node_a, run="r", stop=DIED,
-                               snapshot_at=[CUT], sigkill=True, options=options)
+        # the uninterrupted run (no daemon, a root of its own) beside the first one
+        whole = start_trainer(base, "whole", root=os.path.join(base, "plain"), run="r",
+                              options={"daemon": False})
+        first = start_trainer(base, "first", root=node_a, run="r", stop=DIED,
+                              snapshot_at=[CUT], sigkill=True, options=options)
+        (whole, _), (first, _) = finish_trainer(whole), finish_trainer(first)
         wait_until(lambda: SnapshotId(0, CUT) in remote.commits("r"), 60,
                    "the remote commit of the snapshot at CUT")
         wait_until(lambda: remote_log_caught_up(remote, node_a, "r"), 60,

@@ -3,13 +3,23 @@
 checked (a value the loop forgot to track then goes unnoticed); with
 ``verify_steps=k`` it resumes from the snapshot before, recomputes and checks the
 steps up to the newest one, catches the forgotten value (naming untracked state), and
-when everything is tracked ends bit for bit on the uninterrupted run."""
+when everything is tracked ends bit for bit on the uninterrupted run.
+
+The module's seven trainers run in two rounds, each side by side (runs of one root
+share only the daemon): the uninterrupted run and three runs SIGKILLed right after
+snapshot 8; then the resume of each killed run. Each test reads the runs it names."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import subprocess
 import sys
+
+import pytest
+
+from harness import UID, Env
 
 TRAINER = r"""
 import json, os, signal, sys, torch
@@ -49,21 +59,61 @@ print(json.dumps({"weights": model.weight.detach().numpy().tobytes().hex(),
 """
 
 
-def train(env, *, track_carry, options=None, kill_at=None, run=None):
-    cfg = {"root": env.root, "run": run or env.run, "steps": 12, "kill_at": kill_at,
+# each killed run: whether it tracks the carried value, the options of its resume
+KILLED = {"unverified": (False, {}), "forgotten": (False, {"verify_steps": 4}),
+          "tracked": (True, {"verify_steps": 4})}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """name -> (returncode, stdout, stderr) of the uninterrupted run ("whole") and of
+    each killed run's resume."""
+    env = Env()
+    names = {name: f"{env.run}-{name}" for name in ["whole", *KILLED]}
+    try:
+        whole = start(env, names["whole"], track_carry=True)
+        killed = [start(env, names[name], track_carry=carry, kill_at=8)
+                  for name, (carry, _options) in KILLED.items()]
+        done = {"whole": finish(whole)}
+        for proc in killed:
+            finish(proc, kill_at=8)
+        resumed = {name: start(env, names[name], track_carry=carry, options=options)
+                   for name, (carry, options) in KILLED.items()}
+        done.update((name, finish(proc)) for name, proc in resumed.items())
+        yield done
+    finally:
+        env.cleanup()
+        for run in names.values():   # hot copies of the runs the daemon still held
+            for path in glob.glob(f"/dev/shm/snapd-hot-{UID}-{run}-*"):
+                os.unlink(path)
+
+
+def start(env, run, *, track_carry, options=None, kill_at=None) -> subprocess.Popen:
+    cfg = {"root": env.root, "run": run, "steps": 12, "kill_at": kill_at,
            "track_carry": track_carry, "options": options or {}}
+    # the real daemon: this module-scoped fixture runs before the function-scoped one
+    # that lifts the unit lane's SNAPD_DAEMON=0 (tests/conftest.py)
+    env_vars = {k: v for k, v in os.environ.items() if k != "SNAPD_DAEMON"}
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, json.dumps(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env_vars)
     env.pids.add(proc.pid)  # a killed trainer leaves its arena: cleaned up after
-    out, err = proc.communicate(timeout=300)
+    return proc
+
+
+def finish(proc, kill_at=None):
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
     if kill_at is not None:
         assert proc.returncode == -9, err[-3000:]
     return proc.returncode, out, err
 
 
-def test_without_verify_steps_a_resume_says_nothing_will_be_checked(env):
-    train(env, track_carry=False, kill_at=8)
-    rc, out, err = train(env, track_carry=False)
+def test_without_verify_steps_a_resume_says_nothing_will_be_checked(runs):
+    rc, out, err = runs["unverified"]
     assert rc == 0, err[-3000:]  # the forgotten value goes unnoticed ...
     assert "resuming from step 8 (hot)" in err
     assert "nothing will be checked" in err  # ... but the user is told, with the fix
@@ -71,9 +121,8 @@ def test_without_verify_steps_a_resume_says_nothing_will_be_checked(env):
     assert json.loads(out)["replay"] is None
 
 
-def test_verify_steps_checks_the_steps_and_names_the_forgotten_value(env):
-    train(env, track_carry=False, kill_at=8)
-    rc, _out, err = train(env, track_carry=False, options={"verify_steps": 4})
+def test_verify_steps_checks_the_steps_and_names_the_forgotten_value(runs):
+    rc, _out, err = runs["forgotten"]
     assert rc == 1, err[-3000:]
     assert "resuming from step 4 (disk); training had reached 8; 4 updates will be " \
            "recomputed and checked (verify_steps=4" in err
@@ -81,11 +130,10 @@ def test_verify_steps_checks_the_steps_and_names_the_forgotten_value(env):
     assert "(cause scalar:loss)" in err and "First suspect: untracked state" in err
 
 
-def test_verify_steps_resume_is_bit_for_bit_when_everything_is_tracked(env):
-    rc, whole, err = train(env, track_carry=True, run="whole")
+def test_verify_steps_resume_is_bit_for_bit_when_everything_is_tracked(runs):
+    rc, whole, err = runs["whole"]
     assert rc == 0, err[-3000:]
-    train(env, track_carry=True, kill_at=8)
-    rc, out, err = train(env, track_carry=True, options={"verify_steps": 4})
+    rc, out, err = runs["tracked"]
     assert rc == 0, err[-3000:]
     resumed = json.loads(out)
     assert resumed["weights"] == json.loads(whole)["weights"]
