@@ -723,6 +723,18 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
         pairs.append((reference, r[0] + r[1]))
     res["paired_copy_s"] = [a for a, _ in pairs]
     res["paired_stall_s"] = [b for _, b in pairs]
+    if mode == "wait":
+        # Later snapshots after as long a gap as the first had, with the same training
+        # in between: on this VM memory left untouched for seconds is slower to touch
+        # again (machine(): stale_read_gbps), the arena's slots included. These see
+        # what the first saw, less its one-time costs (daemon, arena, page faults).
+        gapped = []
+        for i in range(min(3, args.reps)):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < res["gap_s"]:
+                train_briefly()
+            gapped.append(snap(2 * args.reps + 1 + i)[0])
+        res["stall_after_gap_s"] = gapped
     if mode == "overlap":
         ckpt.close()
         return
@@ -995,7 +1007,25 @@ def machine() -> Dict[str, Any]:
     t1 = time.perf_counter()
     x.fill_(2)
     t2 = time.perf_counter()
-    del x
+    # Reading memory again, right away and after it sat untouched (the process busy
+    # elsewhere): this VM makes memory left alone for a second several times slower to
+    # touch again, which weighs on every copy of memory last touched a while ago (a
+    # hot copy, an arena faulted in before the first snapshot, a model after a pause).
+    import xxhash
+    other, view = torch.randn(512, 512), memoryview(x.numpy())
+
+    def busy(seconds: float) -> None:
+        t = time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            other @ other
+
+    stale = {}
+    for idle in (0.0, 1.0, 3.0):
+        busy(idle)
+        t = time.perf_counter()
+        xxhash.xxh3_64_intdigest(view)
+        stale[idle] = 512 * MiB / (time.perf_counter() - t) / 1e9
+    del view, x
     return {"nproc": len(os.sched_getaffinity(0)), "cpu": model,
             "mem_total": psutil.virtual_memory().total,
             "mem_available": psutil.virtual_memory().available,
@@ -1005,7 +1035,22 @@ def machine() -> Dict[str, Any]:
                         f"{du.free / GiB:.0f} GiB free",
             "shm_total": shutil.disk_usage("/dev/shm").total,
             "first_touch_gbps": 512 * MiB / (t1 - t0) / 1e9,
-            "retouch_gbps": 512 * MiB / (t2 - t1) / 1e9}
+            "retouch_gbps": 512 * MiB / (t2 - t1) / 1e9,
+            "stale_read_gbps": {str(k): v for k, v in stale.items()}}
+
+
+def stale_sentence(stale: Optional[Dict[str, float]]) -> str:
+    """What memory left untouched costs to touch again here (machine())."""
+    if not stale:
+        return ""
+    now, one, three = stale["0.0"], stale["1.0"], stale["3.0"]
+    return (f"Hashing (xxh3) 512 MiB that was just written ran at {now:.1f} GB/s; the same "
+            f"after it sat untouched for 1 s while the process computed on other "
+            f"memory, {one:.1f} GB/s, and for 3 s, {three:.1f} GB/s: on this VM memory "
+            "left alone for a second or more is several times slower to touch again, "
+            "whoever touches it (the same happens to a plain `copy_` or xxh3 of a "
+            "private tensor). A copy from or into memory last touched seconds before "
+            "(a hot copy, an arena faulted in before the first snapshot) pays that.")
 
 
 def orchestrate(args) -> None:
@@ -1143,7 +1188,8 @@ def report(results, slow, info, args, loops=None, issue=None) -> str:
         f"memory ran at {info['first_touch_gbps']:.1f} GB/s, writing it again at "
         f"{info['retouch_gbps']:.1f} GB/s: this VM pays for every new page (new page-cache "
         "pages of a file being written, new tmpfs pages, new tensors), which weighs on "
-        "every method that writes new files or allocates new memory.", "",
+        "every method that writes new files or allocates new memory. "
+        + stale_sentence(info.get("stale_read_gbps")), "",
         "All figures are from **one run** of the script (medians over "
         "the counted repetitions: 9 at 100M, 3 at 1G and 2G, after one uncounted "
         "warm-up save per method); they are not averaged across runs. "

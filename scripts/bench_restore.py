@@ -535,7 +535,12 @@ def size_targets(size: str, per: Dict[str, Dict[str, Any]]) -> List[Dict[str, An
         rows.append({"id": "daemon_rss", "size": size, "measured": f"{own / MiB:.0f} MiB",
                      "ratio": own / (100 * MiB), "ok": own < 100 * MiB})
     sw = per.get("snapd_wait", {})
-    rows.append(target("first", size, sw.get("first_call_s"), m("snapd_wait", "stall_s"), 2.0))
+    first = target("first", size, sw.get("first_call_s"), m("snapd_wait", "stall_s"), 2.0)
+    gapped = m("snapd_wait", "stall_after_gap_s")
+    if first is not None and gapped:
+        first["measured"] += (f"; later ones after as long a gap: {_ms(gapped)}, "
+                              f"{sw['first_call_s'] / gapped:.2f}×")
+    rows.append(first)
     hot = m("snapd_wait", "restore_hot_s")
     if size_bytes(size) <= 256 * MiB:
         rows.append(target("hot", size, hot, m("ref", "shm_read_s"), 1.5))
@@ -625,7 +630,17 @@ def first_line(per: Dict[str, Dict[str, Any]]) -> List[str]:
             "background); the "
             f"first snapshot() stalled {_ms(sw['first_call_s'])}, "
             f"{sw['first_call_s'] / later:.1f}× the median of the later ones "
-            f"({_ms(later)})"]
+            f"({_ms(later)})" + gapped_text(sw)]
+
+
+def gapped_text(sw: Dict[str, Any]) -> str:
+    gapped = sw.get("stall_after_gap_s")
+    if not gapped:
+        return ""
+    median = statistics.median(gapped)
+    return (f"; later snapshots each after as long a gap of training as the first had "
+            f"stalled {_ms(median)} (median of {len(gapped)}), the first "
+            f"{sw['first_call_s'] / median:.1f}× that")
 
 
 def loop_lines(loops: Dict[str, Dict[str, Any]]) -> List[str]:
