@@ -58,8 +58,16 @@ class Job:
                                          env=env or job_env(), start_new_session=True)
 
     def output(self, tail: int = 6000) -> str:
+        """The log's tail, after the first error line of every rank that has one: a
+        rank that crashed first is otherwise hidden behind its peers' tracebacks."""
         with open(self.log, "r", errors="replace") as f:
-            return f.read()[-tail:]
+            text = f.read()
+        first: dict = {}
+        for line in text.splitlines():
+            if line.startswith("[rank") and "Error" in line:
+                first.setdefault(line.split("]", 1)[0], line)
+        head = "".join(f"first error of {rank}]: {line}\n" for rank, line in first.items())
+        return head + text[-tail:]
 
     def wait(self, timeout: float = 120.0) -> int:
         """The launcher's exit status; a job still running at ``timeout`` is killed
