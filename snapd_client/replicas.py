@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,11 +37,18 @@ except ImportError:  # pragma: no cover
     DistributedDataParallel = None  # type: ignore[assignment,misc]
 
 
-def is_dtensor(value: Any) -> bool:
-    """Whether ``value`` is a DTensor. Its module is looked up, never imported: a
-    program that made a DTensor imported it, and the import costs 0.4 s."""
+def dtensor_type() -> Optional[type]:
+    """The DTensor class if this program imported it, else None. Its module is looked
+    up, never imported: a program that made a DTensor imported it, and the import
+    costs 0.4 s."""
     module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
+    return None if module is None else module.DTensor
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (see :func:`dtensor_type`)."""
+    cls = dtensor_type()
+    return cls is not None and isinstance(value, cls)
 
 
 # --- DTensor leaves ----------------------------------------------------------------------

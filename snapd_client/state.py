@@ -22,7 +22,6 @@ shape, which restore checks against: the piece a rank holds depends on the world
 
 from __future__ import annotations
 
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -35,7 +34,7 @@ from snapd.errors import UnsupportedState
 from snapd.format import dtype_name
 from snapd.skeleton import (EXT_DEVICE, EXT_DTYPE, EXT_NDARRAY, EXT_NPSCALAR, EXT_ORDERED,
                             EXT_TENSOR, EXT_TUPLE, TENSOR_INDEX, pack)
-from snapd_client.replicas import dtensor_piece
+from snapd_client.replicas import dtensor_piece, dtensor_type
 
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 _NAMED_DTYPES: Set[torch.dtype] = set()   # dtypes dtype_name() has accepted
@@ -79,8 +78,7 @@ class _Flattener:
         self.shards: List[Optional[Dict[str, List[int]]]] = []
         self.leaves: List[torch.Tensor] = []
         self.writers: List[Optional[int]] = []
-        dtensor = sys.modules.get("torch.distributed.tensor")  # looked up, never imported
-        self.dtensors = dtensor.DTensor if dtensor is not None else None
+        self.dtensors = dtensor_type()   # once per flatten, not per leaf
 
     def walk(self, value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor):

@@ -66,7 +66,7 @@ class Job:
         for line in text.splitlines():
             if line.startswith("[rank") and "Error" in line:
                 first.setdefault(line.split("]", 1)[0], line)
-        head = "".join(f"first error of {rank}]: {line}\n" for rank, line in first.items())
+        head = "".join(f"first error: {line}\n" for line in first.values())
         return head + text[-tail:]
 
     def wait(self, timeout: float = 120.0) -> int:
