@@ -406,51 +406,71 @@ def w_loop(args, model, opt, tensors, sampler, res) -> None:
                          timed_copy=timed_copy)
 
 
-def shm_read(args, tensors, dst) -> List[float]:
-    """The same bytes read back from a /dev/shm file into preallocated memory by
+class ShmSource:
+    """The state's bytes in a /dev/shm file, read back into preallocated memory by
     pread on two threads, in 4 MiB pieces: the kernel's copy between processes, as a
     hot restore reads the daemon's segment (without its checksums and fixed work).
     The file stays mapped meanwhile, as the daemon keeps its segment."""
-    import mmap
-    from concurrent.futures import ThreadPoolExecutor
-    import torch
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    path = f"/dev/shm/snapd-bench-{os.getpid()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
+
+    def __init__(self, tensors, dst) -> None:
+        import mmap
+        from concurrent.futures import ThreadPoolExecutor
+        import torch
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        path = f"/dev/shm/snapd-bench-{os.getpid()}"
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.unlink(path)
-        os.posix_fallocate(fd, 0, total)
-        held = mmap.mmap(fd, total)
+        try:
+            os.posix_fallocate(self.fd, 0, total)
+            self.held = mmap.mmap(self.fd, total)
+        except BaseException:
+            os.close(self.fd)
+            raise
         pos = 0
         for t in tensors:
             raw = t.reshape(-1).view(torch.uint8).numpy()
-            held[pos:pos + len(raw)] = raw.tobytes()
+            self.held[pos:pos + len(raw)] = raw.tobytes()
             pos += len(raw)
         jobs, pos = [], 0
         for d in dst:
             view = memoryview(d.reshape(-1).view(torch.uint8).numpy())
             jobs += [(view[o:o + (4 << 20)], pos + o) for o in range(0, len(view), 4 << 20)]
             pos += len(view)
-        halves = [jobs[0::2], jobs[1::2]]
+        self.halves = [jobs[0::2], jobs[1::2]]
+        self.pool = ThreadPoolExecutor(1)
 
-        def read(share):
-            for out, at in share:
-                os.preadv(fd, [out], at)
+    def _read(self, share) -> None:
+        for out, at in share:
+            os.preadv(self.fd, [out], at)
 
+    def read(self) -> float:
+        """One read of every byte; seconds."""
+        t0 = time.perf_counter()
+        other = self.pool.submit(self._read, self.halves[1])
+        self._read(self.halves[0])
+        other.result()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.held.close()
+        os.close(self.fd)
+
+
+def shm_read(args, tensors, dst) -> List[float]:
+    """ShmSource's read, repeated with a little training before each (the first
+    uncounted)."""
+    source = ShmSource(tensors, dst)
+    try:
         times = []
-        with ThreadPoolExecutor(1) as pool:
-            for i in range(args.reps + 1):
-                train_briefly()
-                t0 = time.perf_counter()
-                other = pool.submit(read, halves[1])
-                read(halves[0])
-                other.result()
-                if i:
-                    times.append(time.perf_counter() - t0)
-        held.close()
+        for i in range(args.reps + 1):
+            train_briefly()
+            elapsed = source.read()
+            if i:
+                times.append(elapsed)
         return times
     finally:
-        os.close(fd)
+        source.close()
 
 
 def write_views(fd: int, views) -> None:
@@ -745,7 +765,12 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
     # warm-up, as for every method), then warm files, then cold files. No restore
     # from the files comes first: after one (a client without the daemon), the next
     # restore through the daemon reads the files too.
-    hot, how, paired = [], [], []
+    hot, how, paired, paired_pread = [], [], [], []
+    # The 100M reference, paired: the same bytes pread from a /dev/shm file right after
+    # each hot restore, so that its source has sat untouched exactly as long as the
+    # daemon's hot copy (one repetition); the ``ref`` worker's pread reads a file it
+    # read a moment before (machine(): stale_read_gbps).
+    source = ShmSource(tensors, private)
     for _ in range(args.reps + 1):
         # Read-only: a writing trainer that restores lets the daemon drop the copy
         # (hot_release), and the next repetition would read the files.
@@ -758,9 +783,11 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
         bench_restore.close_as_if_killed(c)   # keeps the hot copy for the next one
         # After, not before: a restore runs at a trainer's start, not right after
         # torch's threads were busy (they spin a while after a parallel copy).
+        paired_pread.append(source.read())
         paired.append(timed_copy(private, tensors))
+    source.close()
     res["restore_hot_s"], res["restore_hot_from"] = hot[1:], how[1:]
-    res["paired_hot_copy_s"] = paired[1:]
+    res["paired_hot_copy_s"], res["paired_shm_read_s"] = paired[1:], paired_pread[1:]
     del private
     res["daemon_stopped"] = stop_daemon(args.root)
 
@@ -1030,6 +1057,22 @@ def machine() -> Dict[str, Any]:
         xxhash.xxh3_64_intdigest(view)
         stale[idle] = 512 * MiB / (time.perf_counter() - t) / 1e9
     del view, x
+    # The same after 3 s, in memory the kernel may back with 2 MiB pages (THP): the
+    # cost of touching stale memory again goes by the page, not by the byte.
+    import mmap
+    huge = mmap.mmap(-1, 512 * MiB)
+    try:
+        huge.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):   # no THP here: the figure says what 4 KiB pays
+        pass
+    view = memoryview(huge)
+    view[:] = b"\1" * len(view)
+    busy(3.0)
+    t = time.perf_counter()
+    xxhash.xxh3_64_intdigest(view)
+    stale_huge = 512 * MiB / (time.perf_counter() - t) / 1e9
+    view.release()
+    huge.close()
     return {"nproc": len(os.sched_getaffinity(0)), "cpu": model,
             "mem_total": psutil.virtual_memory().total,
             "mem_available": psutil.virtual_memory().available,
@@ -1040,21 +1083,82 @@ def machine() -> Dict[str, Any]:
             "shm_total": shutil.disk_usage("/dev/shm").total,
             "first_touch_gbps": 512 * MiB / (t1 - t0) / 1e9,
             "retouch_gbps": 512 * MiB / (t2 - t1) / 1e9,
-            "stale_read_gbps": {str(k): v for k, v in stale.items()}}
+            "stale_read_gbps": {str(k): v for k, v in stale.items()},
+            "stale_read_huge_gbps": stale_huge, "damon": damon_schemes(),
+            "shm_huge": shm_huge_pages()}
 
 
-def stale_sentence(stale: Optional[Dict[str, float]]) -> str:
+def shm_huge_pages() -> str:
+    """Whether /dev/shm may use 2 MiB pages: its mount's ``huge=`` option (tmpfs
+    default: never)."""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 3 and parts[1] == "/dev/shm":
+                    opts = [o for o in parts[3].split(",") if o.startswith("huge=")]
+                    return opts[0].split("=", 1)[1] if opts else "never"
+    except OSError:
+        pass
+    return "?"
+
+
+def damon_schemes() -> List[str]:
+    """The kernel's running DAMON schemes (``/sys/kernel/mm/damon``), e.g. "pageout of
+    regions idle >= 6.0 s": a kernel reclaiming memory it sees idle makes touching it
+    again slow. Empty where there is none or it cannot be read."""
+    root = "/sys/kernel/mm/damon/admin/kdamonds"
+    out = []
+
+    def read(path: str) -> str:
+        with open(path) as f:
+            return f.read().strip()
+    try:
+        for k in sorted(os.listdir(root)):
+            kd = os.path.join(root, k)
+            if not k.isdigit() or read(os.path.join(kd, "state")) != "on":
+                continue
+            for c in sorted(os.listdir(os.path.join(kd, "contexts"))):
+                ctx = os.path.join(kd, "contexts", c)
+                if not c.isdigit():
+                    continue
+                aggr_us = int(read(os.path.join(ctx, "monitoring_attrs", "intervals",
+                                                "aggr_us")))
+                for n in sorted(os.listdir(os.path.join(ctx, "schemes"))):
+                    sc = os.path.join(ctx, "schemes", n)
+                    if not n.isdigit():
+                        continue
+                    age = int(read(os.path.join(sc, "access_pattern", "age", "min")))
+                    out.append(f"{read(os.path.join(sc, 'action'))} of regions idle "
+                               f">= {age * aggr_us / 1e6:.1f} s")
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def stale_sentence(info: Dict[str, Any]) -> str:
     """What memory left untouched costs to touch again here (machine())."""
+    stale = info.get("stale_read_gbps")
     if not stale:
         return ""
     now, one, three = stale["0.0"], stale["1.0"], stale["3.0"]
-    return (f"Hashing (xxh3) 512 MiB that was just written ran at {now:.1f} GB/s; the same "
+    text = (f"Hashing (xxh3) 512 MiB that was just written ran at {now:.1f} GB/s; the same "
             f"after it sat untouched for 1 s while the process computed on other "
             f"memory, {one:.1f} GB/s, and for 3 s, {three:.1f} GB/s: on this VM memory "
             "left alone for a second or more is several times slower to touch again, "
             "whoever touches it (the same happens to a plain `copy_` or xxh3 of a "
             "private tensor). A copy from or into memory last touched seconds before "
             "(a hot copy, an arena faulted in before the first snapshot) pays that.")
+    huge = info.get("stale_read_huge_gbps")
+    if huge:
+        text += (f" In memory backed by 2 MiB pages (`madvise(MADV_HUGEPAGE)`) the same "
+                 f"hash after 3 s ran at {huge:.1f} GB/s: the cost goes by the page.")
+        if info.get("shm_huge") == "never":
+            text += (" /dev/shm is mounted without huge pages (tmpfs `huge=never`), so "
+                     "snapd's arena and hot copy pay it in full here.")
+    if info.get("damon"):
+        text += (" The kernel runs DAMON here (" + "; ".join(info["damon"]) + ").")
+    return text
 
 
 def orchestrate(args) -> None:
@@ -1193,7 +1297,7 @@ def report(results, slow, info, args, loops=None, issue=None) -> str:
         f"{info['retouch_gbps']:.1f} GB/s: this VM pays for every new page (new page-cache "
         "pages of a file being written, new tmpfs pages, new tensors), which weighs on "
         "every method that writes new files or allocates new memory. "
-        + stale_sentence(info.get("stale_read_gbps")), "",
+        + stale_sentence(info), "",
         "All figures are from **one run** of the script (medians over "
         "the counted repetitions: 9 at 100M, 3 at 1G and 2G, after one uncounted "
         "warm-up save per method); they are not averaged across runs. "
@@ -1339,6 +1443,9 @@ def per_size(size: str, per: Dict[str, Dict[str, Any]], targets: list) -> List[s
             ("memcpy of the same bytes (warm `copy_`, reference)", copy, None),
             ("pread of the same bytes from /dev/shm, 2 threads (reference: the kernel's "
              "copy between processes)", m("ref", "shm_read_s"), None),
+            ("the same pread, after each hot restore of snapd's, its source untouched "
+             "as long as the hot copy (paired reference)",
+             m("snapd_wait", "paired_shm_read_s"), None),
             ("raw O_DIRECT read of the same bytes into a page-aligned buffer, 8 MiB "
              "reads, 1 thread (reference: the disk's floor)", m("ref", "direct_read_s"),
              None),
@@ -1393,12 +1500,14 @@ def per_size(size: str, per: Dict[str, Dict[str, Any]], targets: list) -> List[s
         targets.append(("snapd hot restore ≤ 2× memcpy (paired)", size,
                         f"{hot / p_copy:.2f}× ({fs(hot)} vs {fs(p_copy)})",
                         hot <= 2 * p_copy))
-    shm = m("ref", "shm_read_s")
-    if hot is not None and shm:
-        out.append(f"- snapd hot restore took {hot / shm:.2f}× the time of a bare pread "
-                   f"of the same bytes from /dev/shm on two threads ({fs(hot)} vs "
-                   f"{fs(shm)}; not a target: the floor of any copy between processes "
-                   "through the kernel here)")
+    for shm, which in ((m("ref", "shm_read_s"), "its source read a moment before"),
+                       (m("snapd_wait", "paired_shm_read_s"),
+                        "paired: its source untouched as long as the hot copy")):
+        if hot is not None and shm:
+            out.append(f"- snapd hot restore took {hot / shm:.2f}× the time of a bare "
+                       f"pread of the same bytes from /dev/shm on two threads ({which}; "
+                       f"{fs(hot)} vs {fs(shm)}; the floor of any copy between processes "
+                       "through the kernel here)")
     return out
 
 

@@ -5,7 +5,8 @@ when the file already has the page (``posix_fallocate`` allocated it): the proce
 own page table has no entry yet. Measured on this project's machine, a copy into
 1 GiB of fresh mapping takes about 1 s, against 0.09 s into warm pages; so the pages
 are faulted in before the first snapshot, by ``madvise(MADV_POPULATE_WRITE)``
-(Linux 5.14; about 0.2 s per GiB), or, on an older kernel, by writing zeros to them
+(Linux 5.14; from 0.2 to 0.9 s per GiB on that machine, whose
+speed varies by the hour), or, on an older kernel, by writing zeros to them
 (``memset``: the arena is not in use yet).
 
 :class:`Prefault` does it on a short-lived thread, in pieces of ``PIECE`` bytes,

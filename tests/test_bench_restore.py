@@ -99,6 +99,14 @@ def test_hot_restore_at_100m_is_against_the_kernels_copy():
     assert rows["hot"]["ratio"] == pytest.approx(1.5) and rows["hot"]["ok"]
 
 
+def test_hot_restore_at_100m_prefers_the_paired_pread():
+    # measured after each hot restore, its source as stale as the hot copy: 0.025 s
+    per = per_size(snapd_wait={"paired_shm_read_s": [0.025, 0.02, 0.03]})
+    rows = by_id(br.size_targets("100M", per))
+    assert rows["hot"]["ratio"] == pytest.approx(0.03 / 0.025)
+    assert "25 ms" in rows["hot"]["measured"]
+
+
 def test_a_figure_not_measured_gives_no_row():
     per = per_size()
     del per["mem_hot"], per["ref"]["direct_read_s"]
