@@ -181,13 +181,16 @@ def cached_bytes() -> int:
     return 0
 
 
+def files_under(path: str) -> List[str]:
+    return [path] if os.path.isfile(path) else \
+        sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+
+
 def drop_cache(path: str) -> int:
     """sync, then POSIX_FADV_DONTNEED on every file under path; page-cache bytes freed."""
     os.sync()
     before = cached_bytes()
-    paths = [path] if os.path.isfile(path) else \
-        [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    for p in paths:
+    for p in files_under(path):
         fd = os.open(p, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -527,6 +530,25 @@ def timed_writes(args, name: str, views, flags: int = 0) -> List[float]:
     return times
 
 
+def cold_restores(args, res, restore, dropped: str, files: List[str]) -> None:
+    """Cold restores, the same loop for every method: drop ``dropped`` from the page
+    cache, restore, then read ``files`` (the bytes that restore read) raw by O_DIRECT
+    (``paired_direct_s``): the floor of a cold read, paired, since this disk's speed
+    moves by up to 50% between minutes. Every method runs that read between its
+    restores, so that each finds its live tensors as long untouched as the others
+    (on this VM memory untouched for a second is slower to touch again: machine())."""
+    raw = bench_restore.DirectReader(files)
+    res["cold_dropped"], res["restore_cold_s"], res["paired_direct_s"] = [], [], []
+    try:
+        for _ in range(args.cold_reps):
+            res["cold_dropped"].append(drop_cache(dropped))
+            res["restore_cold_s"].append(restore())
+            if raw.fds:
+                res["paired_direct_s"].append(raw.read())
+    finally:
+        raw.close()
+
+
 def w_torch_save(args, model, opt, tensors, sampler, res) -> None:
     import torch
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
@@ -556,10 +578,7 @@ def w_torch_save(args, model, opt, tensors, sampler, res) -> None:
     del sd
     restore()  # uncounted warm-up, as for every method (see the module docstring)
     res["restore_warm_s"] = [restore() for _ in range(args.reps)]
-    res["cold_dropped"], res["restore_cold_s"] = [], []
-    for _ in range(args.cold_reps):
-        res["cold_dropped"].append(drop_cache(path))
-        res["restore_cold_s"].append(restore())
+    cold_restores(args, res, restore, path, files_under(path))
 
 
 def w_dcp_save(args, model, opt, tensors, sampler, res) -> None:
@@ -586,10 +605,7 @@ def w_dcp_save(args, model, opt, tensors, sampler, res) -> None:
     del sd
     restore()  # uncounted warm-up, as for every method (see the module docstring)
     res["restore_warm_s"] = [restore() for _ in range(args.reps)]
-    res["cold_dropped"], res["restore_cold_s"] = [], []
-    for _ in range(args.cold_reps):
-        res["cold_dropped"].append(drop_cache(path))
-        res["restore_cold_s"].append(restore())
+    cold_restores(args, res, restore, path, files_under(path))
 
 
 def w_dcp_async(args, model, opt, tensors, sampler, res) -> None:
@@ -813,19 +829,9 @@ def w_snapd(args, model, opt, tensors, sampler, res) -> None:
                  key=lambda d: os.path.getmtime(os.path.join(d, "manifest.snapd")))
     res["warmed_bytes"] = warm_cache(newest) + warm_cache(os.path.join(args.root, RUN, "log"))
     res["restore_warm_s"] = [restore() for _ in range(args.reps)]
-    # The floor of a cold restore, paired: the same bytes (the tensor files of the
-    # snapshot it restores) read back raw by O_DIRECT, alternating with the restores,
-    # since this disk's speed moves by up to 50% between minutes.
-    same = [os.path.join(restored[-1], n) for n in sorted(os.listdir(restored[-1]))
-            if n != "manifest.snapd"]
-    raw = bench_restore.DirectReader(same)
-    res["cold_dropped"], res["restore_cold_s"], res["paired_direct_s"] = [], [], []
-    for _ in range(args.cold_reps):
-        res["cold_dropped"].append(drop_cache(snaps))
-        res["restore_cold_s"].append(restore())
-        if raw.fds:
-            res["paired_direct_s"].append(raw.read())
-    raw.close()
+    # The paired floor reads the tensor files of the snapshot it restores.
+    cold_restores(args, res, restore, snaps,
+                  [p for p in files_under(restored[-1]) if not p.endswith("manifest.snapd")])
 
 
 def w_slowdown(args, model, opt, tensors, sampler, res) -> None:
@@ -1452,7 +1458,11 @@ def per_size(size: str, per: Dict[str, Dict[str, Any]], targets: list) -> List[s
             ("the same, 2 threads (reference)", m("ref", "direct_read2_s"), None),
             ("raw O_DIRECT read of snapd's own snapshot files (the bytes its cold "
              "restore reads), 8 MiB reads, 1 thread, alternating with those restores "
-             "(paired reference)", m("snapd_wait", "paired_direct_s"), None)]
+             "(paired reference)", m("snapd_wait", "paired_direct_s"), None),
+            ("the same of torch.save's file, alternating with its cold restores",
+             m("torch_save", "paired_direct_s"), None),
+            ("the same of dcp.save's files, alternating with its cold restores",
+             m("dcp_save", "paired_direct_s"), None)]
     out += [f"Restore, {size} (into the live model and optimizer):", "",
             "| restore | time | GB/s | vs torch.load warm | vs dcp.load warm | vs memcpy | "
             "page cache dropped GiB |", "|---|---|---|---|---|---|---|"]

@@ -53,6 +53,10 @@ def direct_read(path: str, reps: int, threads: int = 1) -> List[float]:
         reader.close()
 
 
+def align_up(n: int, block: int = 4096) -> int:
+    return (n + block - 1) // block * block
+
+
 class DirectReader:
     """Reads some files by O_DIRECT, one after the other, into one page-aligned buffer
     (faulted in first, as the live tensors are) in 8 MiB pieces on ``threads`` threads,
@@ -69,11 +73,13 @@ class DirectReader:
             for fd in self.fds:
                 os.close(fd)
             self.fds = []
-        self.buf = mmap.mmap(-1, max(sizes + [4096]))
+        # Direct I/O reads whole 4096-byte blocks: a file whose size is not a multiple
+        # (torch.save's, DCP's) ends with a piece rounded up, read short.
+        self.buf = mmap.mmap(-1, max(align_up(z) for z in sizes + [4096]))
         self.buf.write(b"\0" * len(self.buf))
         view = memoryview(self.buf)
-        pieces = [(fd, view[o:o + PIECE], o) for fd, size in zip(self.fds, sizes)
-                  for o in range(0, size, PIECE)]
+        pieces = [(fd, view[o:o + align_up(min(PIECE, size - o))], o)
+                  for fd, size in zip(self.fds, sizes) for o in range(0, size, PIECE)]
         self.shares = [pieces[i::threads] for i in range(threads)]
         self.pool = ThreadPoolExecutor(max(threads - 1, 1))
 
@@ -98,7 +104,10 @@ class DirectReader:
         for fd in self.fds:
             os.close(fd)
         self.shares = []
-        self.buf.close()
+        try:
+            self.buf.close()
+        except BufferError:   # a failed read's traceback still holds a piece of it
+            pass
 
 
 def drop_file(path: str) -> None:
