@@ -39,6 +39,23 @@ def wait_until(cond, timeout: float, what: str, interval: float = 0.05) -> None:
     assert wait_for(cond, timeout, interval), f"timed out waiting for {what}"
 
 
+def exited(proc: psutil.Process) -> bool:
+    """The process has exited: it is gone, or a zombie not reaped yet. A daemon the
+    client started is an orphan, reaped by init, which on some machines does so only
+    a second or two later; its exit is what a test waits for."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_exited(procs, timeout: float) -> list:
+    """Wait until every process of ``procs`` has exited (``exited``), at most
+    ``timeout`` seconds: those still running."""
+    wait_for(lambda: all(map(exited, procs)), timeout)
+    return [proc for proc in procs if not exited(proc)]
+
+
 def stop_daemons_under(base: str, timeout: float = 20.0) -> None:
     """SIGTERM every daemon whose root lies under ``base`` (it drains, then exits);
     SIGKILL what is still alive after ``timeout``."""
@@ -54,8 +71,7 @@ def stop_daemons_under(base: str, timeout: float = 20.0) -> None:
                 procs.append(proc)
         except (OSError, ValueError, psutil.Error):
             continue
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
-    for proc in alive:
+    for proc in wait_exited(procs, timeout):
         proc.kill()
 
 

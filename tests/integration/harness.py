@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 import psutil
 import torch
 
-from helpers import wait_for
+from helpers import wait_exited, wait_for
 
 from snapd import peer as peer_mod
 from snapd import protocol as p
@@ -77,17 +77,20 @@ class Env:
 
 
 def stop(pid: int, grace: float = 10.0) -> None:
-    """Stop a daemon: wake it (it may be SIGSTOPped), ask, then insist; reap it."""
+    """Stop a daemon: wake it (it may be SIGSTOPped), ask, then insist; wait for its
+    exit (``exited``: init reaps an orphan late on some machines)."""
     try:
         proc = psutil.Process(pid)
         proc.send_signal(signal.SIGCONT)
         proc.terminate()
-        proc.wait(grace)
-    except psutil.TimeoutExpired:
-        proc.kill()
-        proc.wait(grace)
     except psutil.NoSuchProcess:
-        pass
+        return
+    if wait_exited([proc], grace):
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            return
+        wait_exited([proc], grace)
 
 
 def close_as_if_killed(client: Client) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import psutil
 
-from helpers import wait_for
+from helpers import wait_exited, wait_for
 
 from snapd import statelog
 
@@ -125,7 +125,7 @@ class Job:
             except psutil.NoSuchProcess:
                 pass
         self.proc.wait(30)
-        psutil.wait_procs(workers, timeout=30)
+        wait_exited(workers, 30)   # orphans now: init may reap them late
 
 
 def run_job(script: str, nproc: int, cfg: Dict[str, Any], log: str,

@@ -7,6 +7,10 @@ names untracked state.
 The scripts live in tests/scripts_real/; the lines snapd added end in ``# snapd``.
 Each prints its losses on stdout and, at the end, a digest of its weights: two runs
 are the same run iff the lines they both print are equal.
+
+The module's eleven runs go in two rounds, each side by side (a root per script, the
+runs of one root share only its daemon): every uninterrupted run and every run killed
+mid-epoch, then every restart. The tests read the runs they name (``runs``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,12 @@ import signal
 import subprocess
 import sys
 
+import shutil
+import tempfile
+
 import pytest
+
+from helpers import stop_daemons_under
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts_real")
 # script: (the step it is killed after, the snapshot it must resume from)
@@ -26,8 +35,12 @@ CASES = {"nanogpt_style.py": (25, 20), "word_lm_style.py": (45, 42),
 
 
 def start_script(path, **cfg):
+    # the real daemon: the module fixture that starts these runs comes before the
+    # function-scoped one that lifts the unit lane's SNAPD_DAEMON=0 (tests/conftest.py)
+    env = {k: v for k, v in os.environ.items() if k != "SNAPD_DAEMON"}
     return subprocess.Popen([sys.executable, path, json.dumps(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(path))
+                            stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(path),
+                            env=env)
 
 
 def finish_script(proc):
@@ -39,8 +52,52 @@ def finish_script(proc):
     return proc.returncode, out.splitlines(), err
 
 
-def run_script(path, **cfg):
-    return finish_script(start_script(path, **cfg))
+def finish_all(started: dict) -> dict:
+    """name -> (returncode, stdout lines, stderr) of every run of ``started``; if one
+    fails to finish, those still running are killed."""
+    try:
+        return {name: finish_script(proc) for name, proc in started.items()}
+    finally:
+        for proc in started.values():
+            proc.kill()
+            proc.wait()
+
+
+FORGETFUL = "nanogpt_forgets_xy.py"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(script, run) -> (returncode, stdout lines, stderr): for each script of CASES the
+    uninterrupted run ("whole"), the run killed mid-epoch ("first") and its restart
+    ("second"); the same two of FORGETFUL, nanogpt_style.py with the prefetched batch
+    X, Y left out of track_globals."""
+    tmp = tmp_path_factory.mktemp("scripts")
+    with open(os.path.join(SCRIPTS, "nanogpt_style.py")) as f:
+        text = f.read()
+    assert '"X", "Y", ' in text
+    forgetful = tmp / FORGETFUL
+    forgetful.write_text(text.replace('"X", "Y", ', ""))
+    paths = {**{script: os.path.join(SCRIPTS, script) for script in CASES},
+             FORGETFUL: str(forgetful)}
+    kill_at = {**{script: cut for script, (cut, _) in CASES.items()},
+               FORGETFUL: CASES["nanogpt_style.py"][0]}
+    base = tempfile.mkdtemp(prefix="sdrs-", dir="/tmp")   # daemon sockets: 107 bytes
+    roots = {script: os.path.join(base, str(i)) for i, script in enumerate(paths)}
+    try:
+        first = {(script, "first"): start_script(path, root=roots[script], run="cut",
+                                                 kill_at=kill_at[script])
+                 for script, path in paths.items()}
+        first.update({(script, "whole"): start_script(paths[script], root=roots[script],
+                                                      run="whole") for script in CASES})
+        done = finish_all(first)
+        done.update(finish_all({(script, "second"): start_script(path, root=roots[script],
+                                                                 run="cut")
+                                for script, path in paths.items()}))
+        yield done
+    finally:
+        stop_daemons_under(base)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def snapd_lines(path):
@@ -55,16 +112,14 @@ def test_script_adds_at_most_six_lines(script):
 
 
 @pytest.mark.parametrize("script", sorted(CASES))
-def test_killed_mid_epoch_resumes_bit_for_bit(short_root, script):
-    path, (kill_at, resumed_at) = os.path.join(SCRIPTS, script), CASES[script]
-    # the uninterrupted run and the one killed side by side (two runs of one root)
-    whole = start_script(path, root=short_root, run="whole")
-    first = start_script(path, root=short_root, run="cut", kill_at=kill_at)
-    (rc, whole, err), (rc_first, first, err_first) = finish_script(whole), finish_script(first)
+def test_killed_mid_epoch_resumes_bit_for_bit(runs, script):
+    resumed_at = CASES[script][1]
+    rc, whole, err = runs[(script, "whole")]
     assert rc == 0, err[-3000:]
     assert whole[-1].startswith("weights ")
+    rc_first, first, err_first = runs[(script, "first")]
     assert rc_first == -signal.SIGKILL, err_first[-3000:]
-    rc, second, err = run_script(path, root=short_root, run="cut")
+    rc, second, err = runs[(script, "second")]
     assert rc == 0, err[-3000:]
     assert f"resuming from step {resumed_at}" in err, err[-3000:]
     assert first == whole[:len(first)]
@@ -74,18 +129,13 @@ def test_killed_mid_epoch_resumes_bit_for_bit(short_root, script):
     assert len(first) + len(second) > len(whole), "nothing was recomputed"
 
 
-def test_a_forgotten_loop_value_is_named_as_untracked_state(short_root, tmp_path):
+def test_a_forgotten_loop_value_is_named_as_untracked_state(runs):
     """The prefetched batch X, Y left out of track_globals: the resumed run's first
     update trains on the wrong batch with the right RNG streams."""
-    with open(os.path.join(SCRIPTS, "nanogpt_style.py")) as f:
-        text = f.read()
-    assert '"X", "Y", ' in text
-    forgetful = tmp_path / "nanogpt_forgets_xy.py"
-    forgetful.write_text(text.replace('"X", "Y", ', ""))
-    kill_at, resumed_at = CASES["nanogpt_style.py"]
-    rc, _, err = run_script(str(forgetful), root=short_root, run="cut", kill_at=kill_at)
+    resumed_at = CASES["nanogpt_style.py"][1]
+    rc, _, err = runs[(FORGETFUL, "first")]
     assert rc == -signal.SIGKILL, err[-3000:]
-    rc, _, err = run_script(str(forgetful), root=short_root, run="cut")
+    rc, _, err = runs[(FORGETFUL, "second")]
     assert rc != 0 and "ReplayDivergence" in err, err[-3000:]
     assert f"step {resumed_at + 1} differs" in err, err[-3000:]
     assert "untracked state" in err, err[-3000:]

@@ -1,5 +1,9 @@
 """One writer per run and rank, read-only restore beside a live run, and restore after
 a kill that left a snapshot being written: real trainer processes, the real daemon.
+
+The three tests that need a live run (a trainer holding it, waiting on stdin) get
+theirs from one module fixture, which starts the three side by side (a root each)
+and waits until every one is ready: a trainer is slow to start (torch, the daemon).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import psutil
 import pytest
@@ -152,14 +157,41 @@ def log_records(env: Env) -> list:
             for r in statelog.scan_segment(path)[0]]
 
 
-def start_live(env: Env, tmp_path) -> subprocess.Popen:
-    live = subprocess.Popen([sys.executable, script(tmp_path, "live", LIVE_TRAINER),
-                             env.root, env.run, str(tmp_path / "live.json")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    env.pids.add(live.pid)
-    assert live.stdout.readline().strip() == "ready"
-    env.daemons.add(env.lock_pid())
-    return live
+LIVE_TESTS = ("refused", "lock_dies", "evaluator")
+
+
+@pytest.fixture(scope="module")
+def lives(tmp_path_factory):
+    """name -> (Env, live trainer): for each of LIVE_TESTS a root and run held by a
+    live trainer that has snapshotted 1 and logged 1..3 (LIVE_TRAINER), ready."""
+    tmp = tmp_path_factory.mktemp("live")
+    path = script(tmp, "live", LIVE_TRAINER)
+    # the real daemon: this module fixture runs before the function-scoped one that
+    # lifts the unit lane's SNAPD_DAEMON=0 (tests/conftest.py)
+    env_vars = {k: v for k, v in os.environ.items() if k != "SNAPD_DAEMON"}
+    started = {}
+    try:
+        for name in LIVE_TESTS:
+            env = Env()
+            live = subprocess.Popen([sys.executable, path, env.root, env.run,
+                                     str(tmp / f"{name}.json")], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True, env=env_vars)
+            env.pids.add(live.pid)
+            started[name] = (env, live)
+        for env, live in started.values():
+            assert live.stdout.readline().strip() == "ready"
+            env.daemons.add(env.lock_pid())
+        yield started
+    finally:
+        for env, live in started.values():
+            live.kill()
+            live.wait(30)
+        # each daemon drains before it exits: the three stop at once
+        stopping = [threading.Thread(target=env.cleanup) for env, _ in started.values()]
+        for thread in stopping:
+            thread.start()
+        for thread in stopping:
+            thread.join()
 
 
 def finish_live(live: subprocess.Popen) -> None:
@@ -179,8 +211,8 @@ def assert_log_intact(env: Env, reached: int) -> None:
     assert steps == list(range(1, reached + 1))      # one writer: in order, once each
 
 
-def test_a_second_trainer_on_a_live_run_is_refused_and_the_first_is_intact(env, tmp_path):
-    live = start_live(env, tmp_path)
+def test_a_second_trainer_on_a_live_run_is_refused_and_the_first_is_intact(lives, tmp_path):
+    env, live = lives["refused"]
     second = run_script(env, script(tmp_path, "second", SECOND_TRAINER),
                         tmp_path / "second.json")
     assert second["kind"] == "RunInUse"
@@ -195,8 +227,8 @@ def test_a_second_trainer_on_a_live_run_is_refused_and_the_first_is_intact(env, 
     assert_log_intact(env, reached=3)
 
 
-def test_the_lock_dies_with_its_holder_so_a_restart_is_never_refused(env, tmp_path):
-    live = start_live(env, tmp_path)
+def test_the_lock_dies_with_its_holder_so_a_restart_is_never_refused(lives):
+    env, live = lives["lock_dies"]
     live.kill()
     live.wait(30)
     with Client(env.root, env.run) as again:   # at once: the kernel dropped the lock
@@ -204,8 +236,8 @@ def test_the_lock_dies_with_its_holder_so_a_restart_is_never_refused(env, tmp_pa
         assert again.read_only is False
 
 
-def test_a_read_only_evaluator_restores_a_live_run_and_writes_nothing(env, tmp_path):
-    live = start_live(env, tmp_path)
+def test_a_read_only_evaluator_restores_a_live_run_and_writes_nothing(lives, tmp_path):
+    env, live = lives["evaluator"]
     before, records = log_bytes(env), log_records(env)
     seen = run_script(env, script(tmp_path, "eval", EVALUATOR), tmp_path / "eval.json")
     after = log_bytes(env)
