@@ -1066,7 +1066,9 @@ def machine() -> Dict[str, Any]:
     # The same after 3 s, in memory the kernel may back with 2 MiB pages (THP): the
     # cost of touching stale memory again goes by the page, not by the byte.
     import mmap
-    huge = mmap.mmap(-1, 512 * MiB)
+    # Private: an anonymous mmap is shared (shmem) by default, and shmem follows
+    # /dev/shm's rules, not the process's madvise.
+    huge = mmap.mmap(-1, 512 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         huge.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):   # no THP here: the figure says what 4 KiB pays

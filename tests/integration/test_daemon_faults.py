@@ -29,7 +29,7 @@ from snapd.store import RunStore, SnapshotId
 from snapd_client import Client
 
 from harness import UID, Env, Peer, big_states, close_as_if_killed, sample_states, submit
-from helpers import stop_daemons_under, wait_for, wait_until
+from helpers import stop_daemons_under, wait_exited, wait_for, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -299,7 +299,7 @@ def test_no_arena_is_left_when_the_daemon_dies_before_the_trainer(runs):
     client = snapshot_run(runs.root, runs.run, 1 << 20)
     daemon = runs.daemon(client)
     daemon.kill()
-    daemon.wait(10)
+    assert not wait_exited([daemon], 10)
     assert not glob.glob(f"/dev/shm/snapd-{UID}-{os.getpid()}-*")
     client.close()
 

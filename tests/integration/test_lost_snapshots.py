@@ -22,7 +22,7 @@ from snapd.errors import SnapshotExists, SnapshotFailed
 from snapd.store import RunStore
 from snapd_client import Client, CloseSummary, SnapshotWarning
 
-from helpers import wait_until
+from helpers import wait_exited, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,7 @@ def lose_the_next_snapshot(env, client: Client, blob: Blob, step: int):
     handle = client.snapshot(step)
     blob.x.fill_(-7.0)                      # the live state moves on; the retry must not
     daemon.kill()
-    daemon.wait(30)
+    assert not wait_exited([daemon], 30)
     wait_until(handle.done, 30, f"the loss of step {step} to be noticed")
     assert handle.failed and not handle.outcome_unknown
     return handle, staged
