@@ -207,7 +207,7 @@ class Arena:
 
         A first snapshot waits for its own slot's pages only: with hot restore on,
         the arena has a slot more, and this machine has faulted in shared memory at
-        anywhere from 0.13 to over 2 GB/s (docs/benchmarks.md, issue 15)."""
+        anywhere from 0.13 to over 2 GB/s (issue 15's stop notes)."""
         error = self._prefault.wait(None if slot is None else (slot + 1) * self.slot_bytes)
         if error is not None:
             logger.info("staging arena %s: its pages could not be allocated (%s)",
