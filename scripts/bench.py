@@ -1474,6 +1474,9 @@ def per_size(size: str, per: Dict[str, Dict[str, Any]], targets: list) -> List[s
         drop = fg(median(dropped)) if dropped else ""
         out.append(f"| {label} | {fs(t)} | {state / t / 1e9:.2f} | {fr(t, ts_warm)} | "
                    f"{fr(t, dcp_warm)} | {fr(t, copy)} | {drop} |")
+    own = bench_restore.cold_against_own_raw(per)
+    if own:
+        out += ["", own]
     hot_from = set(per.get("snapd_wait", {}).get("restore_hot_from", []))
     if hot_from and hot_from != {"hot"}:
         out.append("")

@@ -561,6 +561,28 @@ def size_targets(size: str, per: Dict[str, Dict[str, Any]]) -> List[Dict[str, An
     return [r for r in rows if r is not None]
 
 
+COLD_METHODS = (("snapd_wait", "snapd"), ("torch_save", "torch.load + load_state_dict"),
+                ("dcp_save", "dcp.load"))
+
+
+def cold_against_own_raw(per: Dict[str, Dict[str, Any]]) -> Optional[str]:
+    """Each method's cold restore against its own worker's raw O_DIRECT read of the
+    files it restored (``paired_direct_s``): the disk's speed moves between workers
+    that run minutes apart, so this is the comparison at one disk speed."""
+    parts = []
+    for method, label in COLD_METHODS:
+        r = per.get(method, {})
+        cold, raw = r.get("restore_cold_s"), r.get("paired_direct_s")
+        if cold and raw:
+            c, d = statistics.median(cold), statistics.median(raw)
+            parts.append(f"{label} {c / d:.2f}× ({_ms(c)} vs {_ms(d)})")
+    if not parts:
+        return None
+    return ("- cold restore against the same worker's raw O_DIRECT read of the files it "
+            "restored (not a target; the disk's speed moves between workers): "
+            + ", ".join(parts))
+
+
 def loop_target(size: str, r: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     s = loop_summary(r)
     if s["fraction"] is None:

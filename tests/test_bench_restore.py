@@ -160,3 +160,14 @@ def test_an_earlier_runs_json_becomes_the_before_column(tmp_path):
                 if "file restore, warm" in line and "| 1G |" in line)
     # the earlier figure with its verdict, then this run's
     assert "1.00× (200 ms vs 200 ms) ✓ | 1.00× (200 ms vs 200 ms) | pass |" in warm
+
+
+def test_cold_restore_is_set_against_each_workers_own_raw_read():
+    per = per_size(snapd_wait={"paired_direct_s": [0.5, 0.6, 0.7]},
+                   torch_save={"paired_direct_s": [0.4]})
+    line = br.cold_against_own_raw(per)
+    # snapd 0.75 / 0.6; torch 0.80 / 0.40; dcp has no raw read of its own: left out
+    assert "snapd 1.25× (750 ms vs 600 ms)" in line
+    assert "torch.load + load_state_dict 2.00× (800 ms vs 400 ms)" in line
+    assert "dcp.load" not in line
+    assert br.cold_against_own_raw(per_size()) is None
