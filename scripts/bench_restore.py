@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from snapd.format import align_up   # to 4096 bytes, direct I/O's block
+
 GiB, MiB = 1 << 30, 1 << 20
 SHM = "/dev/shm"
 PREFIX = "snapd-"           # snapd/names.py SHM_PREFIX: every segment snapd makes
@@ -51,10 +53,6 @@ def direct_read(path: str, reps: int, threads: int = 1) -> List[float]:
         return [reader.read() for _ in range(reps)] if reader.fds else []
     finally:
         reader.close()
-
-
-def align_up(n: int, block: int = 4096) -> int:
-    return (n + block - 1) // block * block
 
 
 class DirectReader:
