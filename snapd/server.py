@@ -15,6 +15,11 @@ but refused (a bad arena name, a busy slot, a descriptor outside its slot) gets 
 
 Who may connect: the socket is mode 0600 and the peer's uid (SO_PEERCRED) must
 equal the daemon's (:func:`peer_allowed`).
+
+Until its hello has arrived, a connection waits in the lobby (snapd/lobby.py), inside
+the accept loop, with no thread of its own and a deadline. Only connections that said
+hello get a thread and count against ``max_connections``, so idle sockets never lock
+a trainer out: its hello, sent as it connects, always finds room.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 from snapd import protocol as p
 from snapd.arena_map import MappedArena, check_arena_owner, hot_segment_name
+from snapd.lobby import LOBBY_SIZE, Lobby, Replay, Waiting
 from snapd.errors import DaemonUnavailable, InvalidOption, ProtocolError, SnapdError
-from snapd.options import SUBMIT_OPTIONS, Options
+from snapd.options import SUBMIT_OPTIONS, Options, check_shared
 from snapd.plan import SnapshotPlan, from_descriptor
 from snapd.store import check_run_name
 
@@ -170,8 +176,10 @@ class Connection:
     it, and the snapshots it submitted still finish.
     """
 
-    def __init__(self, sock: socket.socket, handler: Handler, peer_pid: int) -> None:
+    def __init__(self, sock: socket.socket, handler: Handler, peer_pid: int,
+                 greeting: Optional[bytes] = None) -> None:
         self.sock = sock
+        self._greeting = greeting   # the first frame, when the lobby has read it
         self.handler = handler
         self.peer_pid = peer_pid   # SO_PEERCRED's, not what hello claims
         self.pid, self.run, self.rank = peer_pid, "", 0
@@ -284,7 +292,11 @@ class Connection:
 
     def _next_frame(self, first: bool = False) -> Dict[str, Any]:
         """The next frame. Between frames a client may be quiet for hours; a started
-        frame, and the first one (hello), must arrive within ``peer_timeout``."""
+        frame, and the first one (hello), must arrive within ``peer_timeout``; a
+        first frame the lobby has read already is decoded from its bytes."""
+        if first and self._greeting is not None:
+            greeting, self._greeting = self._greeting, None
+            return p.recv(Replay(greeting))
         while True:
             try:
                 if not self.sock.recv(1, socket.MSG_PEEK):
@@ -328,6 +340,8 @@ class Connection:
             raise ProtocolError(f"hello pid {m.pid!r} is not an int", field="pid")
         if m.run != "":   # "" is a tool (status, watch); a run is checked like any
             _check_run(m.run, m.rank)
+            # One value of each daemon-wide option for every client: OptionMismatch.
+            check_shared(self.handler.options, m.options, self.handler.root)
         self.pid, self.run, self.rank = m.pid, m.run, m.rank
         if m.run:
             self.handler.log(f"client pid {m.pid} run {m.run!r} rank {m.rank} connected")
@@ -442,6 +456,12 @@ def _set_timeout(sock: socket.socket, option: int, seconds: float) -> None:
                     struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
+def _until(*deadlines: Optional[float]) -> Optional[float]:
+    """Seconds until the earliest of the deadlines given (None: no deadline at all)."""
+    given = [d for d in deadlines if d is not None]
+    return max(0.0, min(given) - time.monotonic()) if given else None
+
+
 def _check_run(run: Any, rank: Any) -> None:
     try:
         check_run_name(run)
@@ -475,12 +495,13 @@ class Server:
         try:
             with p.socket_address(self.root) as address:
                 listener.bind(address)
+                # At once: a client that finds the socket file takes it as listening.
+                listener.listen(64)
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
         st = os.stat(self.path)
         self._identity = (st.st_dev, st.st_ino)
-        listener.listen(64)
         self._listener = listener
 
     def owns_socket(self) -> bool:
@@ -500,21 +521,30 @@ class Server:
         with selectors.DefaultSelector() as sel:
             sel.register(self._listener, selectors.EVENT_READ)
             sel.register(wake_fd, selectors.EVENT_READ)
-            next_check = time.monotonic() + (check_every or 0.0)
-            while True:
-                timeout = None if check_every is None else \
-                    max(0.0, next_check - time.monotonic())
-                ready = [key.fileobj for key, _ in sel.select(timeout)]
-                if wake_fd in ready:
-                    return
-                if ready:
-                    self._accept()
-                if check_every is not None and time.monotonic() >= next_check:
-                    if not keep_serving():
+            lobby = Lobby(sel, LOBBY_SIZE, self.handler.options.hello_timeout,
+                          self.handler.log)
+            next_check = None if check_every is None else time.monotonic() + check_every
+            try:
+                while True:
+                    ready = sel.select(_until(next_check, lobby.next_deadline()))
+                    woken = {key.fileobj for key, _ in ready}
+                    if wake_fd in woken:
                         return
-                    next_check = time.monotonic() + check_every
+                    for key, _ in ready:
+                        if isinstance(key.data, Waiting):
+                            self._greet(lobby, key.data)
+                    if self._listener in woken:
+                        self._accept(lobby)
+                    lobby.expire(time.monotonic())
+                    if next_check is not None and time.monotonic() >= next_check:
+                        if not keep_serving():
+                            return
+                        next_check = time.monotonic() + check_every
+            finally:
+                lobby.close_all()
 
-    def _accept(self) -> None:
+    def _accept(self, lobby: Lobby) -> None:
+        assert self._listener is not None
         try:
             sock, _ = self._listener.accept()
         except OSError:
@@ -528,10 +558,32 @@ class Server:
             self.handler.log(f"refused a connection from pid {pid} uid {uid}")
             sock.close()
             return
-        if len(self.live_connections()) >= self.handler.options.max_connections:
-            self._refuse(sock, pid)
+        self._greet(lobby, lobby.admit(sock, pid))   # its hello is often there already
+
+    def _greet(self, lobby: Lobby, waiting: Waiting) -> None:
+        """Read what has come of a waiting connection's first frame; once it is whole,
+        the connection leaves the lobby for a thread of its own, if the cap has room."""
+        try:
+            if not waiting.read():
+                return
+        except EOFError:   # a probe, or a tool that came and went: nothing to say
+            lobby.close(waiting, None)
             return
-        conn = Connection(sock, self.handler, pid)
+        except ProtocolError as e:
+            lobby.close(waiting, f"closed for a protocol error: {e}")
+            return
+        except OSError as e:
+            lobby.close(waiting, f"connection error: {e}")
+            return
+        sock = lobby.leave(waiting)
+        if len(self.live_connections()) >= self.handler.options.max_connections:
+            self._refuse(sock, waiting.pid)
+            return
+        self._start(Connection(sock, self.handler, waiting.pid,
+                               greeting=bytes(waiting.received)))
+
+    def _start(self, conn: Connection) -> None:
+        pid = conn.peer_pid
         thread = threading.Thread(target=conn.serve, name=f"snapd-conn-{pid}", daemon=True)
         with self._lock:
             self.connections = [c for c in self.connections if not c.closed] + [conn]
@@ -539,8 +591,8 @@ class Server:
         thread.start()
 
     def _refuse(self, sock: socket.socket, pid: int) -> None:
-        """One error frame, never waited on, then close: the cap holds memory and
-        threads bounded whatever the peers do."""
+        """One error frame, never waited on, then close: the cap on connections that
+        said hello holds their threads bounded whatever the peers do."""
         cap = self.handler.options.max_connections
         frame = p.encode(p.Error.of(DaemonUnavailable(
             f"the daemon serving {self.root} already has {cap} connections "

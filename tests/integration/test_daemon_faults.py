@@ -1,8 +1,8 @@
 """The real daemon against peers that misbehave, and the memory it holds for runs.
 
 Peers that never read their replies, announce frames larger than the protocol allows,
-open more connections than the cap or never say hello; an arena name that is not the
-peer's own. Then the hot copies: released at a clean close, kept a while after a
+open more connections than the cap, never say hello (hundreds of them, while a trainer
+snapshots) or drip it a byte at a time; an arena name that is not the peer's own. Then the hot copies: released at a clean close, kept a while after a
 crash, bounded in total; and arenas that no death leaves in /dev/shm.
 """
 
@@ -25,11 +25,13 @@ import torch
 from snapd import peer as peer_mod
 from snapd import protocol as p
 from snapd.errors import DaemonUnavailable
+from snapd.lobby import LOBBY_SIZE
 from snapd.store import RunStore, SnapshotId
 from snapd_client import Client
 
 from harness import UID, Env, Peer, big_states, close_as_if_killed, sample_states, submit
 from helpers import stop_daemons_under, wait_exited, wait_for, wait_until
+from jobs import job_env
 
 pytestmark = pytest.mark.integration
 
@@ -56,6 +58,42 @@ def hung_up(sock: socket.socket) -> bool:
         return True
     except socket.timeout:
         return False
+
+
+def still_open(sock: socket.socket) -> bool:
+    """The daemon has neither closed this connection nor sent on it, as of now."""
+    sock.setblocking(False)   # a socket timeout would wait out its seconds first
+    try:
+        sock.recv(1)
+        return False
+    except BlockingIOError:   # nothing to read, and not closed
+        return True
+    except ConnectionResetError:
+        return False
+
+
+def idle_connection(root: str) -> socket.socket:
+    """A connection that will never say hello. Its connect blocks while the listen
+    backlog is full (a socket with a timeout would get EAGAIN instead)."""
+    sock = peer_mod.connect(root)
+    assert sock is not None
+    sock.settimeout(30)
+    return sock
+
+
+def drip(sock: socket.socket, data: bytes, every: float, give_up: float) -> float:
+    """Send ``data`` one byte every ``every`` seconds until the daemon hangs up: the
+    seconds that took (``give_up`` or more: it never did)."""
+    start = time.monotonic()
+    for byte in data:
+        try:
+            sock.send(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        if time.monotonic() - start >= give_up:
+            break
+        time.sleep(every)   # the peer's own pace, not a wait on the daemon
+    return time.monotonic() - start
 
 
 # --- defect: peers that never read ----------------------------------------------------
@@ -107,27 +145,85 @@ def test_a_frame_longer_than_the_protocol_allows_is_refused_at_its_prefix(harnes
 def test_connections_beyond_the_cap_are_refused_and_silent_ones_dropped(harness):
     root = harness.root()
     daemon = harness.start(root, extra_env={"SNAPD_MAX_CONNECTIONS": "4",
-                                            "SNAPD_PEER_TIMEOUT": "1"})
+                                            "SNAPD_HELLO_TIMEOUT": "1"})
     peers = [Peer(root, hello=True) for _ in range(4)]
+    # The cap counts connections that said hello: the fifth hello is refused.
     extra = peer_mod.connect(root, timeout=10)
+    p.send(extra, peer_mod.hello(), id=1)
     refusal = p.recv(extra)
     assert refusal["op"] == "error" and refusal["kind"] == "DaemonUnavailable"
-    assert "max_connections" in refusal["message"]
+    assert refusal["field"] == "max_connections" and refusal["path"].endswith(".snapd.sock")
+    assert "already has 4 connections" in refusal["message"]
     assert hung_up(extra)
     extra.close()
+    # A silent connection is not refused at the cap: it waits for its hello, and is
+    # closed after hello_timeout, with nothing sent.
+    silent = peer_mod.connect(root, timeout=10)
+    assert hung_up(silent)
+    silent.close()
+    assert wait_for(lambda: "no hello within 1.0 s" in daemon.text(), 10), daemon.text()
     threads = psutil.Process(daemon.proc.pid).num_threads()
     assert threads < 4 * 2 + 16, f"{threads} threads for 4 connections"
     watcher = peers.pop()
     for peer in peers:
         peer.close()
-    # Until the daemon has seen those close, a new connection is still over the cap.
+    # Until the daemon has seen those close, a new hello is still over the cap.
     wait_until(lambda: len(watcher.request(p.Status())["status"]["clients"]) == 1, 60,
                "the daemon to see three peers gone")
-    # A connection that never says hello is closed after peer_timeout.
-    silent = peer_mod.connect(root, timeout=10)
-    assert hung_up(silent)
-    silent.close()
     watcher.close()
+    with Peer(root, hello=True) as peer:
+        assert peer.request(p.Ping())["op"] == "pong"
+
+
+TRAINER = textwrap.dedent("""
+    import sys
+    import torch
+    from snapd_client import Client
+    client = Client(sys.argv[1], sys.argv[2])
+    client.track(model=torch.nn.Linear(4, 4))
+    client.snapshot(1).wait()
+    client.close()
+    print("committed")
+""")
+
+
+def test_idle_connections_that_never_say_hello_do_not_lock_out_a_trainer(harness):
+    root, run = harness.root(), harness.run
+    # A hello_timeout longer than the test: the lobby, not the timeout, makes room.
+    extra_env = {"SNAPD_HELLO_TIMEOUT": "300"}
+    daemon = harness.start(root, extra_env=extra_env)
+    idle = [idle_connection(root) for _ in range(200)]
+    try:
+        trainer = subprocess.run([sys.executable, "-c", TRAINER, root, run],
+                                 env=job_env(**extra_env), timeout=120,
+                                 capture_output=True, text=True)
+        assert trainer.returncode == 0 and "committed" in trainer.stdout, \
+            trainer.stderr[-3000:] + daemon.text()[-3000:]
+        assert RunStore(root, run).read_pointer("LATEST") == SnapshotId(0, 1)
+        # The lobby held the newest LOBBY_SIZE: the older ones were closed, oldest
+        # first, as newer ones came in; the newest is still waiting for its hello.
+        evicted = len(idle) - LOBBY_SIZE
+        assert all(hung_up(sock) for sock in idle[:evicted])
+        assert still_open(idle[-1]), "the newest idle connection was closed"
+        proc = psutil.Process(daemon.proc.pid)
+        assert proc.num_threads() < 16, f"{proc.num_threads()} threads"
+        assert proc.num_fds() < LOBBY_SIZE + 64, f"{proc.num_fds()} descriptors"
+        assert "already has" not in daemon.text()
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_peer_that_drips_its_hello_is_closed_at_hello_timeout(harness):
+    root = harness.root()
+    daemon = harness.start(root, extra_env={"SNAPD_HELLO_TIMEOUT": "2"})
+    # A first frame announced at 4000 bytes, never finished: each byte comes well
+    # within peer_timeout (30 s) of the one before, so only a deadline ends it.
+    partial = struct.pack("<I", 4000) + b"\xa0" * 3999
+    with peer_mod.connect(root, timeout=10) as sock:
+        took = drip(sock, partial, every=0.05, give_up=2 + 10)
+    assert 2 <= took < 2 + 4, f"closed after {took:.1f} s, hello_timeout is 2 s"
+    assert wait_for(lambda: "no hello within 2.0 s" in daemon.text(), 10), daemon.text()
     with Peer(root, hello=True) as peer:
         assert peer.request(p.Ping())["op"] == "pong"
 
