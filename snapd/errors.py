@@ -22,6 +22,7 @@
     ├── DistributedNotReady  (RuntimeError)  many ranks, but no process group yet
     ├── UnknownOption        (TypeError)     an option name snapd does not have
     └── InvalidOption        (ValueError)    an option or argument value snapd cannot use
+        └── OptionMismatch                   a client's daemon-wide option differs
 
 Every message names the file (or object) and the field at fault and says what to do
 next; the file and the field are also attributes (``path``, ``field``, None where
@@ -40,9 +41,9 @@ from typing import Any, Dict, Optional
 __all__ = [
     "AlreadyServing", "CorruptLog", "CorruptSnapshot", "DaemonStartFailed",
     "DaemonUnavailable", "DistributedNotReady", "IncompatibleState", "IncompleteSnapshot",
-    "InsufficientSpace", "InvalidOption", "MissingRngStream", "ProtocolError",
-    "RemoteUnavailable", "ReplayDivergence", "RunInUse", "SnapdError", "SnapshotExists",
-    "SnapshotFailed", "UnknownOption", "UnsupportedState",
+    "InsufficientSpace", "InvalidOption", "MissingRngStream", "OptionMismatch",
+    "ProtocolError", "RemoteUnavailable", "ReplayDivergence", "RunInUse", "SnapdError",
+    "SnapshotExists", "SnapshotFailed", "UnknownOption", "UnsupportedState",
 ]
 
 
@@ -120,7 +121,9 @@ class SnapshotExists(SnapdError, FileExistsError):
 
 
 class InsufficientSpace(SnapdError, OSError):
-    """Not enough free space under the root to write a snapshot."""
+    """Not enough free space under the root to write a snapshot, or to start a run
+    (``Client()``, ``restore()``: snapd/diskguard.py ``space_for``); ``errno`` is the
+    refused write's (ENOSPC, EDQUOT) where there was one."""
 
 
 class DaemonUnavailable(SnapdError, ConnectionError):
@@ -169,6 +172,12 @@ class UnknownOption(SnapdError, TypeError):
 class InvalidOption(SnapdError, ValueError):
     """A value snapd cannot use for an option or argument (``field`` names it); the
     message says which values it takes."""
+
+
+class OptionMismatch(InvalidOption):
+    """A client joining a running daemon was given a daemon-wide option (``field``)
+    with another value than the daemon runs with (``path``: the root). The message
+    names both values and says what to do: the same value, or stop the daemon."""
 
 
 # --- across the socket ------------------------------------------------------------

@@ -4,6 +4,10 @@ Precedence: an explicit argument wins over the environment, which wins over the
 default. The environment variable for a field is ``SNAPD_<FIELD>`` in upper case
 (``SNAPD_COMPRESSION=3``, ``SNAPD_KEEP_LAST=5``). Parsing lives here only, so that no
 other module reads ``os.environ`` for a tunable.
+
+Each field acts in one place, and its tuple below says which: the training process
+(CLIENT_OPTIONS), the daemon, per run, from each submit (SUBMIT_OPTIONS), or the daemon
+as a whole (DAEMON_OPTIONS: one value per daemon, whichever client started it).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping, Optional, Union
 
-from snapd.errors import InvalidOption, UnknownOption
+from snapd.errors import InvalidOption, OptionMismatch, ProtocolError, UnknownOption
 
 _log = logging.getLogger(__name__)
 
@@ -26,6 +30,21 @@ Compression = Union[str, int]  # "off", "auto", or a zstd level 1..22
 # settings, which the daemon applies to that run's snapshots only.
 SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
                   "best_mode", "hot_restore", "share_unchanged")
+# The options the training process acts on itself (its handoff, log, restore, waits).
+CLIENT_OPTIONS = ("mode", "on_busy", "slots", "copy_threads", "daemon",
+                  "log_flush_interval", "log_segment_bytes", "replay_check",
+                  "verify_steps", "timeout", "global_commit_timeout", "remote_timeout")
+# The options of the daemon as a whole: one value for every client of the root. A
+# daemon a client starts gets the client's values (daemon_environment); a client that
+# joins a running daemon is refused where its values differ (check_shared).
+# ``remote`` and ``min_free_bytes`` also act in the client (restore's pull, the
+# in-process writer), with the same value.
+DAEMON_OPTIONS = ("writer_threads", "remote", "remote_keep_last", "remote_keep_every",
+                  "remote_upload_threads", "remote_retry_max_seconds",
+                  "remote_log_interval", "root_check_seconds", "min_free_bytes",
+                  "max_connections", "peer_timeout", "hello_timeout",
+                  "hot_linger_seconds", "hot_max_bytes", "idle_exit_seconds",
+                  "idle_bare_exit_seconds")
 
 
 @dataclass(frozen=True)
@@ -65,6 +84,8 @@ class Options:
     remote_upload_threads: int = 4   # files uploaded at once
     remote_retry_max_seconds: float = 60.0  # longest wait between retries of a failure
     remote_log_interval: float = 5.0  # how often the state log is replicated
+    remote_timeout: float = 10.0  # restore()'s whole remote work (listing, pulling):
+    #                               past it, a RemoteWarning and the local disk
     # State log.
     log_flush_interval: float = 1.0
     log_segment_bytes: int = 64 << 20
@@ -79,12 +100,17 @@ class Options:
     min_free_bytes: int = 64 << 20
     # The daemon towards its peers (docs/protocol.md, "Limits").
     max_connections: int = 64     # more are refused with an error frame, then closed
-    peer_timeout: float = 30.0    # a peer that does not read (or finish a frame, or say
-    #                               hello) for this long is dropped; its snapshots finish
+    peer_timeout: float = 30.0    # a peer that does not read (or finish a frame) for
+    #                               this long is dropped; its snapshots finish
+    hello_timeout: float = 5.0    # a connection that has not said hello this long after
+    #                               connecting is closed, however slowly its bytes come
     hot_linger_seconds: float = 300.0  # a crashed client's hot copy is kept this long
     hot_max_bytes: int = 0        # all hot copies together; 0: a quarter of the RAM
     idle_exit_seconds: float = 600.0  # a client-started daemon exits after this long
     #                               with no client and nothing in flight; 0: never
+    idle_bare_exit_seconds: float = 60.0  # ... and after this long (the shorter of the
+    #                               two) when it also keeps nothing: no hot copy held,
+    #                               no upload pending; 0: idle_exit_seconds alone
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Options":
         # Before the generated __init__, whose TypeError would not name the options.
@@ -113,11 +139,13 @@ class Options:
             raise InvalidOption(f"copy_threads={self.copy_threads}: at least 1 (the "
                                 "calling thread); more share the staging copy, up to the "
                                 "usable CPUs", field="copy_threads")
-        for name in ("max_connections", "peer_timeout", "global_commit_timeout"):
+        for name in ("max_connections", "peer_timeout", "hello_timeout",
+                     "global_commit_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidOption(f"{name}={getattr(self, name)}: a positive number",
                                     field=name)
-        for name in ("hot_linger_seconds", "hot_max_bytes", "idle_exit_seconds"):
+        for name in ("hot_linger_seconds", "hot_max_bytes", "idle_exit_seconds",
+                     "idle_bare_exit_seconds"):
             if getattr(self, name) < 0:
                 raise InvalidOption(f"{name}={getattr(self, name)}: zero or more",
                                     field=name)
@@ -198,7 +226,7 @@ def _check_remote(o: "Options") -> None:
         raise InvalidOption(f"remote_keep_every={o.remote_keep_every}: a positive step "
                             "count, or None", field="remote_keep_every")
     for name in ("remote_upload_threads", "remote_retry_max_seconds",
-                 "remote_log_interval"):
+                 "remote_log_interval", "remote_timeout"):
         if not getattr(o, name) > 0:
             raise InvalidOption(f"{name}={getattr(o, name)}: a positive number", field=name)
 
@@ -240,3 +268,90 @@ def _parse(name: str, raw: str, default: Any) -> Any:
     except ValueError as e:
         raise InvalidOption(f"environment variable SNAPD_{name.upper()}={raw!r} is not "
                             f"valid for {name}: {e}", field=name) from e
+
+
+# --- where an option acts: the daemon the client starts, or the one it joins ---------
+
+def variable(name: str) -> str:
+    """The environment variable of option ``name``: ``SNAPD_<NAME>``."""
+    return f"SNAPD_{name.upper()}"
+
+
+def render(name: str, value: Any) -> Optional[str]:
+    """The environment string from which Options.resolve gives back ``value`` for
+    option ``name`` (``_parse`` of it equals it); None: no variable (the fields whose
+    default is None, and ``remote``, read an absent variable as None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return repr(value)   # the shortest string that float() reads back exactly
+    return str(value)
+
+
+def daemon_environment(options: Options,
+                       environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's) with every daemon-wide option set to
+    ``options``' value: a daemon started with it resolves the client's values, while
+    its explicit arguments (``serve --remote``, ``--idle-exit``) still win."""
+    env = dict(os.environ if environ is None else environ)
+    for name in DAEMON_OPTIONS:
+        text = render(name, getattr(options, name))
+        if text is None:
+            env.pop(variable(name), None)
+        else:
+            env[variable(name)] = text
+    return env
+
+
+_DEFAULTS = {f.name: f.default for f in fields(Options)}
+
+
+def given_daemon_options(options: Options, overrides: Iterable[str] = (), *,
+                         handed: bool = False,
+                         environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The daemon-wide options a client was explicitly given, with its values: its
+    keyword arguments (``overrides``), and the ``SNAPD_*`` variables it resolved, or,
+    for an Options object it was ``handed``, the fields that differ from the default.
+
+    Sent in hello even when equal to the default: the running daemon may have others.
+    """
+    environ = os.environ if environ is None else environ
+    names = set(overrides)
+    if handed:
+        names |= {n for n in DAEMON_OPTIONS if getattr(options, n) != _DEFAULTS[n]}
+    else:
+        names |= {n for n in DAEMON_OPTIONS if variable(n) in environ}
+    return {n: getattr(options, n) for n in DAEMON_OPTIONS if n in names}
+
+
+def _same(name: str, own: Any, given: Any) -> bool:
+    if name == "remote" and isinstance(own, str) and isinstance(given, str):
+        return own.rstrip("/") == given.rstrip("/")   # one prefix, however written
+    return own == given and isinstance(own, bool) == isinstance(given, bool)
+
+
+def check_shared(own: Options, given: Any, root: str) -> None:
+    """Refuse (OptionMismatch) a client whose daemon-wide options differ from the
+    daemon's: one daemon serves every client of a root with one value of each, and a
+    client that believed its own would be applied (``remote_keep_last=0`` keeping
+    every remote commit) would lose what it asked to keep. ``given`` None: a client
+    that sends none (a tool, an older client) is never refused; names this daemon
+    does not know (a newer client's) are left out."""
+    if given is None:
+        return
+    if not isinstance(given, dict):
+        raise ProtocolError(f"hello options must be a map of option names, got "
+                            f"{type(given).__name__}", field="options")
+    differ = [(n, getattr(own, n), given[n]) for n in DAEMON_OPTIONS
+              if n in given and not _same(n, getattr(own, n), given[n])]
+    if not differ:
+        return
+    listed = ", ".join(f"{n}={mine!r} (this client: {theirs!r})"
+                       for n, mine, theirs in differ)
+    raise OptionMismatch(
+        f"the daemon serving {root} runs with other daemon-wide options than this "
+        f"client was given: {listed}. Give the client the daemon's values, or stop the "
+        f"daemon (`snapd stop {root}`) and start the trainer again: it starts a daemon "
+        "with the client's options", path=root, field=differ[0][0])

@@ -57,12 +57,16 @@ def socket_address(root: str) -> Iterator[str]:
 
 @dataclass
 class Hello:
-    """First message on a connection: versions must match, and who is talking."""
+    """First message on a connection: versions must match, and who is talking.
+    ``options``: the daemon-wide options the client was given (snapd.options
+    DAEMON_OPTIONS), which the daemon must share or refuse it; None (absent, an older
+    client, a tool): nothing to check."""
     op = "hello"
     protocol: int
     pid: int
     run: str = ""
     rank: int = 0
+    options: Optional[Dict[str, Any]] = None
 
 
 @dataclass
@@ -232,11 +236,13 @@ class StatusReply:
 
 @dataclass
 class HotReply:
-    """Where the held snapshot lies: a segment, and the manifest name it matches."""
+    """Where the held snapshot lies: a segment, and the manifest name it matches; or,
+    with no segment, ``reason``: why none is held (absent from older daemons)."""
     op = "hot_reply"
     shm: Optional[str] = None
     snapshot: Optional[str] = None
     plan: Optional[Dict[str, Any]] = None
+    reason: Optional[str] = None
 
 
 @dataclass

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import psutil
@@ -26,7 +25,7 @@ import psutil
 from snapd import peer
 from snapd import protocol as proto
 from snapd.errors import DaemonStartFailed, DaemonUnavailable, SnapdError
-from snapd.remote.layout import redact
+from snapd.options import Options, daemon_environment
 
 SOCKET_NAME = proto.SOCKET_NAME
 LOG_NAME = ".snapd.log"
@@ -45,22 +44,21 @@ def try_connect(root: str) -> Optional[socket.socket]:
                                 path=f"{root}/{SOCKET_NAME}") from e
 
 
-def daemon_command(root: str, remote: Optional[str] = None) -> List[str]:
-    """``snapd serve --detach`` for ``root`` (``--remote URL`` when the client replicates
-    to a remote tier), immune to the trainer's directory.
+def daemon_command(root: str) -> List[str]:
+    """``snapd serve --detach`` for ``root``, immune to the trainer's directory. The
+    client's daemon-wide options go in its environment (spawn_daemon), so that
+    serve's resolution of them stays the one place.
 
     ``python -m`` puts the working directory first on sys.path, where a folder named
     ``snapd`` (a checkpoint root, a source tree) would shadow the installed package:
     ``-P`` (3.11+) leaves it out, and the daemon runs in ``/`` on older Pythons.
     """
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-    extra = ["--remote", remote] if remote else []
-    return [sys.executable, *safe_path, "-m", "snapd", "serve", "--root", root, "--detach",
-            *extra]
+    return [sys.executable, *safe_path, "-m", "snapd", "serve", "--root", root, "--detach"]
 
 
 def connect_or_spawn(root: str, timeout: float = SPAWN_TIMEOUT,
-                     remote: Optional[str] = None) -> socket.socket:
+                     options: Optional[Options] = None) -> socket.socket:
     """A socket connected to the root's daemon, starting one when none answers.
 
     A daemon that is stopping (idle, ``snapd stop``, SIGTERM) still holds the root's
@@ -71,7 +69,7 @@ def connect_or_spawn(root: str, timeout: float = SPAWN_TIMEOUT,
     while True:
         sock = try_connect(root)
         if sock is None:
-            sock = spawn_daemon(root, max(1.0, deadline - time.monotonic()), remote)
+            sock = spawn_daemon(root, max(1.0, deadline - time.monotonic()), options)
         if sock is not None:
             return sock
         if time.monotonic() >= deadline:
@@ -84,18 +82,20 @@ def connect_or_spawn(root: str, timeout: float = SPAWN_TIMEOUT,
 
 
 def spawn_daemon(root: str, timeout: float = SPAWN_TIMEOUT,
-                 remote: Optional[str] = None) -> Optional[socket.socket]:
+                 options: Optional[Options] = None) -> Optional[socket.socket]:
     """Start the root's daemon detached (it outlives us) and connect to it; None when
-    another daemon holds the root but nobody answers (it is stopping).
+    another daemon holds the root but nobody answers (it is stopping). It runs with
+    ``options``' daemon-wide values (``SNAPD_*`` in its environment; None: ours).
 
     ``serve --detach`` forks the daemon and exits once it serves, so there is no
     child of ours left running, and a daemon that cannot start is known at once.
     """
     log_path = os.path.join(root, LOG_NAME)
+    env = daemon_environment(options) if options is not None else None
     try:
         with open(log_path, "ab") as log:
-            code = subprocess.run(daemon_command(root, remote), cwd="/", stdin=subprocess.DEVNULL,
-                                  stdout=log, stderr=log, close_fds=True,
+            code = subprocess.run(daemon_command(root), cwd="/", stdin=subprocess.DEVNULL,
+                                  stdout=log, stderr=log, close_fds=True, env=env,
                                   start_new_session=True, timeout=timeout).returncode
     except subprocess.TimeoutExpired as e:
         raise DaemonStartFailed(f"the daemon for {root} did not start serving within "
@@ -143,9 +143,12 @@ class DaemonConnection:
     def __init__(self, root: str, run: str, rank: int, timeout: float, *,
                  on_event: Callable[[Any], None] = lambda m: None,
                  on_lost: Callable[[BaseException], None] = lambda e: None,
-                 spawn: bool = True, remote: Optional[str] = None) -> None:
+                 spawn: bool = True, options: Optional[Options] = None,
+                 given: Optional[Dict[str, Any]] = None) -> None:
         self.root = os.path.abspath(root)
-        self.remote = remote      # the client's remote tier: a daemon it starts serves it
+        # A daemon this connection starts runs with ``options``' daemon-wide values; one
+        # already running must share ``given`` (the ones the client was given: hello).
+        self.options, self.given = options, given
         self.run, self.rank, self.timeout = run, rank, timeout
         self.on_event, self.on_lost = on_event, on_lost
         self._ids = itertools.count(1)
@@ -169,7 +172,7 @@ class DaemonConnection:
                 if not spawn:
                     raise DaemonUnavailable(f"no daemon is serving {self.root}")
                 sock = connect_or_spawn(self.root, max(SPAWN_TIMEOUT, self.timeout),
-                                        self.remote)
+                                        self.options)
             self._sock = sock
             try:
                 return self._hello()
@@ -182,7 +185,7 @@ class DaemonConnection:
     def _hello(self) -> int:
         self._sock.settimeout(self.timeout)
         try:
-            proto.send(self._sock, peer.hello(self.run, self.rank), id=0)
+            proto.send(self._sock, self._hello_message(), id=0)
             reply = proto.from_wire(proto.recv(self._sock))
         except (EOFError, ConnectionResetError, BrokenPipeError) as e:
             self._sock.close()
@@ -199,18 +202,16 @@ class DaemonConnection:
             raise DaemonUnavailable(f"the daemon for {self.root} answered hello with "
                                     f"{reply.op!r}")
         self._sock.settimeout(None)
-        self._check_remote(reply.remote)
         return reply.daemon_pid
 
-    def _check_remote(self, served: str) -> None:
-        """A daemon already serving the root replicates where it was started to: say
-        so when that is not this client's remote (its snapshots go there, or nowhere)."""
-        if self.remote and redact(self.remote.rstrip("/")) != served:
-            where = served or "no remote tier"
-            warnings.warn(f"the daemon (serving {self.root}) replicates to {where}, not "
-                          f"to {redact(self.remote)}: this run's snapshots follow the "
-                          f"daemon; stop it (`snapd stop {self.root}`) to start one with "
-                          "this client's remote", stacklevel=2)
+    def _hello_message(self) -> proto.Hello:
+        """Hello, with the daemon-wide options this client was given: a daemon that
+        runs with other values (a remote tier, its retention) refuses it with
+        OptionMismatch, rather than serve it with values it did not ask for."""
+        message = peer.hello(self.run, self.rank)
+        if self.run and self.given:
+            message.options = dict(self.given)
+        return message
 
     # --- the reader thread ---------------------------------------------------------
 

@@ -44,10 +44,11 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from snapd import protocol as proto
-from snapd.errors import DaemonStartFailed, DaemonUnavailable, InsufficientSpace, SnapdError
+from snapd.errors import (DaemonStartFailed, DaemonUnavailable, InsufficientSpace,
+                          OptionMismatch, SnapdError)
 from snapd.names import SHM_DIR
 from snapd.options import SUBMIT_OPTIONS, Options
 from snapd.plan import used_bytes
@@ -56,7 +57,6 @@ from snapd.writer import CommitResult
 from snapd_client.capture import Capture
 from snapd_client.connection import POLL, DaemonConnection
 from snapd_client.handle import SnapshotHandle, part_of
-from snapd_client.hot import HotSource
 from snapd_client.lostdaemon import Recovery, Staged, wait_for_writes
 from snapd_client.staging import Arena, Stager, layout, slot_size_for
 
@@ -67,8 +67,9 @@ class Handoff:
     """One client's link to the daemon: connection, arena, slots, in-flight handles."""
 
     def __init__(self, store: RunStore, rank: int, options: Options,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, given: Optional[Dict[str, Any]] = None) -> None:
         self.store, self.rank, self.options = store, rank, options
+        self.given = given   # the daemon-wide options the client was given (hello)
         # The committed slot serves as the hot copy; a multi-rank job restores from
         # the files only, so its arena has no slot to spare.
         self.hot = bool(options.hot_restore) and world_size == 1
@@ -89,15 +90,16 @@ class Handoff:
         """Stage ``capture``'s leaves into a free slot; hand the slot off.
 
         Daemon trouble is reported through the handle, never raised, except a daemon
-        that cannot be started at all (DaemonStartFailed: no snapshot can be taken).
+        that cannot be started at all (DaemonStartFailed) or that refuses this client
+        (OptionMismatch): no snapshot can be taken.
         """
         self.stager.synchronize()
         self._join_warm_up()
         offsets, need = layout(capture.tensors, capture.carried)  # copied bytes only
         try:
             conn, stall = self._room(capture.step, need)
-        except DaemonStartFailed:
-            raise  # no daemon can serve the root: say so now, with its log's path
+        except (DaemonStartFailed, OptionMismatch):
+            raise  # no daemon can serve the root: say so now, with what to do
         except SnapdError as e:
             handle = self._handle(capture, None, 0.0)
             handle.set_error(e)
@@ -276,7 +278,7 @@ class Handoff:
             self.conn = DaemonConnection(self.store.root, self.store.run, self.rank,
                                          self.options.timeout, on_event=self._on_event,
                                          on_lost=self._on_lost, spawn=spawn,
-                                         remote=self.options.remote)
+                                         options=self.options, given=self.given)
         return self.conn
 
     def recover(self) -> bool:
@@ -362,17 +364,6 @@ class Handoff:
             self.connect(spawn=False)
         except SnapdError:
             pass   # none serves: restore reads the files
-
-    def hot_source(self) -> Optional[HotSource]:
-        """The daemon's held copy of this run, if a daemon already serves the root."""
-        try:
-            reply = self.connect(spawn=False).request(proto.HotGet(self.store.run,
-                                                                    self.rank))
-        except SnapdError:
-            return None  # no daemon (or none that answers): restore reads the files
-        if not reply.shm or not reply.snapshot or not isinstance(reply.plan, dict):
-            return None
-        return HotSource(reply.shm, reply.snapshot, reply.plan)
 
     def release_hot(self) -> None:
         """After this client restored: the daemon lets go of the copy it held for an

@@ -127,9 +127,13 @@ def wait_for_writes(conn: DaemonConnection, run: str, rank: int,
 
 def settle_writes(store: RunStore, rank: int, timeout: float) -> Tuple[List[int], float]:
     """wait_for_writes through a connection of its own, if a daemon serves the root
-    (none is started); ([], 0.0) when none does or it stops answering."""
+    (none is started); ([], 0.0) when none does or it stops answering.
+
+    It says hello as a tool (no run): a client of the run that hangs up with ``bye``
+    tells the daemon that nobody will restart from the run's hot copy, which a
+    crashed trainer's restart is about to read."""
     try:
-        conn = DaemonConnection(store.root, store.run, rank, timeout, spawn=False)
+        conn = DaemonConnection(store.root, "", rank, timeout, spawn=False)
     except SnapdError:
         return [], 0.0
     try:

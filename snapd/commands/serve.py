@@ -19,7 +19,10 @@ import click
               metavar="SECONDS",
               help="Exit once no trainer has been connected and nothing has been in "
                    "flight for SECONDS; 0: never. Default: never in the foreground; "
-                   "with --detach, idle_exit_seconds ($SNAPD_IDLE_EXIT_SECONDS, 600).")
+                   "with --detach, idle_exit_seconds ($SNAPD_IDLE_EXIT_SECONDS, 600). "
+                   "Sooner, after idle_bare_exit_seconds "
+                   "($SNAPD_IDLE_BARE_EXIT_SECONDS, 60), while the daemon keeps "
+                   "nothing: no hot copy held, no upload pending.")
 @click.option("--remote", default=None, metavar="URL",
               help="Replicate every committed snapshot to this fsspec URL in the "
                    "background (s3://bucket/prefix, file:///shared/path; docs/remote.md). "
