@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 
 import msgpack
 
+from snapd.diskguard import space_for
 from snapd.errors import CorruptLog
 from snapd.fsio import fsync_dir, write_all
 from snapd.statelog import (
@@ -52,17 +53,23 @@ class LogWriter:
         self._last_step: int | None = None
         self._dirty = self._closed = False
         self._error: OSError | None = None
-        for d in (self.run_dir, self.dir.parent, self.dir):
-            if not d.is_dir():
-                d.mkdir(parents=True, exist_ok=True)
-                fsync_dir(str(d.parent))  # the new directory entry survives a crash
-        self._open_last()
+        with self._space(self.dir, "opening the state log"):
+            for d in (self.run_dir, self.dir.parent, self.dir):
+                if not d.is_dir():
+                    d.mkdir(parents=True, exist_ok=True)
+                    fsync_dir(str(d.parent))  # the new directory entry survives a crash
+            self._open_last()
         self._stop, self._thread = threading.Event(), None
         self._wake = threading.Event()  # sync_soon(): flush now, not at the next tick
         if flush_interval:
             self._thread = threading.Thread(target=self._flush_loop, args=(flush_interval,),
                                             name=f"snapd-log-flush-{rank}", daemon=True)
             self._thread.start()
+
+    def _space(self, path: Path, doing: str):
+        """A write refused for space is InsufficientSpace naming ``path`` and the way
+        out (snapd/diskguard.py); the journal decides whether that stops the run."""
+        return space_for(str(self.run_dir.parent), str(path), doing)
 
     def _open_last(self) -> None:
         """Cut a torn tail and resume after the valid prefix; a newest segment found
@@ -162,7 +169,9 @@ class LogWriter:
         """Append whole frames; if the write fails part way, cut back to the last whole
         frame so that no torn frame is ever followed by another one."""
         try:
-            write_all(self._fd, frames)
+            segment = self.dir / f"{self._seq:012d}.log"
+            with self._space(segment, "appending to the state log"):
+                write_all(self._fd, frames)
         except OSError:
             self._cut_back()
             raise
@@ -203,16 +212,17 @@ class LogWriter:
         tmp = path.with_name(path.name + ".tmp")
         # Owner-only, like the socket (the umask can only narrow it): the log holds
         # the run's scalars and full RNG states.
-        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            write_all(fd, encode_header(self.rank, seq, first_step))  # 1. header, tmp name
-            self._fsync(fd)  # 2. durable: a segment never exists without its whole header
-            os.rename(tmp, path)  # 3. publish
-        except BaseException:  # a full disk: no segment, the next append tries again
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(str(self.dir))  # 4. the name survives a crash
+        with self._space(path, "creating a state-log segment"):
+            fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                write_all(fd, encode_header(self.rank, seq, first_step))  # 1. header, tmp
+                self._fsync(fd)  # 2. durable: a segment never exists without its header
+                os.rename(tmp, path)  # 3. publish
+            except BaseException:  # a full disk: no segment, the next append tries again
+                os.close(fd)
+                tmp.unlink(missing_ok=True)
+                raise
+            fsync_dir(str(self.dir))  # 4. the name survives a crash
         self._fd, self._seq, self._seed = fd, seq, segment_seed(self.rank, seq)
         self._offset = self._marked = HEADER_SIZE
 

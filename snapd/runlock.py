@@ -20,6 +20,10 @@ Why flock, and why these flags:
 - Two clients in one process conflict too: each opens its own file description.
 
 A reader (``Client(..., read_only=True)``, ``snapd`` commands) takes no lock.
+
+The lock file is the first thing ``Client()`` writes: on a full disk (or quota) its
+creation or the pid raises InsufficientSpace naming the file, the mount and the way
+out (snapd/diskguard.py), and the descriptor is closed, so nothing is held.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Dict, Optional
 
 import psutil
 
+from snapd.diskguard import space_for
 from snapd.errors import RunInUse
 from snapd.names import writer_lock_name
 
@@ -94,17 +99,24 @@ class RunLock:
         return self._fd is not None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        with self._space("creating"):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             self._wait_or_refuse(fd)
+            with self._space("writing this process's pid into"):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except BaseException:
-            os.close(fd)
+            os.close(fd)   # drops the flock too: a failed acquire holds nothing
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         with _held_lock:
             _held[fd] = self.path
         self._fd = fd
+
+    def _space(self, doing: str):
+        """A full disk (or quota) here is InsufficientSpace naming the lock file."""
+        root = os.path.dirname(os.path.dirname(self.path))
+        return space_for(root, self.path, f"{doing} the writer lock of run {self.run!r}")
 
     def _wait_or_refuse(self, fd: int) -> None:
         """Take the lock; a dead holder's orphaned children get ORPHAN_WAIT to exit."""

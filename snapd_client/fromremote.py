@@ -12,16 +12,25 @@ a lost network never stops a job that has what it needs on the node.
 The replicated state log is brought down too when the local log of this rank has no
 segment, before the log is read: recovery planning and the replay check then see
 what the lost node logged.
+
+All of that is bounded by ``Options.remote_timeout`` (snapd/remote/deadline.py): a
+store that accepts connections and never answers costs restore that many seconds
+and one RemoteWarning, not botocore's minute and more, and the pull it leaves
+behind can no longer commit a snapshot or move a log segment into the root. A pull
+whose bytes keep arriving is not cut off: the bound is on silence.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from snapd.errors import CorruptSnapshot, InsufficientSpace, RemoteUnavailable
 from snapd.store import RunStore, SnapshotId
+
+if TYPE_CHECKING:   # the remote modules are imported only when a remote is set
+    from snapd.remote.deadline import Deadline
 
 
 logger = logging.getLogger(__name__)
@@ -32,37 +41,94 @@ class RemoteWarning(UserWarning):
     snapshot damaged): restore went on with what else there is."""
 
 
-def pull_newer(store: RunStore, url: str, *, min_free_bytes: int,
-               threads: int = 4) -> Optional[SnapshotId]:
+def pull_newer(store: RunStore, url: str, *, min_free_bytes: int, threads: int = 4,
+               timeout: Optional[float] = None) -> Optional[SnapshotId]:
     """Pull the newest remote commit newer than every local committed snapshot, and
-    the log when the local one is empty; returns the snapshot pulled, or None."""
-    from snapd.remote.layout import RemoteRoot
-    from snapd.remote.pull import pull, pull_log, reaching, refuse_credentials
+    the log when the local one is empty; returns the snapshot pulled, or None.
+
+    ``timeout`` (``Options.remote_timeout``) bounds all of it, pushed out only while
+    a pull's bytes keep arriving: past it, one RemoteWarning, and restore goes on from
+    the local disk; the pull left behind publishes nothing (snapd/remote/deadline.py)."""
+    from snapd.remote.deadline import Deadline
+    from snapd.remote.layout import redact
+    from snapd.remote.pull import arrived, refuse_credentials
     refuse_credentials(url, where="Client(remote=...)")
-    try:
-        remote = RemoteRoot(url)
-        with reaching(remote, f"listing the commits of {store.run}"):
-            commits = remote.commits(store.run)
-        if pull_log(remote, store):
-            logger.info(f"run {store.run}: state log brought down from {remote.url}")
-    except RemoteUnavailable as e:
-        _warn(f"the remote tier is not reachable, restoring from the local disk only: {e}")
+    job = _Pull(store, url, min_free_bytes, threads, Deadline(timeout, redact(url)))
+    outcome = job.deadline.run(job, name=f"snapd-remote-pull-{store.run}",
+                               progress=lambda: arrived(store))   # a slow pull goes on
+    if outcome.timed_out:
+        _warn(f"the remote tier {redact(url)} did not answer within remote_timeout="
+              f"{timeout:g} s ({job.doing}); restoring from the local disk only. Raise "
+              "remote_timeout if the store is slow rather than silent")
         return None
-    local = store.committed()
-    newer = [sid for sid in reversed(commits) if not local or sid > local[-1]]
-    for sid in newer:
+    pulled = outcome.result()
+    for message in job.notes:   # said here, on the caller's thread, once each
+        _warn(message)
+    return pulled
+
+
+class _Pull:
+    """The remote work of one restore, run under a deadline. It says nothing itself:
+    its warnings are ``notes`` the caller gives only when the work finished in time
+    (a late one would warn after restore went on without it)."""
+
+    def __init__(self, store: RunStore, url: str, min_free_bytes: int, threads: int,
+                 deadline: "Deadline") -> None:
+        self.store, self.url, self.deadline = store, url, deadline
+        self.min_free_bytes, self.threads = min_free_bytes, threads
+        self.doing = "connecting"   # for the timeout's message
+        self.notes: List[str] = []
+
+    def __call__(self) -> Optional[SnapshotId]:
+        from snapd.remote.layout import RemoteRoot
+        from snapd.remote.pull import pull_log, reaching
+        store = self.store
         try:
-            pull(remote, store, sid.name, threads=threads, min_free_bytes=min_free_bytes)
-            logger.info(f"run {store.run}: pulled {sid.name} from {remote.url}, verified")
-            return sid
-        except CorruptSnapshot as e:
-            _warn(f"remote snapshot {store.run}/{sid.name} refused: {e}; trying an older "
-                  "one (the remote snapshot is left as it is)")
-        except (RemoteUnavailable, InsufficientSpace) as e:
-            _warn(f"remote snapshot {store.run}/{sid.name} could not be pulled, "
-                  f"restoring from the local disk only: {e}")
+            remote = RemoteRoot(self.url, timeout=self.deadline.seconds)
+            self._next(f"listing the commits of {store.run}")
+            with reaching(remote, self.doing):
+                commits = remote.commits(store.run)
+            self._next(f"pulling the state log of {store.run}")
+            if pull_log(remote, store, self.deadline):
+                logger.info(f"run {store.run}: state log brought down from {remote.url}")
+        except RemoteUnavailable as e:
+            self.notes.append("the remote tier is not reachable, restoring from the "
+                              f"local disk only: {e}")
             return None
-    return None
+        local = store.committed()
+        newer = [sid for sid in reversed(commits) if not local or sid > local[-1]]
+        for sid in newer:
+            self._next(f"pulling {store.run}/{sid.name}")
+            verdict = self._pull(remote, sid)
+            if verdict == "pulled":
+                return sid
+            if verdict == "failed":   # unreachable or no space: no older one either
+                return None
+        return None   # none newer, or every newer one damaged
+
+    def _next(self, doing: str) -> None:
+        """The next phase, not begun once the caller went on (RemoteUnavailable)."""
+        self.deadline.check(doing)
+        self.doing = doing
+
+    def _pull(self, remote, sid: SnapshotId) -> str:
+        """One remote commit pulled: "pulled", "damaged" (an older one may do) or
+        "failed"."""
+        from snapd.remote.pull import pull
+        store = self.store
+        try:
+            pull(remote, store, sid.name, threads=self.threads,
+                 min_free_bytes=self.min_free_bytes, deadline=self.deadline)
+            logger.info(f"run {store.run}: pulled {sid.name} from {remote.url}, verified")
+            return "pulled"
+        except CorruptSnapshot as e:
+            self.notes.append(f"remote snapshot {store.run}/{sid.name} refused: {e}; "
+                              "trying an older one (the remote snapshot is left as it is)")
+            return "damaged"
+        except (RemoteUnavailable, InsufficientSpace) as e:
+            self.notes.append(f"remote snapshot {store.run}/{sid.name} could not be "
+                              f"pulled, restoring from the local disk only: {e}")
+            return "failed"
 
 
 def _warn(message: str) -> None:

@@ -198,9 +198,11 @@ class RemoteRoot:
 
     ``url`` is any fsspec URL (``s3://bucket/prefix``, ``file:///mnt/shared/snapd``).
     Every listing bypasses fsspec's listing cache: other daemons write here too.
+    ``timeout`` (seconds; restore()'s ``remote_timeout``) bounds each S3 call: its
+    connect and each read, with one attempt, not botocore's and s3fs's retries.
     """
 
-    def __init__(self, url: str, fs: Any = None) -> None:
+    def __init__(self, url: str, fs: Any = None, timeout: Optional[float] = None) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise RemoteUnavailable(f"remote {url!r}: not a URL; use s3://bucket/prefix or "
                               "file:///path (any fsspec URL)", path=str(url),
@@ -213,7 +215,7 @@ class RemoteRoot:
             # set of arguments, made under the environment of its first use (the
             # endpoint, the credentials); a remote root takes the environment of now.
             local = url.startswith(("file://", "local://"))
-            kwargs = {"auto_mkdir": True} if local else {}
+            kwargs = {"auto_mkdir": True} if local else _bounded(url, timeout)
             try:
                 fs, base = fsspec.core.url_to_fs(url, skip_instance_cache=True, **kwargs)
             except (ImportError, ValueError) as e:
@@ -222,6 +224,8 @@ class RemoteRoot:
                                   field="remote") from e
         else:
             base = urlsplit(url).netloc + urlsplit(url).path
+        if timeout is not None and url.startswith(("s3://", "s3a://")):
+            fs.retries = 1   # s3fs's own retry loop, above botocore's: one attempt
         self.fs = fs
         self.base = base.rstrip("/")
 
@@ -365,6 +369,15 @@ class RemoteRoot:
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
+
+
+def _bounded(url: str, timeout: Optional[float]) -> Dict[str, Any]:
+    """S3 client settings for calls bounded by ``timeout`` seconds each (botocore's
+    connect and read timeouts, one attempt); other schemes: none."""
+    if timeout is None or not url.startswith(("s3://", "s3a://")):
+        return {}
+    return {"config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
+                              "retries": {"total_max_attempts": 1}}}
 
 
 def _checked_name(name: str) -> str:

@@ -24,13 +24,19 @@ Any failure removes the tmp dir. Shared files already brought down stay (another
 of this node may be reading them): none is referenced by a committed snapshot, so
 local retention's sweep of ``shared/`` removes them. Damage raises CorruptSnapshot
 naming the remote file; a remote that cannot be reached raises RemoteUnavailable.
+
+Under a ``deadline`` (restore()'s ``remote_timeout``, snapd/remote/deadline.py),
+step 6 and the log's segments moving in are done under the deadline's lock, and
+refused (RemoteUnavailable, field ``remote_timeout``) once the caller went on.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
+import stat
 import secrets
 import shutil
 from contextlib import contextmanager
@@ -38,14 +44,15 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from snapd import diskguard, fsio, sharing
 from snapd import format as fmt
-from snapd.errors import CorruptSnapshot, RemoteUnavailable, SnapdError
+from snapd.errors import CorruptSnapshot, InsufficientSpace, RemoteUnavailable, SnapdError
 from snapd.globalsnap import GlobalSnapshot
 from snapd.options import Options
 from snapd.reader import SnapshotReader
 from snapd.remote import transfer
+from snapd.remote.deadline import NO_DEADLINE, Deadline
 from snapd.remote.layout import (RemoteRoot, SharedFile, check_relpath, record_files,
                                  record_shared, redact)
-from snapd.store import DIR_MODE, RunStore, SnapshotId
+from snapd.store import DIR_MODE, TMP_PREFIX, RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +100,11 @@ def reaching(remote: RemoteRoot, what: str) -> Iterator[None]:
 
 
 def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
-         progress: Progress = None,
-         min_free_bytes: Optional[int] = None) -> str:
+         progress: Progress = None, min_free_bytes: Optional[int] = None,
+         deadline: Deadline = NO_DEADLINE) -> str:
     """Commit remote snapshot ``name`` of ``store.run`` locally (the module's steps);
-    returns its local directory. One already committed locally is kept as it is."""
+    returns its local directory. One already committed locally is kept as it is.
+    Past ``deadline`` (snapd/remote/deadline.py) nothing more is written or published."""
     sid = SnapshotId.parse(name)
     if sid is None:
         raise SnapdError(f"{name!r} is not a snapshot name (8+ digits, optionally "
@@ -109,6 +117,7 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
         record = remote.read_record(store.run, name)                       # 1.
         wanted = missing_shared(store, record, progress)
         check_listing(remote, store.run, name, record, wanted)             # 2.
+    deadline.check(f"pulling {store.run}/{name}")
     store.ensure()
     need = int(record["bytes"]) + sum(s.size for s in wanted)
     min_free = Options().min_free_bytes if min_free_bytes is None else min_free_bytes
@@ -117,20 +126,56 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
     try:
         _download(remote, store.run, name, record, tmp, threads, progress)  # 4.
         brought = pull_shared(remote, store, wanted, threads, progress)
-        _verify(remote, store.run, sid, record, tmp, brought)               # 5.
-        _fsync_tree(tmp)                                                    # 6.
-        if _publish(tmp, final):
-            return final
+        with deadline.local_work():   # the local disk's time, not the store's
+            _verify(remote, store.run, sid, record, tmp, brought)           # 5.
+            _fsync_tree(tmp)                                                # 6.
+        with deadline.publishing(f"committing {store.run}/{name} locally"):
+            if _publish(tmp, final):
+                return final
+            _move_latest(store, sid)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and diskguard.is_enospc(e):
-            raise diskguard.from_enospc(e, store.root, need) from e
+        space = None if isinstance(e, InsufficientSpace) else _out_of_space(e)
+        if space is not None:   # (LATEST's own InsufficientSpace is raised as it is)
+            raise diskguard.from_enospc(space, store.root, need) from e
         raise
-    latest = store.read_pointer("LATEST")
-    if latest is None or latest not in store.committed() or sid > latest:
-        store.write_pointer("LATEST", sid)
     log.debug("run %r: pulled %s from %s (%d bytes)", store.run, name, remote.url, need)
     return final
+
+
+def arrived(store: RunStore) -> int:
+    """Bytes now in the tmp names pulls of ``store.run`` download into (a snapshot's
+    tmp dir; a shared file's or a log segment's ``.pull-`` name): a caller waiting on
+    a pull sees from it that bytes still come (snapd/remote/deadline.py)."""
+    patterns = (os.path.join(store.snapshots_path, TMP_PREFIX + "*", "**"),
+                os.path.join(store.path, sharing.SHARED_DIR, "*", ".pull-*"),
+                os.path.join(store.log_path, "rank-*", ".pull-*"))
+    total = 0
+    for path in (p for pattern in patterns for p in glob.glob(pattern, recursive=True)):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:   # committed or removed since it was listed
+            continue
+        total += info.st_size if stat.S_ISREG(info.st_mode) else 0
+    return total
+
+
+def _out_of_space(error: BaseException) -> Optional[OSError]:
+    """The ENOSPC (or quota) error behind ``error``: a download that filled the local
+    disk comes back from transfer.py as RemoteUnavailable caused by it."""
+    for e in (error, error.__cause__):
+        if isinstance(e, OSError) and diskguard.is_enospc(e):
+            return e
+    return None
+
+
+def _move_latest(store: RunStore, sid: SnapshotId) -> None:
+    """LATEST to the pulled snapshot when it is the newest committed one."""
+    latest = store.read_pointer("LATEST")
+    if latest is None or latest not in store.committed() or sid > latest:
+        with diskguard.space_for(store.root, os.path.join(store.path, "LATEST"),
+                                 f"moving LATEST to the pulled {sid.name}"):
+            store.write_pointer("LATEST", sid)
 
 
 def _publish(tmp: str, final: str) -> bool:
@@ -341,11 +386,12 @@ def _fsync_tree(tmp: str) -> None:
 
 # --- the state log -----------------------------------------------------------------
 
-def pull_log(remote: RemoteRoot, store: RunStore) -> List[int]:
+def pull_log(remote: RemoteRoot, store: RunStore,
+             deadline: Deadline = NO_DEADLINE) -> List[int]:
     """The replicated state log of ``store.run``, for each rank whose local log has no
     segment (a new node): so that recovery planning and the replay check see what
     the lost node logged. Returns the ranks brought down; a local log is never
-    replaced or mixed with the remote one."""
+    replaced or mixed with the remote one, and none is moved in past ``deadline``."""
     from snapd import statelog   # the log's naming rules, one place
     pulled = []
     with reaching(remote, f"listing the log of {store.run}"):
@@ -354,16 +400,25 @@ def pull_log(remote: RemoteRoot, store: RunStore) -> List[int]:
         local = statelog.rank_dir(store.path, rank)
         if statelog.list_segments(store.path, rank):
             continue
-        store.ensure()
-        os.makedirs(local, mode=DIR_MODE, exist_ok=True)
+        deadline.check(f"pulling the log of {store.run} rank {rank}")
+        with diskguard.space_for(store.root, str(local), "pulling the state log"):
+            store.ensure()
+            os.makedirs(local, mode=DIR_MODE, exist_ok=True)
         tmp_pairs = [(src, os.path.join(local, f".pull-{leaf}")) for leaf, src in segments]
         try:
             with reaching(remote, f"downloading the log of {store.run} rank {rank}"):
                 transfer.get_files(remote.fs, tmp_pairs, where=remote.url)
-            for (_, tmp), (leaf, _) in zip(tmp_pairs, segments):
-                os.chmod(tmp, fsio.FILE_MODE)
-                os.replace(tmp, os.path.join(local, leaf))
-            fsio.fsync_dir(str(local))
+            with deadline.publishing(f"moving in the log of {store.run} rank {rank}"):
+                for (_, tmp), (leaf, _) in zip(tmp_pairs, segments):
+                    os.chmod(tmp, fsio.FILE_MODE)
+                    os.replace(tmp, os.path.join(local, leaf))
+                fsio.fsync_dir(str(local))
+        except BaseException as e:
+            space = _out_of_space(e)
+            if space is None:
+                raise
+            raise diskguard.out_of_space(space, store.root, str(local),
+                                         "pulling the state log") from e
         finally:
             for _, tmp in tmp_pairs:
                 if os.path.lexists(tmp):
