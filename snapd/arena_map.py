@@ -264,12 +264,17 @@ class HotCache:
     each counted whole (those least recently used by a client go first), and in time, by the daemon,
     which drops a copy once its client closed cleanly, or ``hot_linger_seconds``
     after it left without saying so (:meth:`expire`).
+
+    Why a (run, rank) has no copy is kept too (:meth:`why_not`): a restart that
+    reads the files instead of memory is told why, and so is the daemon's log.
     """
 
     def __init__(self, *, shm_dir: str = SHM_DIR, max_bytes: int = 0) -> None:
         self.shm_dir = shm_dir
         self.max_bytes = max_bytes or psutil.virtual_memory().total // 4
         self._entries: Dict[Tuple[str, int], HotEntry] = {}
+        # Why a (run, rank) holds no copy: the last drop's or refusal's reason.
+        self._gone: Dict[Tuple[str, int], str] = {}
         self._lock = threading.Lock()
 
     def reclaim_orphans(self) -> int:
@@ -297,6 +302,7 @@ class HotCache:
         with self._lock:
             old = self._entries.get((run, rank))
             self._entries[(run, rank)] = entry
+            self._gone.pop((run, rank), None)
         if old is not None:
             old.arena.unhold(old.slot)
         self._bound((run, rank))
@@ -306,14 +312,32 @@ class HotCache:
         with self._lock:
             return self._entries.get((run, rank))
 
-    def drop(self, run: str, rank: int) -> bool:
+    def drop(self, run: str, rank: int, reason: str = "") -> bool:
         """Let go of the held snapshot of (run, rank); False if none was held. An
-        arena whose client is gone is unmapped and unlinked with it."""
+        arena whose client is gone is unmapped and unlinked with it. ``reason``
+        (why the copy went: "its client closed cleanly") is what :meth:`why_not`
+        says of a copy that was held."""
         with self._lock:
             old = self._entries.pop((run, rank), None)
+            if old is not None and reason:
+                self._gone[(run, rank)] = f"the hot copy of {old.snapshot} was released: " \
+                                          f"{reason}"
         if old is not None:
             old.arena.unhold(old.slot)
         return old is not None
+
+    def refuse(self, run: str, rank: int, snapshot: str, reason: str) -> None:
+        """The newest snapshot of (run, rank) is not held, for ``reason``; an older
+        copy is dropped (it is not the latest any more)."""
+        self.drop(run, rank)
+        with self._lock:
+            self._gone[(run, rank)] = f"{snapshot} was not held in memory: {reason}"
+
+    def why_not(self, run: str, rank: int) -> Optional[str]:
+        """Why (run, rank) has no copy, when one was held or refused; None when this
+        cache never heard of it."""
+        with self._lock:
+            return self._gone.get((run, rank))
 
     def fits(self, arena_bytes: int) -> bool:
         """A slot of an arena of ``arena_bytes`` may be held at all (the bound is for
@@ -338,7 +362,8 @@ class HotCache:
         with self._lock:
             old = [key for key, e in self._entries.items()
                    if key not in keep and now - e.last_seen > linger]
-        return [key for key in old if self.drop(*key)]
+        reason = f"no client for {linger:g} s (hot_linger_seconds)"
+        return [key for key in old if self.drop(*key, reason=reason)]
 
     def _bound(self, newest: Tuple[str, int]) -> None:
         """Drop the least recently seen held snapshots until all together fit
@@ -349,7 +374,8 @@ class HotCache:
                                 if key != newest)
             if not others:
                 return
-            self.drop(*others[0][1])
+            self.drop(*others[0][1], reason=f"all hot copies together are kept within "
+                                            f"hot_max_bytes ({self.max_bytes} bytes)")
 
     def close(self) -> None:
         """Let go of every held snapshot (clean shutdown: the memory is returned)."""

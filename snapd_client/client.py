@@ -31,8 +31,9 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from snapd.commit import CommitService
+from snapd.diskguard import space_for
 from snapd.errors import InvalidOption
-from snapd.options import Options
+from snapd.options import Options, given_daemon_options
 from snapd.recovery import RunProgress, read_progress
 from snapd.runlock import RunLock
 from snapd.store import RunStore, SnapshotId
@@ -45,6 +46,7 @@ from snapd_client.fromremote import pull_newer
 from snapd_client import tracking
 from snapd_client.handle import CloseSummary, SnapshotHandle, part_of
 from snapd_client.handoff import Handoff
+from snapd_client.hot import hot_offer
 from snapd_client.staging import layout
 from snapd_client.lostdaemon import settle_writes
 from snapd_client.journal import Journal
@@ -112,8 +114,9 @@ class Client:
                                   "read_only", "base"))
         self.store = RunStore(root, run)
         self.read_only = bool(read_only)
-        if not self.read_only:
-            self.store.ensure()
+        if not self.read_only:   # a full disk: InsufficientSpace naming the mount
+            with space_for(self.store.root, self.store.path, f"creating run {run!r}"):
+                self.store.ensure()
         self.run = run
         self.data_version = data_version
         ranks = detect(rank, world_size)
@@ -122,8 +125,13 @@ class Client:
         # The attempt this client's parts belong to; restore() may replace it, and every
         # later capture takes the value current then.
         self.session = default_session()
+        if daemon is not None:   # a parameter of its own, and an option: one value
+            option_overrides["daemon"] = bool(daemon)
         self.options = (options or Options.resolve()).replace(**option_overrides) \
             if option_overrides else (options or Options.resolve())
+        # The daemon-wide ones among them, which a running daemon must share (hello).
+        given = given_daemon_options(self.options, option_overrides,
+                                     handed=options is not None)
         self.rng = RngStreams()
         self._tracked: Dict[str, Any] = {}
         self._unchanged = Unchanged()   # frozen leaves an earlier snapshot holds
@@ -136,9 +144,11 @@ class Client:
         self.restored: Optional[Loaded] = None
         # "hot" (daemon memory), "disk", or "remote" (pulled from the remote tier)
         self.restored_from: Optional[str] = None
-        self.daemon = self.options.daemon if daemon is None else daemon
-        self._handoff = Handoff(self.store, self.rank, self.options, self.world_size) \
-            if self.daemon else None
+        # Why a restore that could have read the daemon's hot copy read the files
+        self.not_hot: Optional[str] = None
+        self.daemon = self.options.daemon
+        self._handoff = Handoff(self.store, self.rank, self.options, self.world_size,
+                                given) if self.daemon else None
         self._outcomes = Outcomes(self.store, self._handoff,
                                   global_timeout=self.options.global_commit_timeout)
         self._hooks: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook
@@ -431,9 +441,10 @@ class Client:
         with self._paused_warm_up():   # the restore has the machine to itself
             self._settle_daemon_writes()
             pulled = self._pull_from_remote()
-            hot = None
+            hot, self.not_hot = None, None
             if self._handoff is not None and self.options.hot_restore:
-                hot = self._handoff.hot_source()  # never starts a daemon just to restore
+                hot, self.not_hot = hot_offer(lambda: self._handoff.connect(spawn=False),
+                                              self.run, self.rank)  # never starts one
             try:
                 self.recovery = read_progress(self.store, self.rank)  # the log only
                 loaded = load_for_resume(self.store, self._tracked, self.rng,
@@ -450,6 +461,10 @@ class Client:
                 return self._nothing_to_resume()
             self.restored_from = "remote" if loaded.sid == pulled else \
                 "hot" if hot is not None and hot.used else "disk"
+            if hot is not None:
+                self.not_hot = hot.why_not_used(loaded.sid.name)
+            if self.restored_from != "disk":
+                self.not_hot = None
             self._apply(loaded, set(_omit))
             if hot is not None and not self.read_only:   # the old arena may go now,
                 self._handoff.release_hot()              # before this one's is made
@@ -465,7 +480,8 @@ class Client:
         if not self.options.remote or self.read_only:
             return None
         return pull_newer(self.store, self.options.remote,
-                          min_free_bytes=self.options.min_free_bytes)
+                          min_free_bytes=self.options.min_free_bytes,
+                          timeout=self.options.remote_timeout)
 
     def _paused_warm_up(self):
         return self._handoff.paused() if self._handoff is not None else nullcontext()
@@ -501,47 +517,56 @@ class Client:
         # The furthest step, not the last logged: a resume killed during its
         # recompute logged less than the run had reached (RunProgress.furthest).
         step, reached = loaded.manifest["step"], self.recovery.furthest
+        source = self.restored_from + (f"; not hot: {self.not_hot}" if self.not_hot else "")
         if self.read_only:
-            logger.info(f"run {self.run}: restored step {step} ({self.restored_from}), "
+            logger.info(f"run {self.run}: restored step {step} ({source}), "
                         "read-only: nothing is written to the run")
             return step
+        # Counted from the log's records: step numbers need not be contiguous.
+        recompute = self.journal.begin_replay(step, reached)
         self.journal.resume(step=step, snapshot=loaded.sid.name, mode="resume",
-                            lineage=self.lineage, reached=reached,
-                            recompute=max(0, (reached or step) - step),
+                            lineage=self.lineage, reached=reached, recompute=recompute,
                             restored_from=self.restored_from, refused=loaded.refused,
                             omitted=omitted,
                             **({"passed_over": loaded.passed_over}
-                               if loaded.passed_over else {}))
-        checked = self.journal.begin_replay(step, reached)
-        logger.info(f"run {self.run}: resuming from step {step} ({self.restored_from})"
-                    + self._resume_outlook(loaded, step, reached, checked))
+                               if loaded.passed_over else {}),
+                            **({"not_hot": self.not_hot} if self.not_hot else {}))
+        logger.info(f"run {self.run}: resuming from step {step} ({source})"
+                    + self._resume_outlook(loaded, step, reached, recompute))
         return step
 
     def _resume_outlook(self, loaded: Loaded, step: int, reached: Optional[int],
-                        checked: int) -> str:
-        """The resume line's second half: what will be recomputed and checked, and,
-        when nothing will be, why and the fix (a run killed right after its newest
-        snapshot has no step to recompute, so a forgotten value goes unnoticed)."""
+                        recompute: int) -> str:
+        """The resume line's second half: how far training had got and what will be
+        recomputed and checked. Facts only, except where verify_steps=k was asked
+        for and could not be honoured (the user can act on that)."""
+        if reached is None:
+            return "; the log holds no step record (the loop calls no log()), so " \
+                   "nothing is checked"
+        if reached < step:
+            return f"; the log's last step is {reached}, before this snapshot, so " \
+                   "nothing is checked"
+        if reached > step:
+            return f"; training had reached {reached}; " + self._recompute_text(
+                loaded, step, recompute)
         k = self.options.verify_steps
-        if reached is not None and reached > step:
-            text = (f"; training had reached {reached}; {reached - step} "
-                    f"{'update' if reached - step == 1 else 'updates'} will be recomputed"
-                    + (" and checked" if checked else ""))
-            if loaded.passed_over:
-                text += (f" (verify_steps={k}: resumed before the newest snapshot, "
-                         f"{loaded.passed_over}, to check them)")
-            return text
-        if self.options.replay_check == "off":
-            return ""
-        text = ("; nothing will be checked: the log has no step after this snapshot "
-                "(the run stopped right at it), so none is recomputed")
-        if k:
-            return (f"{text}, and no snapshot of the run lies at most {k} steps before "
+        if k and self.options.replay_check != "off":
+            return (f"; training had reached {reached}; nothing to recompute, so nothing "
+                    f"is checked: no snapshot of the run lies at most {k} steps before "
                     f"it (verify_steps={k}). Fix: snapshots at most {k} steps apart "
                     "with keep_last of 2 or more, or a larger verify_steps")
-        return (f"{text}. Fix: snapshot() more often than the run is killed, or "
-                "Client(..., verify_steps=k) to resume from the snapshot before and "
-                "check up to k steps")
+        return f"; training had reached {reached}; nothing to recompute"
+
+    def _recompute_text(self, loaded: Loaded, step: int, recompute: int) -> str:
+        if not recompute:
+            return (f"the log holds no step after {step} to check the recomputed ones "
+                    "against")
+        text = (f"{recompute} logged {'step' if recompute == 1 else 'steps'} will be "
+                "recomputed" + (" and checked" if self.journal.checking else ""))
+        if loaded.passed_over:
+            text += (f" (verify_steps={self.options.verify_steps}: resumed before the "
+                     f"newest snapshot, {loaded.passed_over}, to check them)")
+        return text
 
     def _apply(self, loaded: Loaded, omit: set) -> None:
         from snapd_client.restore import apply  # all or nothing: puts back on failure

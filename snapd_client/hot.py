@@ -21,6 +21,12 @@ object names are kept in ``touched`` so that a restore that then fails altogethe
 can say which objects hold partial state. What verification protects against is
 the same as for the files; reading after the copy also catches a slot its trainer
 stages into meanwhile (a read-only client's restore beside a live run).
+
+A restore that could have read memory and read the files says why, in its resume
+line (``Client.not_hot``): :func:`hot_offer` keeps the daemon's reason when it holds
+no copy (or why no daemon answered), and :meth:`HotSource.why_not_used` the first
+reason the held copy was not used (another snapshot than the one restore chose, a
+tensor that does not match the manifest or its checksum, a segment gone).
 """
 
 from __future__ import annotations
@@ -28,16 +34,17 @@ from __future__ import annotations
 import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import xxhash
 
-from snapd import format as fmt
-from snapd.errors import SnapdError
+from snapd import format as fmt, protocol as proto
+from snapd.errors import DaemonUnavailable, SnapdError
 from snapd.names import SHM_DIR, SHM_PREFIX
 from snapd.plan import tensor_extent
 from snapd.reader import SnapshotReader
+from snapd.store import SnapshotId
 
 # Read, then hashed while still in the core's L2: measured at 1 GiB on a 2-CPU VM, a
 # restore took 180 ms with 4 MiB pieces (the hash reading back from memory), 160 ms
@@ -83,6 +90,28 @@ def _read_verified(fd: int, start: int, out: memoryview, expected: int) -> bool:
     return hasher.intdigest() == expected
 
 
+def hot_offer(connect: Callable[[], Any], run: str, rank: int
+              ) -> Tuple[Optional["HotSource"], Optional[str]]:
+    """The daemon's held copy of (run, rank) as a tensor source, or None and why not.
+    ``connect`` returns a connection to a daemon already serving the root (it never
+    starts one just to restore)."""
+    try:
+        reply = connect().request(proto.HotGet(run, rank))
+    except DaemonUnavailable:
+        return None, "no daemon is serving the root"
+    except SnapdError as e:
+        return None, f"the daemon did not answer ({e})"
+    if not reply.shm or not reply.snapshot or not isinstance(reply.plan, dict):
+        reason = getattr(reply, "reason", None)   # absent from an older daemon
+        return None, reason if isinstance(reason, str) and reason else \
+            "the daemon holds no copy of this run and rank"
+    return HotSource(reply.shm, reply.snapshot, reply.plan), None
+
+
+class _Miss(Exception):
+    """An object the held copy cannot serve; the message says why."""
+
+
 class HotSource:
     """A ``tensor_source`` for restore: serves objects of one held snapshot."""
 
@@ -90,6 +119,7 @@ class HotSource:
         self.shm, self.snapshot, self.plan = shm, snapshot, plan
         self.hits: List[str] = []
         self.misses: List[str] = []
+        self.miss_reasons: List[str] = []   # one per miss, in order
         self.touched: List[str] = []  # written in place, then failed: read from files
         self._fd: Optional[int] = None
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -100,19 +130,43 @@ class HotSource:
         """Every object restore() read came from memory."""
         return bool(self.hits) and not self.misses
 
+    def why_not_used(self, chosen: str) -> Optional[str]:
+        """Why a restore of snapshot ``chosen`` did not read (all of) it from this
+        copy; None when it did."""
+        if self.used:
+            return None
+        if self.miss_reasons:
+            return self.miss_reasons[0]
+        if chosen != self.snapshot:
+            return f"the daemon holds {_describe(self.snapshot)}, the restore chose " \
+                   f"{_describe(chosen)}"
+        return f"{chosen} has no tensor to read from memory"
+
     def __call__(self, reader: SnapshotReader, name: str,
                  live: Dict[str, torch.Tensor]) -> Optional[List[torch.Tensor]]:
         if os.path.basename(reader.path) != self.snapshot:
             return None
+        tensors, reason = None, None
         try:
             tensors = self._load(reader.objects[name]["tensors"], name, live)
-        except (OSError, ValueError, KeyError, TypeError, SnapdError):
-            tensors = None  # gone, replaced or malformed: the files are the truth
-        (self.hits if tensors is not None else self.misses).append(name)
+        except _Miss as e:
+            reason = str(e)
+        except FileNotFoundError:   # gone, replaced or malformed: the files are the truth
+            reason = f"the hot copy's segment {self.shm} is gone"
+        except OSError as e:
+            reason = f"the hot copy could not be read ({e.strerror or e})"
+        except (ValueError, KeyError, TypeError, SnapdError) as e:
+            reason = f"the hot copy's plan of {name} is not usable ({e})"
+        if tensors is None:
+            self.misses.append(name)
+            self.miss_reasons.append(reason)
+        else:
+            self.hits.append(name)
         return tensors
 
     def _load(self, entries: List[Dict[str, Any]], name: str,
-              live: Dict[str, torch.Tensor]) -> Optional[List[torch.Tensor]]:
+              live: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+        """The tensors of object ``name``, read and verified; raises _Miss."""
         if self._fd is None:
             self._fd = _open_segment(self.shm)
             self._helpers = min(MAX_READERS, os.cpu_count() or 1) - 1  # + this thread
@@ -121,12 +175,13 @@ class HotSource:
         size = os.fstat(self._fd).st_size
         held = next((o for o in self.plan["objects"] if o["name"] == name), None)
         if held is None or len(held["tensors"]) != len(entries):
-            return None
+            raise _Miss(f"the hot copy's tensors of {name} are not the snapshot's")
         starts = []
         for t, entry in zip(held["tensors"], entries):
             if (t["path"], t["dtype"], list(t["shape"]), t["nbytes"]) != \
                     (entry["path"], entry["dtype"], list(entry["shape"]), entry["nbytes"]):
-                return None
+                raise _Miss(f"the hot copy's tensor {name}/{entry['path']} does not "
+                            "match the snapshot's manifest")
             starts.append(tensor_extent(t, size)[0])  # bounds-checked
         out = [_destination(live.get(e["path"]), e) for e in entries]
         if self._read_all(list(zip(starts, map(_bytes_of, out),
@@ -134,7 +189,7 @@ class HotSource:
             return out
         if any(t is live.get(e["path"]) for t, e in zip(out, entries)):
             self.touched.append(name)
-        return None
+        raise _Miss(f"a tensor of {name} in the hot copy did not match its checksum")
 
     def _read_all(self, jobs: List[tuple]) -> bool:
         """Run every (start, destination, digest) read, shared by bytes between this
@@ -160,3 +215,11 @@ class HotSource:
         if self._fd is not None:
             os.close(self._fd)
         self._fd = self._pool = None
+
+
+def _describe(name: str) -> str:
+    """A snapshot name as a resume line says it: "step 20" ("step 20 of lineage 1")."""
+    sid = SnapshotId.parse(name)
+    if sid is None:
+        return name
+    return f"step {sid.step}" + (f" of lineage {sid.lineage}" if sid.lineage else "")

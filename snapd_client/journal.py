@@ -4,8 +4,10 @@ the state log, docs/format.md: the format is :mod:`snapd.statelog`, the appendin
 :mod:`snapd.logwriter`.)
 
 Replay proof: a resume from snapshot S of a run that had reached step R recomputes
-S+1..R. The interrupted run logged each of those steps; as the resumed run logs them
-again, each new record is compared with the old one. The first difference names its
+the steps the interrupted run logged after S, up to R (step numbers need not be
+contiguous: a loop that numbers its steps ``epoch * 1000 + batch`` recomputes the
+steps it logged, not R - S of them). As the resumed run logs them again, each new
+record is compared with the old one. The first difference names its
 cause, checked in this order, because an earlier piece perturbs the later ones:
 
 1. ``cursor``: the batch position differs (the data stream was not restored);
@@ -19,13 +21,17 @@ cause, checked in this order, because an earlier piece perturbs the later ones:
    nondeterminism with identical inputs comes second: it is rarer on CPU, and the
    message must not send the user after kernels when a line of tracking fixes it.
 
-Steps whose old record is damaged or missing cannot be compared; the verdict counts
-them as ``missing`` rather than failing the replay.
+Steps logged again in the range whose old record is damaged or missing cannot be
+compared; the verdict counts them as ``missing`` rather than failing the replay.
 
-Why the journal never raises a disk error: the log is a record of training, not a
-condition of it. A record that cannot be written (a full disk) is counted in
-``dropped``, kept as ``last_error``, warned about once, and the next record tries
-again; a snapshot's own failure reaches the user through its handle and close().
+Why the journal never raises a disk error once training runs: the log is a record of
+training, not a condition of it. A record that cannot be written (a full disk) is
+counted in ``dropped``, kept as ``last_error``, warned about once, and the next record
+tries again; a snapshot's own failure reaches the user through its handle and close().
+The start is the exception: the log's first segment (``ready``) and the resume record
+(``resume``), written by restore(), raise InsufficientSpace when the disk is full. A
+run started on a full disk could neither log nor snapshot, and learning that at its
+first snapshot, hours later, would cost those hours.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import time
 import warnings
 from typing import Any, Dict, Optional
 
-from snapd.errors import ReplayDivergence
+from snapd.errors import InsufficientSpace, ReplayDivergence
 from snapd.logwriter import LogWriter
 from snapd.options import Options
 from snapd.recovery import expected_steps
@@ -117,10 +123,13 @@ class Journal:
 
     def ready(self) -> None:
         """Open the log and its segment now (directories and segment created and
-        fsynced), so that the first record costs one write. A disk error is left for
+        fsynced), so that the first record costs one write. A full disk raises
+        InsufficientSpace (the run's start, see above); another disk error is left for
         the first record to meet and report."""
         try:
             self._writer().ready()
+        except InsufficientSpace:
+            raise
         except OSError:
             pass
 
@@ -152,17 +161,28 @@ class Journal:
     # --- replay proof ----------------------------------------------------------------
 
     def begin_replay(self, snapshot_step: int, reached: Optional[int]) -> int:
-        """Load the old records of the steps to recompute; returns how many."""
-        if reached is None or reached <= snapshot_step or self.opts.replay_check == "off":
+        """Load the old records of the steps to recompute (the logged steps after
+        ``snapshot_step``, up to ``reached``); returns how many there are. They are
+        checked as they are logged again, unless replay_check is "off"."""
+        if reached is None or reached <= snapshot_step:
             return 0
-        self._expected = expected_steps(self.store, self.rank, snapshot_step, reached)
-        self._replay = {"from": snapshot_step, "to": reached, "checked": 0,
-                        "missing": reached - snapshot_step - len(self._expected)}
-        return len(self._expected)
+        expected = expected_steps(self.store, self.rank, snapshot_step, reached)
+        if self.opts.replay_check != "off":
+            self._expected = expected
+            self._replay = {"from": snapshot_step, "to": reached, "checked": 0,
+                            "missing": 0}
+        return len(expected)
+
+    @property
+    def checking(self) -> bool:
+        """A replay check is armed: recomputed steps are being compared."""
+        return self._replay is not None
 
     def _check(self, record: Dict[str, Any]) -> None:
         replay, step = self._replay, record["step"]
         old = self._expected.pop(step, None)
+        if old is None and replay["from"] < step <= replay["to"]:
+            replay["missing"] += 1   # logged again, but its old record is not valid
         if old is not None:
             replay["checked"] += 1
             found = compare(old, record)
@@ -195,9 +215,17 @@ class Journal:
             self._dropped(e, records=0)
 
     def resume(self, **fields: Any) -> Dict[str, Any]:
-        """The resume record; kept, so that later committed records can carry it."""
-        self.last_resume = self.event("resume", **fields)
-        return self.last_resume
+        """The resume record; kept, so that later committed records can carry it.
+        Written at the run's start: a full disk raises InsufficientSpace (see above)."""
+        record = {"kind": "resume", "time": time.time(), **fields}
+        try:
+            self._writer().append(record)
+        except InsufficientSpace:
+            raise
+        except OSError as e:
+            self._dropped(e)
+        self.last_resume = record
+        return record
 
     def close(self) -> None:
         """Seal the log; a disk error here is kept in ``last_error``, not raised."""

@@ -6,6 +6,7 @@ the same log, restore and check as through the daemon, without a process."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -46,7 +47,9 @@ class Loop:
     """A linear model trained on fixed data; ``carry`` is a value the loop keeps
     across steps (a hidden state), tracked or not."""
 
-    def __init__(self, root, *, track_carry=True, **options):
+    def __init__(self, root, *, track_carry=True, number=None, **options):
+        # number(update) is the step number logged and snapshotted after that update
+        self.number = number or (lambda update: update)
         torch.manual_seed(0)
         self.model = torch.nn.Linear(3, 1)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
@@ -55,7 +58,8 @@ class Loop:
         self.client.track(model=self.model, optimizer=self.opt)
         if track_carry:
             self.client.track(carry=self)
-        self.step = self.client.restore()
+        restored = self.client.restore()
+        self.step = next(u for u in itertools.count() if self.number(u) >= restored)
 
     def state_dict(self):
         return {"carry": self.carry}
@@ -72,9 +76,9 @@ class Loop:
             self.opt.step()
             self.carry = 0.5 * self.carry + loss.detach()
             self.step += 1
-            self.client.log(self.step, loss=loss.item())
+            self.client.log(self.number(self.step), loss=loss.item())
             if self.step in snapshot_at:
-                self.client.snapshot(self.step).wait()
+                self.client.snapshot(self.number(self.step)).wait()
         return self
 
     def stop(self):
@@ -102,7 +106,7 @@ def test_a_second_kill_during_the_recompute_keeps_the_furthest_step(tmp_path,
     third = Loop(root)
     assert third.client.recovery.furthest == 9
     assert resume_lines()[-1].endswith(
-        "resuming from step 5 (disk); training had reached 9; 4 updates will be "
+        "resuming from step 5 (disk); training had reached 9; 4 logged steps will be "
         "recomputed and checked")
     third.train(9)
     verdict = third.client.journal.verdict
@@ -133,14 +137,102 @@ def test_furthest_follows_the_resume_record_and_a_warm_start_resets_it(tmp_path)
 
 # --- a resume with nothing to recompute, and verify_steps ---------------------------
 
-def test_a_resume_with_nothing_to_recompute_says_nothing_will_be_checked(tmp_path,
-                                                                        resume_lines):
+def test_a_resume_right_after_a_snapshot_states_facts_without_a_fix(tmp_path,
+                                                                     resume_lines):
+    """Killed right after snapshot 8 committed (or a finished run started again):
+    nothing is wrong, so the line says what happened and asks nothing of the user."""
     Loop(str(tmp_path)).train(8, snapshot_at=(4, 8)).stop()
     loop = Loop(str(tmp_path))
     assert loop.step == 8 and loop.client.journal.verdict is None
-    (line,) = resume_lines()
-    assert "nothing will be checked" in line and "the run stopped right at it" in line
-    assert "snapshot() more often" in line and "verify_steps=k" in line
+    assert resume_lines() == [
+        "run r: resuming from step 8 (disk); training had reached 8; nothing to recompute"]
+    assert loop.client.journal.last_resume["recompute"] == 0
+    loop.stop()
+
+
+def test_a_loop_that_logs_no_step_is_told_nothing_is_checked(tmp_path, resume_lines):
+    client = Client(str(tmp_path), "r", daemon=False)
+    model = torch.nn.Linear(3, 1)
+    client.track(model=model)
+    assert client.restore() == 0
+    client.snapshot(30).wait()
+    client.close()
+    again = Client(str(tmp_path), "r", daemon=False)
+    again.track(model=model)
+    assert again.restore() == 30
+    assert resume_lines() == [
+        "run r: resuming from step 30 (disk); the log holds no step record (the loop "
+        "calls no log()), so nothing is checked"]
+    again.close()
+
+
+def test_steps_the_log_no_longer_holds_are_said_plainly(tmp_path, resume_lines):
+    """The resume record says the run had reached 9; no step record after 5 is left."""
+    root = str(tmp_path)
+    Loop(root).train(5, snapshot_at=(5,)).stop()
+    with LogWriter(RunStore(root, "r").path, 0, flush_interval=None) as w:
+        w.append({"kind": "resume", "mode": "resume", "step": 5, "reached": 9})
+    loop = Loop(root)
+    assert resume_lines() == [
+        "run r: resuming from step 5 (disk); training had reached 9; the log holds no "
+        "step after 5 to check the recomputed ones against"]
+    assert loop.client.journal.last_resume["recompute"] == 0
+    loop.stop()
+
+
+def test_with_the_replay_check_off_the_steps_are_recomputed_unchecked(tmp_path,
+                                                                       resume_lines):
+    root = str(tmp_path)
+    Loop(root).train(9, snapshot_at=(5,)).stop()
+    loop = Loop(root, replay_check="off")
+    assert resume_lines() == [
+        "run r: resuming from step 5 (disk); training had reached 9; 4 logged steps will "
+        "be recomputed"]
+    assert loop.client.journal.last_resume["recompute"] == 4
+    loop.train(9)
+    assert loop.client.journal.verdict is None
+    loop.stop()
+
+
+def test_a_log_behind_the_snapshot_is_said_plainly(tmp_path, resume_lines):
+    """A loop that logs every few steps: the last logged step lies before the snapshot."""
+    client = Client(str(tmp_path), "r", daemon=False)
+    client.track(model=torch.nn.Linear(3, 1))
+    assert client.restore() == 0
+    client.log(3, loss=1.0)
+    client.snapshot(5).wait()
+    client.close()
+    again = Client(str(tmp_path), "r", daemon=False)
+    again.track(model=torch.nn.Linear(3, 1))
+    assert again.restore() == 5
+    assert resume_lines() == [
+        "run r: resuming from step 5 (disk); the log's last step is 3, before this "
+        "snapshot, so nothing is checked"]
+    again.close()
+
+
+def epoch_batch(update):
+    """Step numbers as a script that numbers them ``epoch * 1000 + batch`` (ten
+    batches an epoch) logs them: update 20 is 2009, update 25 is 3004."""
+    return 0 if update == 0 else 1000 * ((update - 1) // 10 + 1) + (update - 1) % 10
+
+
+def test_steps_numbered_by_epoch_and_batch_recompute_the_logged_steps(tmp_path,
+                                                                      resume_lines):
+    root = str(tmp_path)
+    Loop(root, number=epoch_batch).train(25, snapshot_at=(20,)).stop()   # killed at 3004
+    loop = Loop(root, number=epoch_batch)
+    assert (loop.step, epoch_batch(loop.step)) == (20, 2009)
+    assert resume_lines() == [
+        "run r: resuming from step 2009 (disk); training had reached 3004; 5 logged "
+        "steps will be recomputed and checked"]   # not 3004 - 2009 = 995
+    assert loop.client.journal.last_resume["recompute"] == 5
+    assert read_progress(RunStore(root, "r")).last_resume["recompute"] == 5
+    loop.train(25)
+    verdict = loop.client.journal.verdict
+    assert (verdict["verdict"], verdict["from"], verdict["to"], verdict["checked"]) == \
+        ("match", 2009, 3004, 5)
+    assert "missing" not in verdict
     loop.stop()
 
 
@@ -152,7 +244,7 @@ def test_verify_steps_resumes_before_the_newest_snapshot_and_checks(tmp_path,
     loop = Loop(root, verify_steps=3, keep_last=2)
     assert loop.step == 8 and loop.client.restored.passed_over == "00000010"
     (line,) = resume_lines()
-    assert "training had reached 10; 2 updates will be recomputed and checked" in line
+    assert "training had reached 10; 2 logged steps will be recomputed and checked" in line
     assert "verify_steps=3: resumed before the newest snapshot, 00000010" in line
     loop.train(12, snapshot_at=(10, 12))
     verdict = loop.client.journal.verdict
@@ -175,9 +267,11 @@ def test_verify_steps_too_small_for_the_snapshot_interval_says_so(tmp_path, resu
     Loop(str(tmp_path)).train(8, snapshot_at=(4, 8)).stop()
     loop = Loop(str(tmp_path), verify_steps=3)
     assert loop.step == 8
-    (line,) = resume_lines()
-    assert "nothing will be checked" in line
-    assert "no snapshot of the run lies at most 3 steps before it (verify_steps=3)" in line
+    assert resume_lines() == [
+        "run r: resuming from step 8 (disk); training had reached 8; nothing to "
+        "recompute, so nothing is checked: no snapshot of the run lies at most 3 steps "
+        "before it (verify_steps=3). Fix: snapshots at most 3 steps apart with "
+        "keep_last of 2 or more, or a larger verify_steps"]
     loop.stop()
 
 

@@ -129,6 +129,21 @@ def test_killed_mid_epoch_resumes_bit_for_bit(runs, script):
     assert len(first) + len(second) > len(whole), "nothing was recomputed"
 
 
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_a_restart_on_the_same_node_reads_the_daemons_hot_copy(runs, script):
+    resumed_at = CASES[script][1]
+    rc, _, err = runs[(script, "second")]
+    assert rc == 0, err[-3000:]
+    assert f"snapd: run cut: resuming from step {resumed_at} (hot)" in err, err[-3000:]
+
+
+def test_a_loop_that_logs_no_step_is_told_nothing_is_checked(runs):
+    """minGPT's adder calls no ckpt.log(): the resume line says so, as a fact."""
+    _, _, err = runs[("mingpt_adder_style.py", "second")]
+    assert "snapd: run cut: resuming from step 30 (hot); the log holds no step record " \
+           "(the loop calls no log()), so nothing is checked\n" in err, err[-3000:]
+
+
 def test_a_forgotten_loop_value_is_named_as_untracked_state(runs):
     """The prefetched batch X, Y left out of track_globals: the resumed run's first
     update trains on the wrong batch with the right RNG streams."""

@@ -1,6 +1,6 @@
 """A trainer SIGKILLed right after a snapshot, through the daemon: without
-``verify_steps`` the resume has nothing to recompute and says that nothing will be
-checked (a value the loop forgot to track then goes unnoticed); with
+``verify_steps`` the resume has nothing to recompute and says so (a value the loop
+forgot to track then goes unnoticed); with
 ``verify_steps=k`` it resumes from the snapshot before, recomputes and checks the
 steps up to the newest one, catches the forgotten value (naming untracked state), and
 when everything is tracked ends bit for bit on the uninterrupted run.
@@ -112,20 +112,20 @@ def finish(proc, kill_at=None):
     return proc.returncode, out, err
 
 
-def test_without_verify_steps_a_resume_says_nothing_will_be_checked(runs):
+def test_without_verify_steps_a_resume_says_nothing_is_recomputed(runs):
     rc, out, err = runs["unverified"]
-    assert rc == 0, err[-3000:]  # the forgotten value goes unnoticed ...
-    assert "resuming from step 8 (hot)" in err
-    assert "nothing will be checked" in err  # ... but the user is told, with the fix
-    assert "snapshot() more often" in err and "verify_steps=k" in err
+    assert rc == 0, err[-3000:]  # the forgotten value goes unnoticed: nothing is wrong
+    assert "resuming from step 8 (hot); training had reached 8; nothing to recompute\n" \
+        in err
     assert json.loads(out)["replay"] is None
 
 
 def test_verify_steps_checks_the_steps_and_names_the_forgotten_value(runs):
     rc, _out, err = runs["forgotten"]
     assert rc == 1, err[-3000:]
-    assert "resuming from step 4 (disk); training had reached 8; 4 updates will be " \
-           "recomputed and checked (verify_steps=4" in err
+    assert "resuming from step 4 (disk; not hot: the daemon holds step 8, the restore " \
+           "chose step 4); training had reached 8; 4 logged steps will be recomputed " \
+           "and checked (verify_steps=4" in err
     assert "ReplayDivergence: replay check: step 5 differs" in err
     assert "(cause scalar:loss)" in err and "First suspect: untracked state" in err
 
