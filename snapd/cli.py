@@ -15,8 +15,8 @@ from snapd.errors import SnapdError
 # name: (module under snapd.commands, one-line summary for `snapd --help`)
 COMMANDS: Dict[str, Tuple[str, str]] = {
     "serve": ("serve", "Run the daemon for a root (clients start one themselves)."),
-    "stop": ("stop", "Stop the daemon serving a root, once its snapshots are written."),
-    "status": ("status", "Runs, progress, last snapshot, updates at risk, last resume."),
+    "stop": ("stop", "Stop a root's daemon (or --all of yours) once its snapshots are written."),
+    "status": ("status", "Runs, progress, last snapshot, updates at risk; --daemons: live daemons."),
     "watch": ("watch", "Live view of a root: steps, snapshots in flight, stalls, disk."),
     "batch": ("batch", "Which batches and samples a step consumed, from the log."),
     "ls": ("ls", "List snapshots with step, size, metric and LATEST/BEST marks."),

@@ -20,7 +20,10 @@ Lifecycle of :meth:`Daemon.serve_forever`:
    disconnect or the last write's end, whichever is later. A daemon is cheap to start
    again (a client starts one when none answers), while one per root kept forever
    costs 40-60 MB each. The default outlasts ``hot_linger_seconds``, so a crashed
-   trainer restarted within it still finds its hot copy.
+   trainer restarted within it still finds its hot copy. A daemon that keeps nothing
+   (no hot copy held, no upload pending) exits after the shorter
+   ``idle_bare_exit_seconds``: a sweep of short runs in separate roots leaves no
+   pile of idle daemons.
 
 One snapshot (after ``accepted``): the commit service (snapd/commit.py: space check,
 write, error mapping, tmp cleanup, retention), then the committed slot held as the
@@ -54,7 +57,8 @@ from snapd import diskguard, logs, protocol as p, retention
 from snapd.arena_map import HotCache, reclaim_dead_arenas
 from snapd.commit import Commit, CommitService
 from snapd.errors import AlreadyServing, SnapdError
-from snapd.options import Options
+from snapd.hotwhy import never_held, not_held_because
+from snapd.options import DAEMON_OPTIONS, Options
 from snapd.remote.uploader import Uploader
 from snapd.rootlock import RootLock
 from snapd.server import Server, Submission
@@ -153,6 +157,7 @@ class Daemon:
         self.server = Server(self.root, self)
         self.writes = WriteQueue(self.options.writer_threads, self._write)
         self.hot_cache = HotCache(max_bytes=self.options.hot_max_bytes)
+        self._hot_told: Dict[Tuple[str, int], str] = {}   # the miss last logged
         self.runs: Dict[str, Dict[str, Any]] = {}
         # The remote tier (docs/remote.md): its own thread, never in a write's way.
         self.uploader = Uploader(self.root, self.options) if self.options.remote else None
@@ -206,8 +211,8 @@ class Daemon:
 
     def _check_every(self) -> float:
         """How often _keep_serving is asked: root_check_seconds, or more often when
-        the idle exit is shorter, so that it is not late by more than a fifth."""
-        idle = self.options.idle_exit_seconds
+        the shorter idle exit is shorter, so that it is not late by more than a fifth."""
+        idle = self._idle_limit(keeps_nothing=True)
         every = self.options.root_check_seconds
         return min(every, max(0.05, idle / 5)) if idle > 0 else every
 
@@ -221,20 +226,53 @@ class Daemon:
         return not self._idle_too_long()
 
     def _idle_too_long(self) -> bool:
-        """No trainer connected and nothing in flight for idle_exit_seconds."""
-        limit = self.options.idle_exit_seconds
+        """No trainer connected and nothing in flight for the idle limit that applies
+        now (see :meth:`_idle_limit`)."""
+        bare = self._keeps_nothing()
+        limit = self._idle_limit(bare)
         if limit <= 0:
             return False
-        uploading = self.uploader is not None and self.uploader.busy()
-        if self.writes.snapshot() or uploading or \
-                any(c.run for c in self.server.live_connections()):
+        if self._busy():
             self._last_busy = time.monotonic()
             return False
         if time.monotonic() - self._last_busy < limit:
             return False
-        log(f"no client and nothing in flight for {limit:g} s (idle_exit_seconds): "
-            "stopping")
+        if limit < self.options.idle_exit_seconds:
+            log(f"no client, nothing in flight and nothing kept (no hot copy, no "
+                f"pending upload) for {limit:g} s (idle_bare_exit_seconds): stopping")
+        else:
+            log(f"no client and nothing in flight for {limit:g} s (idle_exit_seconds): "
+                "stopping")
         return True
+
+    def _busy(self) -> bool:
+        """A trainer is connected, a write queued or running, or an upload running:
+        the idle time counts from when this stops being true."""
+        uploading = self.uploader is not None and self.uploader.busy()
+        return bool(self.writes.snapshot()) or uploading or \
+            any(c.run for c in self.server.live_connections())
+
+    def _keeps_nothing(self) -> bool:
+        """No hot copy held and no upload pending: exiting loses nothing a restarted
+        trainer or the remote tier would miss, so the shorter idle limit applies."""
+        return self.hot_cache.held_bytes() == 0 and \
+            (self.uploader is None or self.uploader.idle())
+
+    def _idle_limit(self, keeps_nothing: bool) -> float:
+        """Idle seconds after which this daemon exits (0: never). A daemon started by
+        hand has idle_exit_seconds 0 and never exits; one a client started waits
+        idle_exit_seconds while it holds a crashed trainer's hot copy (outlasting
+        hot_linger_seconds, for a restart), and the shorter idle_bare_exit_seconds
+        once it keeps nothing: a sweep of short runs, each in its own root, then
+        leaves no pile of idle daemons behind."""
+        limit, bare = self.options.idle_exit_seconds, self.options.idle_bare_exit_seconds
+        if limit > 0 and keeps_nothing and bare > 0:
+            return min(limit, bare)
+        return limit
+
+    def idle_seconds(self) -> float:
+        """Seconds since the daemon was last busy (0 while it is)."""
+        return 0.0 if self._busy() else max(0.0, time.monotonic() - self._last_busy)
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -260,20 +298,39 @@ class Daemon:
         self.writes.put(sub)
 
     def hot(self, run: str, rank: int) -> p.HotReply:
+        """The held copy of (run, rank), or why there is none (also logged, once per
+        reason, when the run has a committed snapshot a restart could have read)."""
         entry = self.hot_cache.get(run, rank)
+        store = RunStore(self.root, run)
+        latest = store.read_pointer("LATEST")
         if entry is None:
-            return p.HotReply()
+            reason = self.hot_cache.why_not(run, rank) or \
+                never_held(store, latest, self.started)
+            if latest is not None:
+                self._tell_hot_miss(run, rank, f"no hot copy to restore from: {reason}")
+            return p.HotReply(reason=reason)
+        if latest is not None and latest.name != entry.snapshot:
+            self._tell_hot_miss(run, rank, f"the hot copy is of {entry.snapshot}, LATEST "
+                                           f"names {latest.name}: a restore of "
+                                           f"{latest.name} reads the files")
         return p.HotReply(entry.shm, entry.snapshot, entry.plan)
+
+    def _tell_hot_miss(self, run: str, rank: int, why: str) -> None:
+        """Log why a restart of (run, rank) cannot read memory; once per reason (the
+        client asks at its warm-up and again at restore)."""
+        if self._hot_told.get((run, rank)) != why:
+            self._hot_told[(run, rank)] = why
+            log(f"run {run!r} rank {rank}: {why}")
 
     def client_done(self, run: str, rank: int) -> None:
         """The client closed cleanly: nobody restarts from its hot copy."""
-        if self.hot_cache.drop(run, rank):
+        if self.hot_cache.drop(run, rank, reason="its client closed cleanly"):
             log(f"released the hot copy of run {run!r} rank {rank}: its client is done")
 
     def hot_release(self, run: str, rank: int) -> None:
         """A restarted client of (run, rank) has restored: the earlier client's held
         snapshot (its whole arena, once that client is gone) is released."""
-        if self.hot_cache.drop(run, rank):
+        if self.hot_cache.drop(run, rank, reason="a later client of the run restored"):
             log(f"released the hot copy of run {run!r} rank {rank}: its new client "
                 "has restored")
 
@@ -374,30 +431,23 @@ class Daemon:
             f"{type(error).__name__}: {error}")
         return p.Failed.of(sub.run, sub.rank, sub.step, sub.slot, error)
 
-    def _hot_wanted(self, sub: Submission) -> bool:
-        """Hold the committed slot for a fast restore: the client asked for it (a hot
-        arena, a slot to spare) and the bound allows it."""
-        # A multi-rank job restores from the files: every rank must read one snapshot.
-        # So does a snapshot that refers to earlier ones' bytes: its slot lacks them.
-        return bool(sub.options.hot_restore) and sub.arena.hot and \
-            not sub.conn.finished and sub.desc.get("world_size", 1) == 1 and \
-            not _refers_to_earlier(sub.desc) and self.hot_cache.fits(sub.arena.size)
-
     def _publish_hot(self, sub: Submission, result: CommitResult) -> None:
         """The committed slot becomes the run's hot copy (the one it replaces is the
         client's again); without one, an older copy is no longer the latest snapshot
         and is dropped."""
-        if not self._hot_wanted(sub):
-            self.hot_cache.drop(sub.run, sub.rank)
+        refused = not_held_because(sub, self.hot_cache)
+        if refused is not None:
+            self.hot_cache.refuse(sub.run, sub.rank, result.sid.name, refused)
             return
         try:
             self.hot_cache.publish(sub.run, sub.rank, sub.arena, sub.slot, sub.desc,
                                    result.sid.name)
-        except BaseException:   # no copy at all beats one that is not the latest
-            self.hot_cache.drop(sub.run, sub.rank)
+        except BaseException as e:   # no copy at all beats one that is not the latest
+            self.hot_cache.refuse(sub.run, sub.rank, result.sid.name,
+                                  f"holding it failed ({type(e).__name__}: {e})")
             raise
         if sub.conn.finished:   # bye came while this was written: nobody will read it
-            self.hot_cache.drop(sub.run, sub.rank)
+            self.hot_cache.drop(sub.run, sub.rank, reason="its client closed cleanly")
 
     # --- status -------------------------------------------------------------------
 
@@ -412,18 +462,18 @@ class Daemon:
                 "rss": self._process.memory_info().rss,
                 "disk_free": diskguard.free_bytes(self.root),
                 "remote": self.uploader.status() if self.uploader is not None else None,
-                "stopping": self._stopping}
+                "stopping": self._stopping,
+                # The daemon-wide options it applies, whoever started it.
+                "options": {n: getattr(self.options, n) for n in DAEMON_OPTIONS},
+                "idle_seconds": round(self.idle_seconds(), 3),
+                "idle_limit_seconds": self._idle_limit(self._keeps_nothing()),
+                "hot_bytes": self.hot_cache.held_bytes()}
 
     def _progress(self, sub: Submission) -> Dict[str, Any]:
         return {"run": sub.run, "rank": sub.rank, "step": sub.step,
                 "bytes_total": sub.plan.nbytes,
                 "bytes_written": sub.bytes_done,   # raw bytes, like bytes_total
                 "accepted": sub.accepted, "started": sub.started}
-
-
-def _refers_to_earlier(desc: Dict[str, Any]) -> bool:
-    """Whether a descriptor has tensors an earlier snapshot holds (``reuse``)."""
-    return any("reuse" in t for o in desc["objects"] for t in o["tensors"])
 
 
 def _pid_alive(pid: Any) -> bool:

@@ -8,6 +8,11 @@ A multi-rank run is also shown as a job (snapd.liveview.job_model): its world si
 each rank's last logged step, the last global commit and the incomplete snapshots
 (ranks present and missing), from the logs, a commit record and part manifests.
 
+``snapd status --daemons``: every live daemon of this user instead (snapd/daemons.py
+finds them), with its root, pid, memory, how long it has been idle and when it exits
+by itself (from its status reply; one that does not answer shows only what its
+process tells).
+
 A damaged log never stops it: each row is planned from the valid records, the damage
 the readers skipped is listed in the row's ``log_damage`` (and, in the table view,
 printed once to stderr), and a run that cannot be read at all gets an ``error``.
@@ -26,10 +31,11 @@ from rich.table import Table
 from snapd import statelog
 from snapd.commands import remote
 from snapd.commands.common import console, emit_json, resolve_root
+from snapd.daemons import LiveDaemon, find_daemons
 from snapd.liveview import DaemonProbe, job_lines, jobs_of, remote_lines
 from snapd.recovery import RunProgress, read_progress
 from snapd.store import RunStore, list_runs
-from snapd.text import age, count
+from snapd.text import age, count, human_bytes
 
 
 def collect(root: str) -> List[Dict[str, Any]]:
@@ -94,7 +100,10 @@ def render(rows: List[Dict[str, Any]]) -> Table:
 @click.command()
 @click.argument("root", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
-def status(root: str | None, as_json: bool) -> None:
+@click.option("--daemons", is_flag=True,
+              help="List this user's live daemons, whatever their roots: root, pid, "
+                   "memory, idle time and when each exits by itself.")
+def status(root: str | None, as_json: bool, daemons: bool) -> None:
     """Runs, last step, steps/s, last committed snapshot and its age, updates at risk,
     last resume and its replay verdict; for a multi-rank run, its world size, each
     rank's last step, the last global commit and incomplete snapshots (ranks
@@ -104,8 +113,18 @@ def status(root: str | None, as_json: bool) -> None:
     s3://bucket/prefix): each run's replicated log against its newest remote commit
     ("at risk": what a restore from the remote would recompute).
 
-    Example: snapd status checkpoints --json
+    With --daemons: every live daemon of this user instead, with its root, pid,
+    resident memory, hot copies held, trainers connected, idle time and the idle
+    time after which it exits by itself.
+
+    Example: snapd status checkpoints --json; snapd status --daemons
     """
+    if daemons:
+        if root is not None:
+            raise click.UsageError(f"--daemons lists the daemons of every root: leave "
+                                   f"out ROOT ({root})")
+        _show_daemons(as_json)
+        return
     if remote.is_url(root):   # the replicated logs against the remote commits
         rows, jobs, lag = remote.status_rows(root), [], None
     else:
@@ -136,3 +155,70 @@ def _remote_status(root: str) -> Optional[Dict[str, Any]]:
         return (probe.status() or {}).get("remote")
     finally:
         probe.close()
+
+
+# --- snapd status --daemons ---------------------------------------------------------
+
+def daemon_rows() -> List[Dict[str, Any]]:
+    """One row per live daemon of this user: its process, and what its status reply
+    says (``answering`` False when it gave none: stopping, or hung)."""
+    return [_daemon_row(d) for d in find_daemons()]
+
+
+def _daemon_row(daemon: LiveDaemon) -> Dict[str, Any]:
+    probe = DaemonProbe(daemon.root)
+    try:
+        reply = probe.status()
+    finally:
+        probe.close()
+    row = {"root": daemon.root, "pid": daemon.pid, "rss": daemon.rss,
+           "started": daemon.started, "answering": reply is not None,
+           "stopping": None, "idle_seconds": None, "idle_limit_seconds": None,
+           "clients": None, "hot_bytes": None}
+    if reply is not None:
+        row.update(stopping=bool(reply.get("stopping")),
+                   idle_seconds=reply.get("idle_seconds"),
+                   idle_limit_seconds=reply.get("idle_limit_seconds"),
+                   clients=sum(1 for c in reply.get("clients") or [] if c.get("run")),
+                   hot_bytes=reply.get("hot_bytes"))
+    return row
+
+
+def _exits_text(row: Dict[str, Any]) -> str:
+    """When the daemon exits by itself: ``after 60s idle``, ``never`` or why not known."""
+    if not row["answering"]:
+        return "not answering"
+    if row["stopping"]:
+        return "stopping"
+    limit = row["idle_limit_seconds"]
+    if limit is None:   # a daemon of an older snapd, which does not say
+        return "-"
+    return "never (idle exit off)" if limit <= 0 else f"after {age(limit)} idle"
+
+
+def render_daemons(rows: List[Dict[str, Any]]) -> Table:
+    table = Table(title="snapd daemons", title_justify="left")
+    for column in ("root", "pid", "memory", "hot copies", "trainers", "idle", "exits"):
+        table.add_column(column, justify="left" if column in ("root", "exits")
+                         else "right")
+    for r in rows:
+        table.add_row(r["root"], str(r["pid"]), human_bytes(r["rss"]),
+                      human_bytes(r["hot_bytes"]),
+                      "-" if r["clients"] is None else str(r["clients"]),
+                      age(r["idle_seconds"]), _exits_text(r))
+    return table
+
+
+def _show_daemons(as_json: bool) -> None:
+    rows = daemon_rows()
+    if as_json:
+        emit_json({"daemons": rows})
+        return
+    if not rows:
+        click.echo("no snapd daemon of this user is running")
+        return
+    out = console()
+    out.print(render_daemons(rows))
+    total = sum(r["rss"] for r in rows)
+    out.print(f"{count(len(rows), 'daemon')}, {human_bytes(total)} resident "
+              "(snapd stop --all stops them)", highlight=False, markup=False)
