@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing.resource_sharer as resource_sharer
 import os
 import random
 import shutil
@@ -134,6 +135,42 @@ def update(model, opt, sched, batches, accumulate: int, device: str = "cpu") -> 
     return loss.item() * accumulate
 
 
+def quiet_when_orphaned(worker_id: int) -> None:
+    """A DataLoader worker_init_fn: the worker stays silent about its trainer's SIGKILL.
+
+    A worker hands each batch to the trainer as shared memory behind a file descriptor,
+    sent from a thread of the worker (multiprocessing's resource sharer). When the
+    trainer is killed in the middle of that handoff, the thread meets a reset connection
+    and prints a 20-line traceback to the terminal it shares with the demo: torch's
+    noise about a parent that is gone, said by the demo in its own words instead. The
+    hook drops exactly that error, raised in the resource sharer once the worker's
+    parent has died; every other one goes to Python's own hook, so nothing of the
+    trainer's or snapd's is hidden."""
+    parent, report = os.getppid(), sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        if not _handoff_to_a_dead_parent(kind, tb, parent):
+            report(kind, value, tb)
+    sys.excepthook = hook
+
+
+def _handoff_to_a_dead_parent(kind, tb, parent: int) -> bool:
+    if not issubclass(kind, (ConnectionError, EOFError)):
+        return False
+    frames = set()
+    while tb is not None:
+        frames.add(os.path.realpath(tb.tb_frame.f_code.co_filename))
+        tb = tb.tb_next
+    if os.path.realpath(resource_sharer.__file__) not in frames:
+        return False
+    # The dying parent's sockets close before the worker is handed to a new parent:
+    # wait a moment for the second sign, so a live parent's error is still reported.
+    deadline = time.monotonic() + 2.0
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return os.getppid() != parent
+
+
 def train(root: str, run: str, steps: int, every: int, accumulate: int = 2,
           device: str = "cpu") -> dict:
     deterministic_device(device)
@@ -143,7 +180,8 @@ def train(root: str, run: str, steps: int, every: int, accumulate: int = 2,
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, steps // 8))
     loader = DataLoader(Sequences(), batch_size=16, shuffle=True, num_workers=2,
-                        persistent_workers=True, generator=torch.Generator().manual_seed(7))
+                        persistent_workers=True, worker_init_fn=quiet_when_orphaned,
+                        generator=torch.Generator().manual_seed(7))
     ckpt = Client(root, run, data_version="sequences-v1")
     ckpt.track(model=model, optimizer=opt, scheduler=sched)
     batches = ckpt.batches(loader)
@@ -191,8 +229,11 @@ def _run_and_kill(root, run, steps, every, kill_at) -> None:
         if line.startswith(f"[{run}] step {kill_at} "):
             proc.send_signal(signal.SIGKILL)
             break
-    proc.wait()
-    print(f"   -- trainer SIGKILLed after step {kill_at} (exit {proc.returncode})")
+    if proc.wait() != -signal.SIGKILL:   # it ended by itself: the story is not told
+        sys.exit(f"trainer {run} ended by itself (exit code {proc.returncode}) before "
+                 f"step {kill_at}, where the demo was to kill it")
+    print(f"   -- trainer SIGKILLed after step {kill_at} (exit {proc.returncode}); its "
+          "DataLoader workers, orphaned, exit on their own")
 
 
 def _stop_daemon(root: str) -> None:
@@ -208,20 +249,7 @@ def _stop_daemon(root: str) -> None:
         pass  # gone (or never started)
 
 
-def story(steps: int, every: int, kill_at: int, keep: str | None) -> int:
-    root = keep or tempfile.mkdtemp(prefix="snapd-demo-")
-    if keep:
-        shutil.rmtree(root, ignore_errors=True)
-    t0 = time.time()
-    print(f"snapd demo: {steps} updates, a snapshot every {every}, on {DEVICE}, "
-          f"root {root}")
-    print("1. the reference: one uninterrupted run")
-    reference = _run_to_end(root, "reference", steps, every, os.path.join(root, "ref.json"))
-    print(f"2. the same run, killed with SIGKILL after step {kill_at}")
-    _run_and_kill(root, "interrupted", steps, every, kill_at)
-    print("3. started again: it resumes from its last snapshot and finishes")
-    resumed = _run_to_end(root, "interrupted", steps, every, os.path.join(root, "res.json"))
-    print("4. the final state of both runs")
+def _compare(reference: dict, resumed: dict, root: str) -> list:
     differ = [k for k in reference if reference[k] != resumed[k]]
     for key in reference:
         mark = "equal" if key not in differ else "DIFFERENT"
@@ -231,9 +259,31 @@ def story(steps: int, every: int, kill_at: int, keep: str | None) -> int:
           f"{replay.get('verdict')} ({replay.get('checked')} steps compared with the log)")
     if replay.get("verdict") != "match":
         differ.append("replay")
-    _stop_daemon(root)
-    if not keep:
+    return differ
+
+
+def story(steps: int, every: int, kill_at: int, keep: str | None) -> int:
+    root = keep or tempfile.mkdtemp(prefix="snapd-demo-")
+    if keep:
         shutil.rmtree(root, ignore_errors=True)
+    t0 = time.time()
+    print(f"snapd demo: {steps} updates, a snapshot every {every}, on {DEVICE}, "
+          f"root {root}")
+    try:
+        print("1. the reference: one uninterrupted run")
+        reference = _run_to_end(root, "reference", steps, every,
+                                os.path.join(root, "ref.json"))
+        print(f"2. the same run, killed with SIGKILL after step {kill_at}")
+        _run_and_kill(root, "interrupted", steps, every, kill_at)
+        print("3. started again: it resumes from its last snapshot and finishes")
+        resumed = _run_to_end(root, "interrupted", steps, every,
+                              os.path.join(root, "res.json"))
+        print("4. the final state of both runs")
+        differ = _compare(reference, resumed, root)
+    finally:   # a failed trainer too: the daemon it started outlives it by design
+        _stop_daemon(root)
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
     verdict = "IDENTICAL: the resumed run is the same run" if not differ else \
         f"DIVERGED in {', '.join(differ)}"
     print(f"{verdict} ({time.time() - t0:.1f} s)")

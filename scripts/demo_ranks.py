@@ -131,7 +131,9 @@ def _run_and_kill(root, run, ranks, steps, every, kill_at, out) -> None:
         if line.startswith(f"[{run}] step {kill_at} "):
             _kill_job(proc, root)
             break
-    proc.wait()
+    if proc.wait() != -signal.SIGKILL:   # it ended by itself: the story is not told
+        sys.exit(f"job {run} ended by itself (exit code {proc.returncode}) before step "
+                 f"{kill_at}, where the demo was to kill it:\n" + "".join(tail))
     print(f"   -- the whole job SIGKILLed after step {kill_at}: launcher and "
           f"{ranks} ranks (exit {proc.returncode})")
 

@@ -140,3 +140,28 @@ def test_seeded_start_is_read_from_the_encoding():
         assert not seeded_start("numpy", _encode_numpy(np.random.get_state()))
     assert not seeded_start("torch", torch.get_rng_state().numpy().tobytes())
     assert not seeded_start("python", b"short")
+
+
+def test_runs_of_one_name_under_two_roots_are_named_by_their_paths(root, tmp_path):
+    other = str(tmp_path / "other")
+    train(other, "a", lr=0.2)
+    here = os.path.join(root, "a", "snapshots", "00000004")
+    there = os.path.join(other, "a", "snapshots", "00000004")
+    result = diff(root, here, there)
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"A = {here} (step 4)\nB = {there} (step 4)\n")
+
+    out = json.loads(diff(root, here, there, "--json").output)
+    assert (out["a"], out["b"]) == (here, there)
+    assert out["paths"] == [here, there]
+
+
+def test_sides_told_apart_by_run_keep_their_short_labels(root, tmp_path):
+    other = str(tmp_path / "other")
+    train(other, "b")
+    there = os.path.join(other, "b", "snapshots", "00000004")
+    result = diff(root, "a", there)
+    assert result.output.startswith("A = a/00000004 (step 4)\nB = b/00000004 (step 4)\n")
+    out = json.loads(diff(root, "a", there, "--json").output)
+    assert (out["a"], out["b"]) == ("a/00000004", "b/00000004")
+    assert out["paths"] == [os.path.join(root, "a", "snapshots", "00000004"), there]

@@ -19,6 +19,10 @@ cursor (the differing field named). Exit code 0 when weights and optimizer are e
 through the model built from A and from B (a snapshot or a safetensors export), the
 largest output difference against the thresholds of practice
 (snapd/commands/diffoutputs.py, snapd/outputs.py).
+
+Each side is named RUN/NAME, or by its snapshot directory where RUN/NAME would name
+both (runs of one name under two roots); ``--json`` gives the labels as ``a`` and
+``b`` and both directories as ``paths``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from snapd import outputs as output_check
 from snapd.commands import diffoutputs, diffparts as parts
 from snapd.commands.common import (ROOT_HELP, console as out_console, emit_json, fail,
                                    open_reader)
-from snapd.commands.locate import locate
+from snapd.commands.locate import Located, locate
 from snapd.errors import CorruptSnapshot
 from snapd.weights import state_leaves
 from snapd.reader import SnapshotReader
@@ -298,6 +302,15 @@ def verdict_line(out: Dict[str, Any], strict: bool) -> str:
     return f"[green]EQUAL weights and optimizer[/green]; {what} (--strict: exit 1 on that)"
 
 
+def side_labels(a: Located, b: Located) -> Tuple[str, str]:
+    """How A and B are named: RUN/NAME, unless that names both sides though they are
+    two snapshots (runs of one name under two roots); then each by its directory, the
+    only name that tells them apart."""
+    if a.label == b.label and a.path != b.path:
+        return a.path, b.path
+    return a.label, b.label
+
+
 @click.command()
 @click.argument("a")
 @click.argument("b")
@@ -360,7 +373,8 @@ def diff(a: str, b: str, root: Optional[str], objects: Tuple[str, ...], show_equ
         out = compare(reader_a, reader_b, list(objects) or None)
     except CorruptSnapshot as e:
         fail(f"{e}\n  hint: snapd verify {e.path or ''} names every damaged chunk", 1)
-    out.update(a=loc_a.label, b=loc_b.label, strict=strict)
+    label_a, label_b = side_labels(loc_a, loc_b)
+    out.update(a=label_a, b=label_b, paths=[loc_a.path, loc_b.path], strict=strict)
     code = exit_code(out, strict)
     out["exit_code"] = code
     if as_json:
