@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from snapd import format as fmt
 from snapd import fsio
 from snapd.errors import CorruptSnapshot, SnapdError
-from snapd.reader import read_manifest_bytes
+from snapd.safefiles import read_manifest_bytes
 from snapd.store import TMP_PREFIX, RunStore, SnapshotId
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot
 from snapd.globalcommit import SHARED_FIELDS, check_references
-from snapd.reader import (Progress, SnapshotReader, check_real_directories, read_commit,
-                          read_manifest_bytes)
+from snapd.reader import Progress, SnapshotReader, check_real_directories, read_commit
+from snapd.safefiles import read_manifest_bytes
 from snapd.store import SNAPSHOT_NAME
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 A v4 snapshot may read some tensors from an earlier snapshot's file (``src``
 entries; snapd/sharing.py). That file must outlive its snapshot for as long as a
 committed snapshot refers to it, so un-committing a snapshot S (retention's
-``trash_snapshot``, the writer's ``RunStore.set_aside``, ``snapd gc``) first calls
+``trash_snapshot``, the writer's :func:`set_aside`, ``snapd gc``) first calls
 :func:`keep_referenced`: each file of S that another committed manifest of the run
 refers to gets a second name, a hard link ``<run>/shared/<S>/<file>``, made durable
 before S is renamed away. A reader looks in ``shared/`` first, then in
@@ -48,7 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from snapd import format as fmt
 from snapd import fsio, sharing
 from snapd.errors import SnapdError
-from snapd.store import DIR_MODE, TMP_PREFIX, RunStore, SnapshotId
+from snapd.store import DAMAGED_PREFIX, DIR_MODE, TMP_PREFIX, RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,20 @@ def keep_referenced(store: RunStore, sid: SnapshotId,
         fsio.fsync_dir(store.path)
         passed("kept")
     return kept
+
+
+def set_aside(store: RunStore, sid: SnapshotId) -> str:
+    """Rename a damaged snapshot to ``.damaged-<name>-<nonce>``: no longer listed as
+    committed, never collected, kept for inspection. Returns its new path.
+
+    The files other committed snapshots read from it are kept in ``shared/`` first,
+    as before any un-commit."""
+    keep_referenced(store, sid)
+    aside = os.path.join(store.snapshots_path,
+                         f"{DAMAGED_PREFIX}{sid.name}-{secrets.token_hex(4)}")
+    os.rename(store.snapshot_path(sid), aside)
+    fsio.fsync_dir(store.snapshots_path)
+    return aside
 
 
 def files_to_keep(store: RunStore, sid: SnapshotId, marks: Marks) -> List[str]:

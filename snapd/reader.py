@@ -27,6 +27,7 @@ from snapd import fastread
 from snapd import format as fmt
 from snapd import sharing
 from snapd.errors import CorruptSnapshot
+from snapd.safefiles import open_regular, read_bounded, read_manifest_bytes
 from snapd.store import SNAPSHOT_NAME as _SNAPSHOT_NAME
 
 if TYPE_CHECKING:
@@ -35,51 +36,11 @@ if TYPE_CHECKING:
 Progress = Optional[Callable[[int], None]]
 
 
-def open_regular(path: str) -> int:
-    """A read-only descriptor of a regular file, never following a symlink and never
-    blocking: a FIFO or device planted under a snapshot's name would otherwise hang
-    the open (a FIFO waits for a writer) or the read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError as e:
-        raise CorruptSnapshot(f"{path}: listed in the manifest but missing",
-                              path=path, field="files") from e
-    except OSError as e:
-        raise CorruptSnapshot(f"{path}: cannot be opened as a plain file ({e}); the "
-                              "snapshot is damaged or hostile, use an older one",
-                              path=path, field="files") from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptSnapshot(f"{path}: not a regular file (a FIFO, device or "
-                              "directory); the snapshot is damaged or hostile, use an "
-                              "older one", path=path, field="files")
-    return fd
-
-
-def read_manifest_bytes(snapshot_dir: str) -> bytes:
-    """The bytes of a snapshot's manifest, size-bounded, from a regular file."""
-    return _read_bounded(os.path.join(snapshot_dir, fmt.MANIFEST_NAME), "manifest")
-
-
-def _read_bounded(path: str, what: str) -> bytes:
-    """A small file snapd wrote (a manifest, a commit record), refused unread when it
-    is larger than any such file can be."""
-    fd = open_regular(path)
-    try:
-        size = os.fstat(fd).st_size
-        if size > fmt.MAX_MANIFEST_BYTES:
-            raise CorruptSnapshot(f"{path}: {size} bytes, larger than any {what} snapd "
-                                  "writes", path=path, field="size")
-        return os.read(fd, size + 1)
-    finally:
-        os.close(fd)
-
-
 def read_commit(snapshot_dir: str) -> Dict[str, Any]:
     """A multi-rank snapshot's commit record, decoded and checked (its parts are not
     opened: snapd/globalsnap.py does that)."""
     path = os.path.join(snapshot_dir, fmt.COMMIT_NAME)
-    return fmt.decode_commit(_read_bounded(path, "commit record"), path=path)
+    return fmt.decode_commit(read_bounded(path, "commit record"), path=path)
 
 
 def read_summary(snapshot_dir: str) -> Dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, SnapdError
+from snapd.safefiles import read_manifest_bytes
 from snapd.store import SnapshotId
 
 SHARED_DIR = "shared"
@@ -76,7 +77,6 @@ def references(manifest: Dict[str, Any]) -> Set[Tuple[str, str]]:
 def one_rank_manifest(snapshot_dir: str) -> Optional[Dict[str, Any]]:
     """The decoded manifest of a one-rank snapshot directory; None for a multi-rank
     one (its parts never share). Raises what reading or decoding it raises."""
-    from snapd.reader import read_manifest_bytes   # reader imports this module
     if os.path.lexists(os.path.join(snapshot_dir, fmt.COMMIT_NAME)):
         return None
     return fmt.decode_manifest(read_manifest_bytes(snapshot_dir),

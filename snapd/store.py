@@ -140,20 +140,6 @@ class RunStore:
         assert which in POINTERS
         fsio.replace_file_atomic(os.path.join(self.path, which), f"{sid.name}\n".encode())
 
-    def set_aside(self, sid: SnapshotId) -> str:
-        """Rename a damaged snapshot to ``.damaged-<name>-<nonce>``: no longer listed as
-        committed, never collected, kept for inspection. Returns its new path.
-
-        The files other committed snapshots read from it are kept in ``shared/``
-        first, as before any un-commit (snapd/keepshared.py)."""
-        from snapd import keepshared   # it builds on this module
-        keepshared.keep_referenced(self, sid)
-        aside = os.path.join(self.snapshots_path,
-                             f"{DAMAGED_PREFIX}{sid.name}-{secrets.token_hex(4)}")
-        os.rename(self.snapshot_path(sid), aside)
-        fsio.fsync_dir(self.snapshots_path)
-        return aside
-
     def tmp_dirs(self) -> List[str]:
         try:
             names = os.listdir(self.snapshots_path)

@@ -21,7 +21,7 @@ import xxhash
 
 from snapd import format as fmt
 from snapd import fsio
-from snapd import globalcommit
+from snapd import globalcommit, keepshared
 from snapd import sharing
 from snapd.blockfile import BlockFile
 from snapd.compression import CompressionPolicy
@@ -243,7 +243,7 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
             existing = _same_snapshot_committed(store, plan, final, t0)
             if existing is not None:
                 return existing
-        store.set_aside(plan.sid)  # refused as damaged (at restore or here): kept, renamed
+        keepshared.set_aside(store, plan.sid)  # refused as damaged (at restore or here): kept, renamed
     tmp = store.new_tmp_dir(plan.sid)
     total = _write_directory(tmp, plan, opts, progress,
                              sharing.Resolver(store, avoid=plan.supersedes)
@@ -345,7 +345,7 @@ def _global_committed(store: RunStore, plan: SnapshotPlan, final: str,
             record = None
     if record is None:
         try:
-            store.set_aside(plan.sid)
+            keepshared.set_aside(store, plan.sid)
         except FileNotFoundError:
             pass   # another rank's writer set it aside first
         return None

@@ -21,7 +21,8 @@ from snapd import format as fmt
 from snapd import sharing
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
-from snapd.reader import SnapshotReader, read_manifest_bytes
+from snapd.reader import SnapshotReader
+from snapd.safefiles import read_manifest_bytes
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import write_snapshot
 

@@ -150,7 +150,7 @@ def test_a_fine_tuning_run_keeps_its_frozen_base_through_retention(root):
 
 
 def test_setting_a_snapshot_aside_keeps_what_others_read(store, shared_run):
-    store.set_aside(S1)
+    keepshared.set_aside(store, S1)
     assert store.committed() == [S2]
     assert resolved(store)["00000002"] == {"00000001/model.tensors": shared_run}
     assert verify_all(store) == ["00000002"]

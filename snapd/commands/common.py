@@ -15,7 +15,8 @@ from rich.console import Console
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
-from snapd.reader import SnapshotReader, check_real_directories, read_manifest_bytes
+from snapd.reader import SnapshotReader, check_real_directories
+from snapd.safefiles import read_manifest_bytes
 
 # Either kind of committed snapshot: one rank's directory, or a multi-rank snapshot
 # read through its commit record (snapd/globalsnap.py). Both have ``path``, ``step``,
@@ -120,3 +121,20 @@ def read_manifest(path: str) -> Dict[str, Any]:
 def files_bytes(manifest: Dict[str, Any]) -> int:
     """The bytes a snapshot's files hold, by its manifest."""
     return sum(int(entry["size"]) for entry in manifest.get("files", {}).values())
+
+
+def cursor_info(cursor: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The cursor (docs/cursor.md) without its RNG bytes, and how a resume positions it."""
+    if cursor is None:
+        return None
+    stateful = cursor.get("loader_state") is not None
+    return {
+        "version": cursor.get("version"), "epoch": cursor.get("epoch"),
+        "index": cursor.get("index"),
+        "epoch_opened": bool(cursor.get("epoch_rng")),
+        "epoch_rng_streams": sorted(cursor.get("epoch_rng") or {}),
+        "persistent_workers": bool(cursor.get("iter_rng")),
+        "loader_state": stateful,
+        "positioning": "loader_state (the loader's own state_dict)" if stateful else
+                       "skip (sampler indices only) or replay, chosen by the loader at resume",
+    }

@@ -12,6 +12,7 @@ which rank), or per rank. RNG streams and cursor shown are rank 0's.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from typing import Any, Dict, Optional
 
@@ -21,31 +22,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from snapd import format as fmt
 from snapd import keepshared
 from snapd.commands import inspectparts, remote
-from snapd.commands.common import (ROOT_HELP, console, emit_json, files_bytes, is_multirank,
-                                   read_manifest)
+from snapd.commands.common import (ROOT_HELP, console, cursor_info, emit_json, files_bytes,
+                                   is_multirank, read_manifest)
 from snapd.commands.locate import locate
 from snapd.errors import CorruptSnapshot
 from snapd.reader import SnapshotReader
+from snapd.remote.pull import check_listing, reaching
 from snapd.text import age, count, human_bytes, iso_time, lineage_text
-
-
-def cursor_info(cursor: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    """The cursor (docs/cursor.md) without its RNG bytes, and how a resume positions it."""
-    if cursor is None:
-        return None
-    stateful = cursor.get("loader_state") is not None
-    return {
-        "version": cursor.get("version"), "epoch": cursor.get("epoch"),
-        "index": cursor.get("index"),
-        "epoch_opened": bool(cursor.get("epoch_rng")),
-        "epoch_rng_streams": sorted(cursor.get("epoch_rng") or {}),
-        "persistent_workers": bool(cursor.get("iter_rng")),
-        "loader_state": stateful,
-        "positioning": "loader_state (the loader's own state_dict)" if stateful else
-                       "skip (sampler indices only) or replay, chosen by the loader at resume",
-    }
 
 
 def summary(path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
@@ -175,7 +161,7 @@ def inspect(snapshot: str, root: Optional[str], as_json: bool) -> None:
     Example: snapd inspect gpt-small@latest --root checkpoints
     """
     if remote.is_url(snapshot) or remote.is_url(root):
-        info = remote.inspect_info(snapshot, root)
+        info = remote_info(snapshot, root)
     else:
         loc = locate(snapshot, root)
         info = inspectparts.summary(loc.path) if is_multirank(loc.path) else \
@@ -188,3 +174,31 @@ def inspect(snapshot: str, root: Optional[str], as_json: bool) -> None:
         emit_json(info)
     else:
         render(info, console())
+
+
+def remote_info(spec: str, root: Optional[str]) -> Dict[str, Any]:
+    """``snapd inspect``'s summary of a remote commit, from its manifest alone (many
+    ranks: pulled whole, as their summary reads every part's manifest); the files
+    are checked against the record in the remote listing instead of on a disk."""
+    t = remote.target(spec, root)
+    with reaching(t.remote, f"reading {t.label}"):
+        record = t.remote.read_record(t.run, t.name)
+    if record["world_size"] > 1:
+        with remote.located(spec, root) as loc:
+            info = inspectparts.summary(loc.path)
+    else:
+        with tempfile.TemporaryDirectory(prefix="snapd-inspect-") as tmp:
+            top = t.remote.file_path(t.run, t.name, fmt.MANIFEST_NAME)
+            with reaching(t.remote, f"reading {t.label}"):
+                data = t.remote.read_small(top, fmt.MAX_MANIFEST_BYTES)
+            manifest = fmt.decode_manifest(data, path=t.remote.where(top))
+            info = summary(tmp, manifest)
+        try:
+            with reaching(t.remote, f"listing {t.label}"):
+                check_listing(t.remote, t.run, t.name, record)
+            info["files_problem"] = None
+        except CorruptSnapshot as e:
+            info["files_problem"] = str(e)
+    info.update(path=t.remote.where(t.remote.snapshot_path(t.run, t.name)),
+                snapshot=t.label)
+    return info

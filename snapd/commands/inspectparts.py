@@ -19,7 +19,7 @@ import os
 from typing import Any, Dict, List, Tuple
 
 from snapd import format as fmt
-from snapd.commands.common import fail, files_bytes
+from snapd.commands.common import cursor_info, fail, files_bytes
 from snapd.errors import CorruptSnapshot, SnapdError
 from snapd.globalcommit import read_part
 from snapd.globalsnap import GlobalSnapshot
@@ -95,7 +95,6 @@ def objects_info(parts: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
 
 def summary(path: str) -> Dict[str, Any]:
     """What ``snapd inspect --json`` prints for a multi-rank snapshot."""
-    from snapd.commands.inspect import cursor_info   # the one-rank view's, shared
     record, parts = read_parts(path)
     if 0 not in parts:
         fail(f"{os.path.join(path, fmt.COMMIT_NAME)}: field parts lists no rank 0", 1)

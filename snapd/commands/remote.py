@@ -1,7 +1,9 @@
 """The operator commands on a remote root (``s3://bucket/prefix``, ``file:///mnt/x``).
 
 ``snapd ls/inspect/verify/export/status`` take a URL where they take a root, or a
-SNAPSHOT of the form ``URL/RUN@STEP``; each command calls in here when it sees one.
+SNAPSHOT of the form ``URL/RUN@STEP``; each command calls in here when it sees one
+(inspect's and status's remote views live in those commands, which import this
+module, never the other way).
 Only remotely committed snapshots are shown or read (docs/remote.md, the commit
 rule). ``ls`` and ``status`` read records (and ``status`` the replicated log);
 ``inspect`` reads the manifest; ``verify`` and ``export`` pull the snapshot into a
@@ -15,17 +17,15 @@ there. A remote snapshot's target is::
 from __future__ import annotations
 
 import tempfile
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from snapd import format as fmt
 from snapd.commands.common import fail
 from snapd.commands.locate import Located, locate, parse_name
 from snapd.errors import CorruptSnapshot
 from snapd.remote.layout import RemoteRoot
-from snapd.remote.pull import check_listing, pull, pull_log, reaching, refuse_credentials
+from snapd.remote.pull import pull, reaching, refuse_credentials
 from snapd.store import RunStore, SnapshotId, check_run_name
 
 
@@ -182,74 +182,3 @@ def verify_one(t: Target) -> Dict[str, Any]:
         except CorruptSnapshot as e:
             result.update(error=str(e), file=e.path, field=e.field)
     return result
-
-
-# --- inspect --------------------------------------------------------------------------
-
-def inspect_info(spec: str, root: Optional[str]) -> Dict[str, Any]:
-    """``snapd inspect``'s summary of a remote commit, from its manifest alone (many
-    ranks: pulled whole, as their summary reads every part's manifest); the files
-    are checked against the record in the remote listing instead of on a disk."""
-    from snapd.commands import inspect as local, inspectparts
-    t = target(spec, root)
-    with reaching(t.remote, f"reading {t.label}"):
-        record = t.remote.read_record(t.run, t.name)
-    if record["world_size"] > 1:
-        with located(spec, root) as loc:
-            info = inspectparts.summary(loc.path)
-    else:
-        with tempfile.TemporaryDirectory(prefix="snapd-inspect-") as tmp:
-            top = t.remote.file_path(t.run, t.name, fmt.MANIFEST_NAME)
-            with reaching(t.remote, f"reading {t.label}"):
-                data = t.remote.read_small(top, fmt.MAX_MANIFEST_BYTES)
-            manifest = fmt.decode_manifest(data, path=t.remote.where(top))
-            info = local.summary(tmp, manifest)
-        try:
-            with reaching(t.remote, f"listing {t.label}"):
-                check_listing(t.remote, t.run, t.name, record)
-            info["files_problem"] = None
-        except CorruptSnapshot as e:
-            info["files_problem"] = str(e)
-    info.update(path=t.remote.where(t.remote.snapshot_path(t.run, t.name)),
-                snapshot=t.label)
-    return info
-
-
-# --- status ---------------------------------------------------------------------------
-
-def status_rows(url: str) -> List[Dict[str, Any]]:
-    """``snapd status``'s rows for a remote root: per run and rank, the progress its
-    replicated log shows (pulled into a temporary root) against the newest remote
-    commit: "at risk" counts the updates a restore from the remote would recompute."""
-    from snapd.commands import status
-    remote = open_remote(url)
-    newest: Dict[str, Tuple[int, Optional[Dict[str, Any]]]] = {}
-    with tempfile.TemporaryDirectory(prefix="snapd-status-") as tmp:
-        with reaching(remote, "reading the runs"):
-            for run in remote.runs():
-                commits = remote.commits(run)
-                newest[run] = (len(commits), _newest_record(remote, run, commits))
-                RunStore(tmp, run).ensure()
-                pull_log(remote, RunStore(tmp, run))
-        rows = status.collect(tmp)
-    for row in rows:
-        count, record = newest.get(row["run"], (0, None))
-        row.update(remote=remote.url, remote_commits=count, committed=None,
-                   committed_step=None, committed_age_s=None, at_risk=None)
-        if record is not None:
-            row.update(committed=record["name"], committed_step=record["step"],
-                       committed_age_s=time.time() - record["uploaded_at"],
-                       at_risk=None if row["reached"] is None else
-                       max(0, row["reached"] - record["step"]))
-    return rows
-
-
-def _newest_record(remote: RemoteRoot, run: str,
-                   commits: List[SnapshotId]) -> Optional[Dict[str, Any]]:
-    for sid in reversed(commits):
-        try:
-            return remote.read_record(run, sid.name)
-        except CorruptSnapshot:
-            continue
-    return None
-

@@ -21,20 +21,24 @@ printed once to stderr), and a run that cannot be read at all gets an ``error``.
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import click
 from rich.table import Table
 
 from snapd import statelog
-from snapd.commands import remote
+from snapd.commands import remote as remote_commands
 from snapd.commands.common import console, emit_json, resolve_root
 from snapd.daemons import LiveDaemon, find_daemons
+from snapd.errors import CorruptSnapshot
 from snapd.liveview import DaemonProbe, job_lines, jobs_of, remote_lines
 from snapd.recovery import RunProgress, read_progress
-from snapd.store import RunStore, list_runs
+from snapd.remote.layout import RemoteRoot
+from snapd.remote.pull import pull_log, reaching
+from snapd.store import RunStore, SnapshotId, list_runs
 from snapd.text import age, count, human_bytes
 
 
@@ -125,8 +129,8 @@ def status(root: str | None, as_json: bool, daemons: bool) -> None:
                                    f"out ROOT ({root})")
         _show_daemons(as_json)
         return
-    if remote.is_url(root):   # the replicated logs against the remote commits
-        rows, jobs, lag = remote.status_rows(root), [], None
+    if remote_commands.is_url(root):   # the replicated logs against the remote commits
+        rows, jobs, lag = remote_rows(root), [], None
     else:
         base = resolve_root(root)
         rows = collect(base)
@@ -222,3 +226,39 @@ def _show_daemons(as_json: bool) -> None:
     total = sum(r["rss"] for r in rows)
     out.print(f"{count(len(rows), 'daemon')}, {human_bytes(total)} resident "
               "(snapd stop --all stops them)", highlight=False, markup=False)
+
+
+def remote_rows(url: str) -> List[Dict[str, Any]]:
+    """``snapd status``'s rows for a remote root: per run and rank, the progress its
+    replicated log shows (pulled into a temporary root) against the newest remote
+    commit: "at risk" counts the updates a restore from the remote would recompute."""
+    remote = remote_commands.open_remote(url)
+    newest: Dict[str, Tuple[int, Optional[Dict[str, Any]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="snapd-status-") as tmp:
+        with reaching(remote, "reading the runs"):
+            for run in remote.runs():
+                commits = remote.commits(run)
+                newest[run] = (len(commits), _newest_record(remote, run, commits))
+                RunStore(tmp, run).ensure()
+                pull_log(remote, RunStore(tmp, run))
+        rows = collect(tmp)
+    for row in rows:
+        count, record = newest.get(row["run"], (0, None))
+        row.update(remote=remote.url, remote_commits=count, committed=None,
+                   committed_step=None, committed_age_s=None, at_risk=None)
+        if record is not None:
+            row.update(committed=record["name"], committed_step=record["step"],
+                       committed_age_s=time.time() - record["uploaded_at"],
+                       at_risk=None if row["reached"] is None else
+                       max(0, row["reached"] - record["step"]))
+    return rows
+
+
+def _newest_record(remote: RemoteRoot, run: str,
+                   commits: List[SnapshotId]) -> Optional[Dict[str, Any]]:
+    for sid in reversed(commits):
+        try:
+            return remote.read_record(run, sid.name)
+        except CorruptSnapshot:
+            continue
+    return None
