@@ -14,6 +14,7 @@ import threading
 import time
 from io import StringIO
 
+import psutil
 import pytest
 from click.testing import CliRunner
 from rich.console import Console
@@ -25,6 +26,8 @@ from snapd.commands.watch import (LogFollower, StepLimiter, format_record,
                                   lines_for_new_records)
 from snapd.logwriter import LogWriter
 from snapd.store import RunStore, SnapshotId
+
+from helpers import wait_until
 
 T0 = 1_800_000_000.0   # a fixed clock for hand-built models and records
 
@@ -171,6 +174,9 @@ def test_collect_falls_back_to_the_lock_pid(root):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
                                "snapd", "serve"])
     try:
+        # Until the child has exec'd, its command line is still this process's.
+        wait_until(lambda: "serve" in psutil.Process(holder.pid).cmdline(), 30,
+                   "the holder to run its command")
         with open(lock, "w") as f:
             f.write(f"{holder.pid}\n")
         daemon = view.collect(root)["daemon"]   # asks the socket itself: none there
