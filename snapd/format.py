@@ -1,30 +1,37 @@
-"""Snapshot format v2: the manifest, tensor files and chunks. Encode, decode, verify.
+"""Snapshot format v4: the manifest, tensor files and chunks. Encode, decode, verify.
 
-This module is the code form of docs/format.md; the two change together. It does no
-I/O policy (no fsync, no directory layout): it turns structures into bytes and back,
-and says whether bytes are valid.
+This module is the code form of docs/format.md; the two change together (the offset
+tables there are read by tests/test_format_doc.py). It does no I/O policy (no fsync,
+no directory layout): it turns structures into bytes and back, and says whether
+bytes are valid.
 
-Manifest file ``manifest.snapd``::
+Manifest file ``manifest.snapd`` (and ``commit.snapd``, the same framing with magic
+b"SNAPDGC\\0", versions 3 and 4 read)::
 
     offset  size  field
     0       8     magic  b"SNAPDMF\\0"
-    8       4     format version, u32 little-endian (2; 1 is still read)
-    12      4     flags, u32 (0)
+    8       4     format version, u32 little-endian (4; 1, 2 and 3 are still read)
+    12      4     flags, u32 (written 0, not read)
     16      8     payload length P, u64
     24      8     xxh3-64 of the payload, u64
     32      P     payload: one msgpack map (see docs/format.md)
 
-A manifest is valid if and only if the magic and version match, the file is exactly
-32 + P bytes, the checksum holds, and the payload passes :func:`check_manifest`.
+A manifest is valid if and only if the magic matches, the version is in
+READABLE_VERSIONS, the file is exactly 32 + P bytes, the checksum holds, and the
+payload passes :func:`check_manifest` for that version (its ``format`` equal to the
+header's; ``shared`` entries and six-item chunk entries only in v4).
 
 Tensor file ``<object>.tensors``: a 32-byte header (magic b"SNAPDTN\\0", u32 version,
-u32 flags, 16 reserved zero bytes), then chunks, each starting at the first multiple
-of 4096 after the previous one ends (v1: back to back), the gaps zero, the file
-ending on a multiple of 4096 (so that the writer can use direct I/O). Each chunk is the raw
-bytes of part of one tensor, stored raw or zstd-compressed; the manifest records its
-offset, stored length, raw length, codec and the xxh3-64 of the stored bytes. A chunk
-is valid if and only if its stored bytes hash to that value and (zstd) decompress to
-exactly the raw length.
+the manifest's; u32 flags, 16 reserved zero bytes), then chunks, each starting at the
+first multiple of 4096 at or after the end of the previous one, the padding zero, the
+file ending on a multiple of 4096 (so that the writer can use direct I/O); in v1 the
+chunks are back to back from byte 32, the last ending the file. Each chunk is the raw bytes of part of one tensor, stored raw or
+zstd-compressed; the manifest records its offset, stored length, raw length, codec
+and the xxh3-64 of the stored bytes (v4: and of a frozen tensor, the xxh3-128 of the
+raw bytes). A chunk is valid if and only if its stored bytes hash to that value and
+(zstd) decompress to exactly the raw length. The file digest (``files[name].xxh3``,
+:class:`FileDigest`) is, in v1, the xxh3-64 of the whole file; from v2, of the header
+and the chunks' digests in file order.
 """
 
 from __future__ import annotations
