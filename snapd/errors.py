@@ -13,8 +13,10 @@
     │   └── IncompleteSnapshot               its part is durable, other ranks' are not
     ├── SnapshotExists       (FileExistsError) another history holds the snapshot's name
     ├── InsufficientSpace    (OSError)       the root's disk cannot hold the snapshot
+    ├── DanglingReference                    ranks' parts disagree on what is replicated
     ├── DaemonUnavailable    (ConnectionError) no daemon answers for the root
-    │   └── DaemonStartFailed                  the daemon started for the root exited
+    │   ├── DaemonStartFailed                  the daemon started for the root exited
+    │   └── ProtocolMismatch                   it answers, but speaks another protocol
     ├── RemoteUnavailable    (ConnectionError) the remote tier cannot be reached or used
     ├── AlreadyServing       (RuntimeError)  another daemon holds the root's lock
     ├── ProtocolError        (ValueError)    a peer sent a frame or message that is invalid
@@ -28,8 +30,11 @@ Every message names the file (or object) and the field at fault and says what to
 next; the file and the field are also attributes (``path``, ``field``, None where
 they do not apply), and they cross the daemon's socket with the error
 (``to_wire``/``from_wire``), so a trainer catches the same class with the same fields
-the daemon raised. Each error also subclasses the built-in it most resembles, so
-callers that already catch ``ValueError`` or ``OSError`` keep working.
+the daemon raised. That is why every snapd error is defined here: the wire looks
+classes up in this module only, and one defined elsewhere would arrive as a plain
+SnapdError (tests/test_errors.py walks both packages for such a class). Each error
+also subclasses the built-in it most resembles, so callers that already catch
+``ValueError`` or ``OSError`` keep working.
 """
 
 from __future__ import annotations
@@ -40,10 +45,11 @@ from typing import Any, Dict, Optional
 
 __all__ = [
     "AlreadyServing", "CorruptLog", "CorruptSnapshot", "DaemonStartFailed",
-    "DaemonUnavailable", "DistributedNotReady", "IncompatibleState", "IncompleteSnapshot",
-    "InsufficientSpace", "InvalidOption", "MissingRngStream", "OptionMismatch",
-    "ProtocolError", "RemoteUnavailable", "ReplayDivergence", "RunInUse", "SnapdError",
-    "SnapshotExists", "SnapshotFailed", "UnknownOption", "UnsupportedState",
+    "DaemonUnavailable", "DanglingReference", "DistributedNotReady", "IncompatibleState",
+    "IncompleteSnapshot", "InsufficientSpace", "InvalidOption", "MissingRngStream",
+    "OptionMismatch", "ProtocolError", "ProtocolMismatch", "RemoteUnavailable",
+    "ReplayDivergence", "RunInUse", "SnapdError", "SnapshotExists", "SnapshotFailed",
+    "UnknownOption", "UnsupportedState",
 ]
 
 
@@ -126,6 +132,12 @@ class InsufficientSpace(SnapdError, OSError):
     refused write's (ENOSPC, EDQUOT) where there was one."""
 
 
+class DanglingReference(SnapdError):
+    """A multi-rank snapshot's part leaves a replicated tensor to another rank whose
+    part does not hold it (``field``: the ``ref`` entry): the ranks disagree on what is
+    replicated, and the snapshot is not committed (snapd/globalcommit.py)."""
+
+
 class DaemonUnavailable(SnapdError, ConnectionError):
     """No daemon answers for this root, or it stopped answering."""
 
@@ -137,6 +149,13 @@ class RemoteUnavailable(SnapdError, ConnectionError):
 
 class DaemonStartFailed(DaemonUnavailable):
     """The daemon a client started could not serve the root (its log says why)."""
+
+
+class ProtocolMismatch(DaemonUnavailable):
+    """The daemon serving the root speaks another protocol version than this client
+    (``field``: "protocol"; ``path``: the root) and closed the connection. For the
+    client it is as good as no daemon: hence a DaemonUnavailable, which a trainer that
+    falls back without the daemon already catches."""
 
 
 class AlreadyServing(SnapdError, RuntimeError):

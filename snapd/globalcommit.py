@@ -24,7 +24,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from snapd import format as fmt
 from snapd import fsio
-from snapd.errors import CorruptSnapshot, SnapdError
+# DanglingReference lives in the error tree (it crosses the daemon's socket); it is
+# imported here too, so ``from snapd.globalcommit import DanglingReference`` works.
+from snapd.errors import CorruptSnapshot, DanglingReference
 from snapd.safefiles import read_manifest_bytes
 from snapd.store import TMP_PREFIX, RunStore, SnapshotId
 
@@ -34,10 +36,6 @@ LOCK_NAME = ".commit.lock"
 # The fields every part of one snapshot shares; a part that differs belongs to another
 # attempt (a session) or another job shape and is never joined with the others.
 SHARED_FIELDS = ("run", "step", "lineage", "world_size", "session", "data_version")
-
-
-class DanglingReference(SnapdError):
-    """A part refers to a tensor another rank's part does not hold."""
 
 
 @contextmanager

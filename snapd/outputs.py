@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple, Unio
 
 import torch
 
+from snapd.errors import IncompatibleState, InvalidOption
 from snapd.globalsnap import open_snapshot
 from snapd.weights import modules, weights
 
@@ -79,8 +80,9 @@ def load_side(side: Side, wanted: Optional[str] = None) -> Weights:
     snap = open_snapshot(path)
     found = [wanted] if wanted else modules(snap)
     if len(found) != 1 or found[0] not in snap.objects:
-        raise ValueError(f"{path}: choose the module with object_name= (--object): modules "
-                         f"here are {', '.join(modules(snap)) or 'none'}")
+        raise InvalidOption(f"{path}: choose the module with object_name= (--object): "
+                            f"modules here are {', '.join(modules(snap)) or 'none'}",
+                            path=path, field="object_name")
     state, _ = weights(snap, found[0])
     return Weights(state, False, path)
 
@@ -91,8 +93,9 @@ def _apply(model: torch.nn.Module, side: Weights) -> None:
         return
     result = model.load_state_dict(side.state, strict=False)
     if result.unexpected_keys:
-        raise ValueError(f"{side.label}: keys the model lacks: "
-                         f"{', '.join(result.unexpected_keys[:5])}: another model?")
+        raise IncompatibleState(f"{side.label}: keys the model lacks: "
+                                f"{', '.join(result.unexpected_keys[:5])}: another model?",
+                                path=side.label, field=result.unexpected_keys[0])
 
 
 def _tensors(out: Any) -> Iterator[torch.Tensor]:
@@ -126,10 +129,13 @@ def run_model(build: Callable[[], torch.nn.Module], side: Weights, inputs: Any,
 
 def largest_difference(a: list, b: list) -> float:
     if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
-        raise ValueError("the two models' outputs differ in number or shape: "
-                         f"{[tuple(x.shape) for x in a]} against {[tuple(y.shape) for y in b]}")
+        raise IncompatibleState("the two models' outputs differ in number or shape: "
+                                f"{[tuple(x.shape) for x in a]} against "
+                                f"{[tuple(y.shape) for y in b]}", field="outputs")
     if not a:
-        raise ValueError("the model returned no floating tensor to compare")
+        raise IncompatibleState("the model returned no floating-point tensor to "
+                                "compare; give a model whose forward() returns one (or "
+                                "a list, tuple or dict holding them)", field="outputs")
     worst = 0.0
     for x, y in zip(a, b):
         d = (x.to(torch.float64) - y.to(torch.float64)).abs()

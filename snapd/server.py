@@ -38,7 +38,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 from snapd import protocol as p
 from snapd.arena_map import MappedArena, check_arena_owner, hot_segment_name
 from snapd.lobby import LOBBY_SIZE, Lobby, Replay, Waiting
-from snapd.errors import DaemonUnavailable, InvalidOption, ProtocolError, SnapdError
+from snapd.errors import (DaemonUnavailable, InvalidOption, ProtocolError, ProtocolMismatch,
+                          SnapdError)
 from snapd.options import SUBMIT_OPTIONS, Options, check_shared
 from snapd.plan import SnapshotPlan, from_descriptor
 from snapd.store import check_run_name
@@ -330,12 +331,15 @@ class Connection:
 
     def _on_hello(self, m: p.Hello, rid: int) -> Any:
         if m.protocol != p.PROTOCOL_VERSION:
-            # A kind of its own, so that a client of any version can tell it apart.
-            self.reply(p.Error("ProtocolMismatch", f"client speaks protocol "
-                               f"{m.protocol!r}, this daemon {p.PROTOCOL_VERSION}; "
-                               "run the same snapd version on both sides",
-                               field="protocol"), rid)
-            raise ProtocolError(f"protocol mismatch ({m.protocol!r})", field="protocol")
+            # A kind of its own, so that a client of any version can tell it apart;
+            # replied, then the connection closes (a ProtocolError is never replied).
+            mismatch = ProtocolMismatch(
+                f"client speaks protocol {m.protocol!r}, this daemon "
+                f"{p.PROTOCOL_VERSION}; run the same snapd version on both sides",
+                path=self.handler.root, field="protocol")
+            self.reply(p.Error.of(mismatch), rid)
+            raise ProtocolError(f"protocol mismatch ({m.protocol!r})",
+                                field="protocol") from mismatch
         if not isinstance(m.pid, int) or isinstance(m.pid, bool):
             raise ProtocolError(f"hello pid {m.pid!r} is not an int", field="pid")
         if m.run != "":   # "" is a tool (status, watch); a run is checked like any

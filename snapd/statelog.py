@@ -45,7 +45,7 @@ from typing import Callable, Iterable, Iterator
 import msgpack
 import xxhash
 
-from snapd.errors import CorruptLog
+from snapd.errors import CorruptLog, InvalidOption
 
 # The public API. Readers: read_records, newest_first, last_record, find_last, find_step,
 # read_tail, tail_report, scan_segment. For the writer (snapd/logwriter.py), which
@@ -131,7 +131,9 @@ def encode_header(rank: int, seq: int, first_step: int) -> bytes:
 def encode_frame(payload: bytes, seed: int) -> bytes:
     """Frame one msgpack payload; the checksum covers the footer, hence the length."""
     if len(payload) > MAX_RECORD:
-        raise ValueError(f"state-log record of {len(payload)} bytes exceeds {MAX_RECORD}")
+        raise InvalidOption(f"state-log record of {len(payload)} bytes exceeds "
+                            f"{MAX_RECORD}; log() fewer samples or scalars per step",
+                            field="record")
     footer = _U32.pack(len(payload))
     checksum = xxhash.xxh32_intdigest(payload + footer, seed)
     return _FRAME_HEAD.pack(len(payload), checksum) + payload + footer
@@ -143,7 +145,8 @@ def encode_record(record: dict) -> tuple[bytes, int | None]:
     if kind == "sync":
         raise ValueError('record kind "sync" is reserved for the log\'s own sync marks')
     if kind == "step" and (type(step) is not int or step < 0):
-        raise ValueError(f'a "step" record needs an int step >= 0, got {step!r}')
+        raise InvalidOption(f'a "step" record needs an int step >= 0, got {step!r}: '
+                            "log(step) counts completed updates", field="step")
     return msgpack.packb(record, use_bin_type=True), step if kind == "step" else None
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from snapd import fsio
-from snapd.errors import SnapdError
+from snapd.errors import InvalidOption, SnapdError
 from snapd.format import SNAPSHOT_NAME
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}$")
@@ -59,8 +59,8 @@ class SnapshotId:
 
 def check_run_name(run: str) -> str:
     if not isinstance(run, str) or not _RUN_NAME.match(run) or run in (".", ".."):
-        raise ValueError(f"run name {run!r} is not a plain directory name; use letters, "
-                         "digits and _ . = + - (at most 128)")
+        raise InvalidOption(f"run name {run!r} is not a plain directory name; use "
+                            "letters, digits and _ . = + - (at most 128)", field="run")
     return run
 
 

@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 import xxhash
 
-from snapd.errors import IncompatibleState
+from snapd.errors import IncompatibleState, InvalidOption
 from snapd.format import dtype_name
 from snapd_client.frozen import frozen_flags, trainable_ptrs
 from snapd_client.state import flatten
@@ -62,8 +62,9 @@ class Base:
         for field in ("name", "revision"):
             value = getattr(self, field)
             if not isinstance(value, str) or not value or len(value) > MAX_FIELD:
-                raise ValueError(f"base {field}={value!r}: a non-empty string of at most "
-                                 f"{MAX_FIELD} characters (the base model's {field})")
+                raise InvalidOption(f"base {field}={value!r}: a non-empty string of at "
+                                    f"most {MAX_FIELD} characters (the base model's "
+                                    f"{field})", field=f"base.{field}")
 
     @classmethod
     def of(cls, value: Any) -> "Base":
@@ -74,14 +75,16 @@ class Base:
         if isinstance(value, Mapping):
             extra = sorted(set(value) - {"name", "revision"})
             if extra:
-                raise ValueError(f"base={dict(value)!r}: unknown field {extra[0]!r}; give "
-                                 "name and revision (snapd computes the digest)")
+                raise InvalidOption(f"base={dict(value)!r}: unknown field {extra[0]!r}; "
+                                    "give name and revision (snapd computes the digest)",
+                                    field=f"base.{extra[0]}")
             return cls(value.get("name"), value.get("revision"))
         if isinstance(value, tuple) and len(value) == 2:
             return cls(*value)
-        raise ValueError(f"base={value!r}: give Base(name, revision), a dict with name "
-                         "and revision, or a (name, revision) tuple (base is reserved for "
-                         "the base model: track an object of that name under another)")
+        raise InvalidOption(f"base={value!r}: give Base(name, revision), a dict with "
+                            "name and revision, or a (name, revision) tuple (base is "
+                            "reserved for the base model: track an object of that name "
+                            "under another)", field="base")
 
     def label(self) -> str:
         return f"{self.name}@{self.revision}"

@@ -289,8 +289,8 @@ class Client:
         tensors, not copies: valid until the trainer next changes them). ``share``:
         frozen leaves unchanged since an earlier snapshot refer to it (not copied)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"snapshot(step={step!r}): step counts completed updates, "
-                             "a non-negative int")
+            raise InvalidOption(f"snapshot(step={step!r}): step counts completed "
+                                "updates, a non-negative int", field="step")
         # Overlap mode defers the copies only optimizer.step() changes (capture.py).
         defer = stepped_tensors(self._tracked) \
             if self._handoff is not None and self.options.mode == "overlap" else None
@@ -423,7 +423,8 @@ class Client:
         """
         self._check_open()
         if mode not in MODES:
-            raise ValueError(f"restore(mode={mode!r}): choose 'resume' or 'warm_start'")
+            raise InvalidOption(f"restore(mode={mode!r}): choose 'resume' or 'warm_start'",
+                                field="mode")
         if self._base is not None:   # digested again, as it is now, when a snapshot
             self._base.forget()      # names a base to compare with (or at the next capture)
         if mode == "warm_start":

@@ -48,7 +48,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from snapd import protocol as proto
 from snapd.errors import (DaemonStartFailed, DaemonUnavailable, InsufficientSpace,
-                          OptionMismatch, SnapdError)
+                          OptionMismatch, ProtocolMismatch, SnapdError)
 from snapd.names import SHM_DIR
 from snapd.options import SUBMIT_OPTIONS, Options
 from snapd.plan import used_bytes
@@ -91,14 +91,14 @@ class Handoff:
 
         Daemon trouble is reported through the handle, never raised, except a daemon
         that cannot be started at all (DaemonStartFailed) or that refuses this client
-        (OptionMismatch): no snapshot can be taken.
+        (OptionMismatch, ProtocolMismatch): no snapshot can be taken.
         """
         self.stager.synchronize()
         self._join_warm_up()
         offsets, need = layout(capture.tensors, capture.carried)  # copied bytes only
         try:
             conn, stall = self._room(capture.step, need)
-        except (DaemonStartFailed, OptionMismatch):
+        except (DaemonStartFailed, OptionMismatch, ProtocolMismatch):
             raise  # no daemon can serve the root: say so now, with what to do
         except SnapdError as e:
             handle = self._handle(capture, None, 0.0)

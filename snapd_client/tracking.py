@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable
 
 import torch
 
+from snapd.errors import InvalidOption
 from snapd_client.restore import type_name
 from snapd_client.rng import RngStreams
 from snapd_client.values import Names, Values, adapt
@@ -25,7 +26,9 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 def check_name(name: str, caller: str) -> None:
     """Names become keys of the snapshot's objects: identifiers only."""
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"{caller}: {name!r} is not an identifier")
+        raise InvalidOption(f"{caller}: {name!r} is not an identifier; use letters, "
+                            "digits and _, not starting with a digit (at most 64)",
+                            field=str(name))
 
 
 def _has_state(obj: Any) -> bool:
@@ -39,7 +42,8 @@ def track(tracked: Dict[str, Any], rng: RngStreams, objects: Dict[str, Any]) -> 
         if obj is None:
             continue
         if not _NAME.match(name):
-            raise ValueError(f"track({name}=...): names must be identifiers")
+            raise InvalidOption(f"track({name}=...): names must be identifiers",
+                                field=name)
         if isinstance(obj, torch.Generator):
             rng.add_generator(name, obj)
         elif _has_state(obj):
@@ -56,8 +60,8 @@ def values_home(tracked: Dict[str, Any], name: str, initial: Dict[str, Any]) -> 
         check_name(name, "values")
         home = tracked[name] = Values()
     elif not isinstance(home, Values):
-        raise ValueError(f"values(name={name!r}): {name!r} already tracks a "
-                         f"{type_name(home)}; choose another name")
+        raise InvalidOption(f"values(name={name!r}): {name!r} already tracks a "
+                            f"{type_name(home)}; choose another name", field=name)
     home.set_defaults(initial)
     return home
 
@@ -82,5 +86,5 @@ def track_names(tracked: Dict[str, Any], rng: RngStreams, namespace: Dict[str, A
     elif type(home) is Names and home.namespace is namespace:
         home.add(plain)
     else:
-        raise ValueError(f"{caller}(name={home_name!r}): {home_name!r} already tracks "
-                         "something else; pass another name=")
+        raise InvalidOption(f"{caller}(name={home_name!r}): {home_name!r} already "
+                            "tracks something else; pass another name=", field=home_name)

@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 
-from snapd.errors import IncompatibleState
+from snapd.errors import IncompatibleState, UnsupportedState
 
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
@@ -178,12 +178,13 @@ def adapt(name: str, obj: Any) -> Any:
     if isinstance(obj, (list, dict)):
         return TrackedContainer(obj)
     if isinstance(obj, _PLAIN) or isinstance(obj, tuple):
-        raise TypeError(
+        raise UnsupportedState(
             f"track({name}=...): a {type(obj).__name__} cannot be restored in place "
             f"(the script's variable would keep its old value). Keep it in "
             f"`loop = ckpt.values({name}=...)` and use loop.{name}, or, for a module-level "
-            f"variable, ckpt.track_globals({name!r})")
+            f"variable, ckpt.track_globals({name!r})", field=name)
     cls = type(obj)
-    raise TypeError(f"track({name}=...): a {cls.__module__}.{cls.__qualname__} has no "
-                    "state_dict()/load_state_dict(); give it both, or track the plain "
-                    "values it holds with ckpt.values(...) or ckpt.track_attrs(obj, ...)")
+    raise UnsupportedState(
+        f"track({name}=...): a {cls.__module__}.{cls.__qualname__} has no "
+        "state_dict()/load_state_dict(); give it both, or track the plain values it "
+        "holds with ckpt.values(...) or ckpt.track_attrs(obj, ...)", field=name)

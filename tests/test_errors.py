@@ -187,3 +187,135 @@ def test_a_bad_environment_value_names_the_variable():
     with pytest.raises(InvalidOption, match="SNAPD_KEEP_LAST") as info:
         Options.resolve(environ={"SNAPD_KEEP_LAST": "many"})
     assert info.value.field == "keep_last"
+
+
+# --- the whole tree crosses the socket ------------------------------------------------
+
+def _all_snapd_error_classes():
+    """Every SnapdError subclass defined anywhere in snapd and snapd_client."""
+    import importlib
+    import pkgutil
+
+    import snapd_client
+    for package in (snapd, snapd_client):
+        for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if not module.name.endswith("__main__"):
+                importlib.import_module(module.name)
+    found, todo = set(), [SnapdError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found and sub.__module__.split(".")[0] in ("snapd", "snapd_client"):
+                found.add(sub)
+                todo.append(sub)
+    return found
+
+
+def test_every_snapd_error_anywhere_is_in_the_tree_and_crosses_the_socket():
+    # A class defined outside snapd.errors would cross as a plain SnapdError.
+    for cls in sorted(_all_snapd_error_classes(), key=lambda c: c.__name__):
+        name = cls.__name__
+        assert cls.__module__ == "snapd.errors", f"{name} is defined in {cls.__module__}"
+        assert name in errors.__all__ and f"── {name} " in errors.__doc__, name
+        sent = cls("refused; do this", path="/r/run/x", field="objects.model.w")
+        got = through_socket(p.Error.of(sent)).exception()
+        assert type(got) is cls, name
+        assert (str(got), got.path, got.field) == (str(sent), sent.path, sent.field)
+
+
+def test_every_errors_own_fields_are_read_back():
+    for cls in SNAPD_ERRORS:
+        own = set(cls("m").wire_fields())
+        assert own <= errors._EXTRA_KEYS, f"{cls.__name__}: {own - errors._EXTRA_KEYS}"
+
+
+def test_a_dangling_reference_keeps_its_old_import_and_crosses_by_class():
+    from snapd.globalcommit import DanglingReference
+    assert DanglingReference is errors.DanglingReference
+    sent = DanglingReference("rank 1 does not hold it", path="/r/snapshots/.parts-x",
+                             field="objects.model.w.ref")
+    got = through_socket(p.Failed.of("run", 1, 3, 0, sent)).exception()
+    assert type(got) is DanglingReference and got.field == "objects.model.w.ref"
+
+
+def test_a_protocol_mismatch_is_caught_by_type_with_its_field():
+    sock, conn, thread = _connected()
+    with sock:
+        p.send(sock, p.Hello(p.PROTOCOL_VERSION + 98, 1), id=1)
+        reply = p.from_wire(p.recv(sock))
+        assert isinstance(reply, p.Error) and reply.kind == "ProtocolMismatch"
+        got = reply.exception()
+        assert type(got) is errors.ProtocolMismatch
+        assert isinstance(got, errors.DaemonUnavailable)
+        assert (got.field, got.path) == ("protocol", "/r")
+        assert str(got) == (f"client speaks protocol {p.PROTOCOL_VERSION + 98}, this "
+                            f"daemon {p.PROTOCOL_VERSION}; run the same snapd version "
+                            "on both sides")
+        thread.join(5)
+        assert conn.closed   # then the connection is closed
+        with pytest.raises(EOFError):
+            p.recv(sock)
+
+
+# --- SNAPD_ROOT, read in one place ----------------------------------------------------
+
+def test_the_root_is_the_argument_else_snapd_root_else_here(monkeypatch, tmp_path):
+    from snapd.commands.common import given_root, resolve_root
+    monkeypatch.setenv("SNAPD_ROOT", str(tmp_path))
+    assert given_root(None) == str(tmp_path) and given_root("/elsewhere") == "/elsewhere"
+    assert resolve_root(None) == str(tmp_path)
+    monkeypatch.delenv("SNAPD_ROOT")
+    assert given_root(None) == "."
+    monkeypatch.setenv("SNAPD_ROOT", str(tmp_path / "absent"))
+    with pytest.raises(SystemExit) as info:
+        resolve_root(None)
+    assert info.value.code == 2
+
+
+def test_commands_read_snapd_root_only_through_given_root():
+    import pathlib
+    commands = pathlib.Path(snapd.__file__).parent / "commands"
+    readers = [f.name for f in commands.glob("*.py") if '"SNAPD_ROOT"' in f.read_text()]
+    assert readers == ["common.py"]
+
+
+# --- user input refused as errors of the tree, naming the field ----------------------
+
+def test_argument_errors_name_their_field():
+    from snapd.outputs import largest_difference
+    from snapd.store import check_run_name
+    from snapd_client.base import Base
+    from snapd_client.tracking import check_name
+    from snapd_client.values import adapt
+    cases = [
+        (lambda: check_run_name("../up"), InvalidOption, "run"),
+        (lambda: Base.of({"name": "m", "revision": "1", "digest": "x"}), InvalidOption,
+         "base.digest"),
+        (lambda: Base("", "1"), InvalidOption, "base.name"),
+        (lambda: Base.of(3), InvalidOption, "base"),
+        (lambda: check_name("1st", "values"), InvalidOption, "1st"),
+        (lambda: adapt("lr", 0.1), errors.UnsupportedState, "lr"),
+        (lambda: adapt("gen", object()), errors.UnsupportedState, "gen"),
+        (lambda: largest_difference([], []), errors.IncompatibleState, "outputs"),
+    ]
+    for make, cls, field in cases:
+        with pytest.raises(cls) as info:
+            make()
+        assert info.value.field == field, (cls, field, str(info.value))
+
+
+def test_client_arguments_are_invalid_options(tmp_path):
+    import torch
+    client = Client(str(tmp_path), "run", daemon=False)
+    try:
+        client.track(model=torch.nn.Linear(2, 2))
+        with pytest.raises(InvalidOption) as info:
+            client.snapshot(-1)
+        assert isinstance(info.value, ValueError) and info.value.field == "step"
+        with pytest.raises(InvalidOption) as info:
+            client.restore(mode="later")
+        assert info.value.field == "mode" and "'warm_start'" in str(info.value)
+        with pytest.raises(InvalidOption) as info:
+            client.log(-1, loss=1.0)
+        assert info.value.field == "step" and "completed updates" in str(info.value)
+    finally:
+        client.close()

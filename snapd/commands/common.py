@@ -30,8 +30,16 @@ ROOT_HELP = "The checkpoint root (default: $SNAPD_ROOT, else the current directo
 PIPE_WIDTH = 1 << 16
 
 
+def given_root(root: str | None) -> str:
+    """The root a command was given: ROOT or --root, else $SNAPD_ROOT, else the
+    current directory. The one place SNAPD_ROOT is read; not checked (``watch``
+    waits for it to appear, ``pull`` creates it)."""
+    return root or os.environ.get("SNAPD_ROOT") or "."
+
+
 def resolve_root(root: str | None) -> str:
-    root = root or os.environ.get("SNAPD_ROOT") or "."
+    """The given root as an absolute path; exits 2 when it is not a directory."""
+    root = given_root(root)
     if not os.path.isdir(root):
         fail(f"{root}: no such directory; pass the checkpoint root as ROOT or --root", 2)
     return os.path.abspath(root)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from snapd import format as fmt
-from snapd.commands.common import fail, resolve_root, run_dir
+from snapd.commands.common import fail, given_root, resolve_root, run_dir
 from snapd.store import PARTS_PREFIX, TMP_PREFIX, RunStore, SnapshotId
 
 SNAPSHOT_HELP = ("SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), "
@@ -58,7 +58,7 @@ def locate(spec: str, root: Optional[str]) -> Located:
 
     A RUN form that exists under the root wins over a same-named path from here."""
     match = _SPEC.match(spec)
-    guess = root or os.environ.get("SNAPD_ROOT") or "."
+    guess = given_root(root)
     under_root = match is not None and os.path.isdir(os.path.join(guess, match["run"]))
     if not under_root and os.path.isdir(spec):
         return _from_directory(os.path.abspath(spec))

@@ -19,7 +19,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
 
 from snapd.commands import remote
-from snapd.commands.common import ROOT_HELP, fail
+from snapd.commands.common import ROOT_HELP, fail, given_root
 from snapd.errors import CorruptSnapshot
 from snapd.options import Options
 from snapd.remote.pull import pull as pull_snapshot
@@ -45,7 +45,7 @@ def pull(url: str, target: str, root: Optional[str], threads: int,
     Example: snapd pull s3://bucket/snapd gpt-small@1200 --root checkpoints
     """
     t = remote.target(target, url)
-    base = os.path.abspath(root or os.environ.get("SNAPD_ROOT") or ".")
+    base = os.path.abspath(given_root(root))
     store = RunStore(base, t.run)
     record = t.remote.read_record(t.run, t.name)
     show = sys.stderr.isatty() if progress is None else progress

@@ -27,7 +27,7 @@ from rich.live import Live
 
 from snapd import statelog
 from snapd import liveview as view
-from snapd.commands.common import emit_json, resolve_root
+from snapd.commands.common import emit_json, given_root, resolve_root
 from snapd.store import list_runs
 
 BACKLOG = 10          # events printed at start, per (run, rank)
@@ -252,7 +252,7 @@ def watch(root: Optional[str], interval: float, once: bool, as_json: bool) -> No
 def await_root(root: Optional[str], interval: float) -> str:
     """The root, once it is there: a watch started before the trainer that creates
     the root waits for it, saying so once on stderr (stdout stays the event lines)."""
-    path = root or os.environ.get("SNAPD_ROOT") or "."
+    path = given_root(root)
     if not os.path.exists(path):
         click.echo(f"snapd: waiting for {path} to appear (Ctrl-C to quit)", err=True)
         while not os.path.exists(path):

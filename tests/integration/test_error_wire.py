@@ -12,8 +12,9 @@ import psutil
 import pytest
 import torch
 
+from snapd import peer
 from snapd import protocol as p
-from snapd.errors import SnapdError, SnapshotFailed
+from snapd.errors import DaemonUnavailable, ProtocolMismatch, SnapdError, SnapshotFailed
 from snapd_client import Client
 from snapd_client.connection import DaemonConnection
 
@@ -67,3 +68,24 @@ def test_a_failed_write_arrives_with_its_class_errno_and_file(tmp_path):
         client.close()
         if pid is not None:
             stop(pid)
+
+
+def test_a_client_of_another_protocol_catches_protocol_mismatch(tmp_path):
+    conn = DaemonConnection(str(tmp_path), "run", 0, timeout=60)   # starts the daemon
+    try:
+        served = conn.request(p.Ping())   # it serves
+        raw = peer.connect(str(tmp_path), timeout=60)
+        with raw:
+            p.send(raw, p.Hello(p.PROTOCOL_VERSION + 1, os.getpid()), id=1)
+            with pytest.raises(ProtocolMismatch) as info:
+                raise p.from_wire(p.recv(raw)).exception()
+            with pytest.raises((EOFError, ConnectionResetError)):   # then closed
+                p.recv(raw)
+        assert isinstance(info.value, DaemonUnavailable)
+        assert info.value.field == "protocol" and "same snapd version" in str(info.value)
+        with peer.Peer.open(str(tmp_path), timeout=60) as tool:
+            assert info.value.path == tool.welcome["root"]
+        assert conn.request(p.Ping()).pid == served.pid   # its clients go on
+    finally:
+        conn.close()
+        stop(conn.daemon_pid)
