@@ -61,7 +61,7 @@ class SlowFs:
             for at in range(0, len(data), step):
                 out.write(data[at:at + step])
                 out.flush()
-                time.sleep(self.PAUSE)
+                time.sleep(self.PAUSE)   # the behaviour: a slow store's pace
 
     def __getattr__(self, name):
         return getattr(self.fs, name)
@@ -182,7 +182,7 @@ def test_local_work_after_a_download_is_not_the_stores_silence():
 
     def verify_then_publish():
         with deadline.local_work():
-            time.sleep(0.6)
+            time.sleep(0.6)   # the behaviour: local work longer than the deadline
         with deadline.publishing("committing"):
             return "published"
 
