@@ -542,8 +542,8 @@ class Client:
         recomputed and checked. Facts only, except where verify_steps=k was asked
         for and could not be honoured (the user can act on that)."""
         if reached is None:
-            return "; the log holds no step record (the loop calls no log()), so " \
-                   "nothing is checked"
+            return ("; the log holds no step record (log() is never called, or the log "
+                    "was lost), so nothing is checked")
         if reached < step:
             return f"; the log's last step is {reached}, before this snapshot, so " \
                    "nothing is checked"

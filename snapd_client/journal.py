@@ -140,11 +140,14 @@ class Journal:
                                     flush_interval=self.opts.log_flush_interval)
         return self.writer
 
-    def _append(self, record: Dict[str, Any]) -> bool:
-        """Write one record; a disk error drops it (counted, warned once), never raises."""
+    def _append(self, record: Dict[str, Any], at_start: bool = False) -> bool:
+        """Write one record; a disk error drops it (counted, warned once), never raises,
+        except a full disk ``at_start`` (see above)."""
         try:
             self._writer().append(record)
         except OSError as e:
+            if at_start and isinstance(e, InsufficientSpace):
+                raise
             self._dropped(e)
             return False
         return True
@@ -218,12 +221,7 @@ class Journal:
         """The resume record; kept, so that later committed records can carry it.
         Written at the run's start: a full disk raises InsufficientSpace (see above)."""
         record = {"kind": "resume", "time": time.time(), **fields}
-        try:
-            self._writer().append(record)
-        except InsufficientSpace:
-            raise
-        except OSError as e:
-            self._dropped(e)
+        self._append(record, at_start=True)
         self.last_resume = record
         return record
 
