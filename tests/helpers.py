@@ -7,6 +7,7 @@ them share lives here (tests/test_layering.py checks)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -171,3 +172,18 @@ def record_puts(remote, run: str) -> list:
     remote.fs.pipe_file = lambda dst, data, **k: (order.append(dst[len(base):]),
                                                   pipe(dst, data, **k))
     return order
+
+
+def fill(directory: str) -> str:
+    """Take every free byte of the filesystem holding ``directory`` (a small tmpfs,
+    made for the test); returns the filler file to delete to free the space again."""
+    filler = os.path.join(directory, "filler")
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (1 << 16, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\xff" * chunk)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+    return filler

@@ -34,6 +34,8 @@ from snapd.store import RunStore
 from snapd.liveview import collect as watch_collect
 from snapd_client import Client
 
+from helpers import fill
+
 LOG_WARNINGS = (LogDamageWarning, TornTailWarning)
 
 
@@ -54,19 +56,6 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def fill(disk: Path) -> Path:
-    """Take every free byte of the filesystem; returns the filler to delete later."""
-    filler = disk / "filler"
-    with open(filler, "wb", buffering=0) as f:
-        for chunk in (1 << 16, 4096, 1):
-            try:
-                while True:
-                    f.write(b"\xff" * chunk)
-            except OSError as e:
-                assert e.errno == errno.ENOSPC
-    return filler
-
-
 def big_step(i: int) -> dict:
     """Larger than a page, so that on a full disk its write stops part way."""
     return {"kind": "step", "step": i, "samples": list(range(i, i + 3000))}
@@ -78,7 +67,7 @@ def test_full_disk_during_append_leaves_no_torn_record_inside_the_log(small_disk
     w = LogWriter(run, 0, flush_interval=None)
     for i in range(3):
         w.append(big_step(i))
-    filler = fill(small_disk)
+    filler = Path(fill(str(small_disk)))
     size = list_segments(run, 0)[-1].stat().st_size
     with pytest.raises(OSError) as e:
         w.append(big_step(3))
@@ -126,7 +115,7 @@ def test_full_disk_in_a_training_loop_never_blocks_the_resume(small_disk):
     for step in (1, 2):
         client.log(step, loss=0.5, samples=range(3000))
     client.snapshot(2).wait()
-    filler = fill(small_disk)
+    filler = Path(fill(str(small_disk)))
     with pytest.warns(RuntimeWarning, match="state-log record not written"):
         client.log(3, loss=0.5, samples=range(3000))  # the disk is full: never raises
     client.log(4, loss=0.5, samples=range(3000))
@@ -155,7 +144,7 @@ def test_first_snapshot_on_a_full_disk_fails_through_its_handle_not_the_log(smal
     root = str(small_disk / "root")
     client = Client(root, "r", daemon=False)
     client.track(model=torch.nn.Linear(64, 64))
-    fill(small_disk)
+    fill(str(small_disk))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         handle = client.snapshot(1)  # the log cannot even create its segment

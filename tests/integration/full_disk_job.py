@@ -14,7 +14,6 @@ prints one JSON line: case -> what was raised, and what the retry found.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -23,21 +22,11 @@ import torch
 
 from snapd_client import Client
 
+# tests/: its helpers (the script runs from tests/integration, in a mount namespace)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import fill  # noqa: E402
+
 RUN = "r"
-
-
-def fill(mount: str) -> str:
-    """Take every free byte of the filesystem; returns the filler to delete later."""
-    filler = os.path.join(mount, "filler")
-    with open(filler, "wb", buffering=0) as f:
-        for chunk in (1 << 16, 4096, 1):
-            try:
-                while True:
-                    f.write(b"\xff" * chunk)
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
-    return filler
 
 
 def raised(action) -> dict:

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 import psutil
 import torch
 
-from helpers import wait_exited, wait_for
+from helpers import wait_exited, wait_for, wait_until
 
 from snapd import peer as peer_mod
 from snapd import protocol as p
@@ -28,6 +28,7 @@ from snapd.format import dtype_name
 from snapd.names import ROOT_LOCK_NAME
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, to_descriptor
 from snapd.reader import SnapshotReader
+from snapd.store import SnapshotId
 from snapd_client import Client
 from snapd_client.state import flatten
 
@@ -269,3 +270,16 @@ def assert_snapshot_equals(path: str, states: Dict[str, Dict]) -> None:
             assert got.dtype == want.dtype and got.shape == want.shape
             assert torch.equal(got.reshape(-1).view(torch.uint8),
                                want.contiguous().reshape(-1).view(torch.uint8))
+
+
+def snapshot_and_replicate(client: Client, env: Env, remote: Any, net: torch.nn.Module,
+                           steps) -> None:
+    """For each step: change ``net``, snapshot, and wait until the remote tier holds
+    that step's commit (the daemon replicates in the background)."""
+    for step in steps:
+        with torch.no_grad():
+            net.weight.add_(1.0)
+        client.snapshot(step).wait(60)
+        env.daemon(client)
+        wait_until(lambda: SnapshotId(0, step) in remote.commits(env.run), 60,
+                   f"the remote commit of step {step}")

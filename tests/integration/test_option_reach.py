@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import Peer
+from harness import Peer, snapshot_and_replicate
 from helpers import wait_until
 from option_values import non_default_values, value_for
 from snapd import protocol as p
@@ -69,13 +69,7 @@ def test_remote_keep_last_zero_keeps_every_remote_commit(env, s3_env):
     client = Client(env.root, env.run, daemon=True, remote=url, remote_keep_last=0)
     client.track(model=net)
     try:
-        for step in (1, 2, 3, 4):
-            with torch.no_grad():
-                net.weight.add_(1.0)
-            client.snapshot(step).wait(60)
-            env.daemon(client)
-            wait_until(lambda: SnapshotId(0, step) in remote.commits(env.run), 60,
-                       f"the remote commit of step {step}")
+        snapshot_and_replicate(client, env, remote, net, (1, 2, 3, 4))
     finally:
         client.close()
     # A clean stop lets the uploader finish the retention that follows commit 4.

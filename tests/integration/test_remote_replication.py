@@ -16,7 +16,7 @@ import torch
 
 from click.testing import CliRunner
 
-from harness import Peer
+from harness import Peer, snapshot_and_replicate
 from helpers import plan_for, wait_until
 from snapd import protocol as p
 from snapd.cli import main as cli
@@ -65,13 +65,7 @@ def test_every_committed_snapshot_is_replicated_byte_for_byte(env, s3_env):
     client = Client(env.root, env.run, remote=url)
     client.track(model=net)
     try:
-        for step in (1, 2, 3):
-            with torch.no_grad():
-                net.weight.add_(1.0)
-            client.snapshot(step).wait(60)
-            env.daemon(client)
-            wait_until(lambda: SnapshotId(0, step) in remote.commits(env.run), 60,
-                       f"the remote commit of step {step}")
+        snapshot_and_replicate(client, env, remote, net, (1, 2, 3))
         store = RunStore(env.root, env.run)
         # Remote retention's default (remote_keep_last 2): step 1 is gone remotely.
         wait_until(lambda: remote.commits(env.run) == [SnapshotId(0, 2), SnapshotId(0, 3)],
