@@ -12,7 +12,7 @@ trained by AdamW over the adapters only; ``torch.set_num_threads(--threads)``.
 
 Three methods, one after the other in this process, each on a fresh model built from
 the same seed (and, for snapd, a fresh root in a temporary directory with its own
-daemon, stopped at the end as scripts/bench.py stops its):
+daemon, stopped at the end by scripts/benchlib.py's ``stop_daemon``):
 
 - ``snapd_shared``: the snapd Client as a trainer uses it (``share_unchanged`` on,
   the default): from the second snapshot on, the frozen base is referred to, not
@@ -36,7 +36,7 @@ passes of ``--snapshots`` training steps, each step followed by a snapshot:
 2. *durable pass*: after each snapshot the loop waits (``handle.wait()``); time to
    durable is from the snapshot() call until wait() returns.
 
-The daemon is let settle (scripts/bench.py's ``wait_idle``) after the first snapshot
+The daemon is let settle (scripts/benchlib.py's ``wait_idle``) after the first snapshot
 and between the passes. ``torch_save`` saves ``--snapshots`` + 1 times, the first a
 warm-up. Figures are medians; the script prints a markdown section, writes every raw
 figure with ``--json`` and replaces its section of a markdown file with ``--doc``.
@@ -48,11 +48,9 @@ method, as are torch.save's files.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -63,7 +61,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))
-import bench  # noqa: E402  (scripts/bench.py: machine info, daemon stop, formatting)
+import benchlib  # noqa: E402  (the bench scripts' shared pieces)
+from bench import Snapd, TorchSave, time_saves  # noqa: E402  (methods, the timing loop)
+from benchlib import median  # noqa: E402
 import lora  # noqa: E402  (tests/lora.py: the LoRA model the tests use too)
 
 SECTION = "## Fine-tuning: a frozen base (scripts/bench_finetune.py)"
@@ -101,41 +101,40 @@ def adapters(model) -> Dict[str, Any]:
 
 def snapd_method(args, shape: Dict[str, int], share: bool) -> Dict[str, Any]:
     """The first snapshot, the stall pass and the durable pass (module docstring)."""
-    from snapd_client import Client
     root = tempfile.mkdtemp(prefix="sd-ft-", dir=args.tmp)
     model, opt = build(shape)
-    d, n = shape["width"], args.snapshots
+    n = args.snapshots
     res: Dict[str, Any] = {"share_unchanged": share}
     try:
-        ckpt = Client(root, RUN, share_unchanged=share)
-        ckpt.track(model=model, optimizer=opt)
-        first = durable_pass(ckpt, model, opt, d, 0, 1)   # daemon, arena, the base
+        method = Snapd(root, model, opt, overlap=False, share_unchanged=share)
+        method.ckpt.track(model=model, optimizer=opt)
+        first = durable_pass(method, shape, 0, 1)   # daemon, arena, the base
         res["first"] = {k: v[0] for k, v in first.items()}
         res["trainable_bytes"] = lora.trainable_bytes(model, opt)
         res["base_bytes"] = lora.base_bytes(model)
-        pid = res["daemon_pid"] = bench.daemon_pid_of(root)
-        res["settle_s"] = [bench.wait_idle(pid)]
-        res["stall"] = stall_pass(ckpt, model, opt, d, 1, n)
-        res["settle_s"].append(bench.wait_idle(pid))
-        res["durable"] = durable_pass(ckpt, model, opt, d, 1 + n, n)
-        ckpt.close()
-        res["disk_bytes"] = bench.dir_bytes(os.path.join(root, RUN))
+        pid = res["daemon_pid"] = benchlib.daemon_pid_of(root)
+        res["settle_s"] = [benchlib.wait_idle(pid)]
+        res["stall"] = stall_pass(method, shape, 1, n)
+        res["settle_s"].append(benchlib.wait_idle(pid))
+        res["durable"] = durable_pass(method, shape, 1 + n, n)
+        method.ckpt.close()
+        res["disk_bytes"] = benchlib.dir_bytes(os.path.join(root, RUN))
         res["snapshots_on_disk"] = 1 + 2 * n
     finally:
-        res["daemon_stopped"] = bench.stop_daemon(root)
+        res["daemon_stopped"] = benchlib.stop_daemon(root)
         shutil.rmtree(root, ignore_errors=True)
     return res
 
 
-def stall_pass(ckpt, model, opt, d: int, step: int, n: int) -> Dict[str, List[Any]]:
+def stall_pass(method, shape: Dict[str, int], step: int, n: int) -> Dict[str, List[Any]]:
     """A training loop that never waits for its snapshots; bytes read once all are
     durable."""
     handles, calls = [], []
     for _ in range(n):
         step += 1
-        lora.train_step(model, opt, step, d)
+        lora.train_step(method.model, method.opt, step, shape["width"])
         t0 = time.perf_counter()
-        handles.append(ckpt.snapshot(step))
+        handles.append(method.ckpt.snapshot(step))
         calls.append(time.perf_counter() - t0)
     results = [h.wait() for h in handles]
     return {"stall_s": calls, "backpressure_s": [h.stall_seconds for h in handles],
@@ -144,59 +143,42 @@ def stall_pass(ckpt, model, opt, d: int, step: int, n: int) -> Dict[str, List[An
             "daemon_write_s": [r.seconds for r in results]}
 
 
-def durable_pass(ckpt, model, opt, d: int, step: int, n: int) -> Dict[str, List[Any]]:
-    """A training loop that waits for each snapshot before its next step."""
-    out: Dict[str, List[Any]] = {"stall_s": [], "durable_s": [], "staged": [],
-                                 "written": [], "daemon_write_s": []}
-    for _ in range(n):
-        step += 1
-        lora.train_step(model, opt, step, d)
-        t0 = time.perf_counter()
-        h = ckpt.snapshot(step)
-        t1 = time.perf_counter()
-        result = h.wait()
-        t2 = time.perf_counter()
-        for key, value in (("stall_s", t1 - t0), ("durable_s", t2 - t0),
-                           ("staged", h.staged_bytes), ("written", result.bytes_written),
-                           ("daemon_write_s", result.seconds)):
-            out[key].append(value)
-    return out
+def durable_pass(method, shape: Dict[str, int], step: int, n: int) -> Dict[str, List[Any]]:
+    """A training loop that waits for each snapshot before its next step: scripts/
+    bench.py's timing loop (stall, durable, staged and written bytes, the daemon's
+    write), a training step before each snapshot."""
+    ids = range(step + 1, step + n + 1)
+    steps = iter(ids)
+    return time_saves(method, ids, lambda: lora.train_step(method.model, method.opt,
+                                                           next(steps), shape["width"]))
 
 
 # --- torch.save ---------------------------------------------------------------------
 
 def torch_save_method(args, shape: Dict[str, int]) -> Dict[str, Any]:
     """``--snapshots`` + 1 saves of the trainable state (the first a warm-up), each
-    after a training step, into a new file: flush, fsync, fsync of the directory."""
-    import torch
+    after a training step, into a new file: scripts/bench.py's torch.save method
+    (flush, fsync, fsync of the directory) and timing loop."""
     where = tempfile.mkdtemp(prefix="ts-ft-", dir=args.tmp)
     model, opt = build(shape)
-    d = shape["width"]
-    times, sizes = [], []
+    method, steps = TorchSave(where, model, opt), iter(range(1, args.snapshots + 2))
+
+    def train_step() -> None:
+        lora.train_step(model, opt, next(steps), shape["width"])
+        method.sd = {"adapters": adapters(model), "optim": opt.state_dict()}
     try:
-        for i in range(args.snapshots + 1):
-            lora.train_step(model, opt, i + 1, d)
-            path = os.path.join(where, f"adapters{i}.pt")
-            t0 = time.perf_counter()
-            with open(path, "wb") as f:
-                torch.save({"adapters": adapters(model), "optim": opt.state_dict()}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            bench.fsync_dir(where)
-            times.append(time.perf_counter() - t0)
-            sizes.append(os.path.getsize(path))
+        out = time_saves(method, range(args.snapshots + 1), train_step)
+        sizes = [os.path.getsize(os.path.join(where, f"ts{i}.pt"))
+                 for i in range(1, args.snapshots + 1)]
     finally:
         shutil.rmtree(where, ignore_errors=True)
-    return {"warmup_s": times[0], "stall_s": times[1:], "durable_s": times[1:],
-            "written": sizes[1:], "trainable_bytes": lora.trainable_bytes(model, opt),
+    return {"warmup_s": out["stall_s"][0], "stall_s": out["stall_s"][1:],
+            "durable_s": out["durable_s"][1:], "written": sizes,
+            "trainable_bytes": lora.trainable_bytes(model, opt),
             "base_bytes": lora.base_bytes(model)}
 
 
 # --- summary and report -----------------------------------------------------------------
-
-def med(xs: List[float]) -> Optional[float]:
-    return statistics.median(xs) if xs else None
-
 
 def summarize(results: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """Per method, the medians the table shows (snapshots 2..N for snapd)."""
@@ -205,17 +187,18 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         if "error" in r:
             continue
         if method == "torch_save":
-            out[method] = {"stall_s": med(r["stall_s"]), "durable_s": med(r["durable_s"]),
-                           "backpressure_s": 0.0, "staged": None,
-                           "written": med(r["written"])}
+            out[method] = {"stall_s": median(r["stall_s"]), "backpressure_s": 0.0,
+                           "durable_s": median(r["durable_s"]), "staged": None,
+                           "written": median(r["written"])}
             continue
         s, d = r["stall"], r["durable"]
-        out[method] = {"stall_s": med(s["stall_s"]), "backpressure_s": med(s["backpressure_s"]),
-                       "staged": med(s["staged"] + d["staged"]),
-                       "written": med(s["written"] + d["written"]),
-                       "durable_s": med(d["durable_s"]),
-                       "idle_stall_s": med(d["stall_s"]),
-                       "daemon_write_s": med(d["daemon_write_s"]),
+        out[method] = {"stall_s": median(s["stall_s"]),
+                       "backpressure_s": median(s["backpressure_s"]),
+                       "staged": median(s["staged"] + d["staged"]),
+                       "written": median(s["written"] + d["written"]),
+                       "durable_s": median(d["durable_s"]),
+                       "idle_stall_s": median(d["stall_s"]),
+                       "daemon_write_s": median(d["daemon_write_s"]),
                        "first": r["first"], "disk_bytes": r["disk_bytes"]}
     return out
 
@@ -228,8 +211,7 @@ def mib(n: Optional[float]) -> str:
 
 def report(data: Dict[str, Any]) -> str:
     info, cfg, summ = data["machine"], data["config"], data["summary"]
-    lines = [SECTION, "", f"Measured {info['date']} with:", "", "```sh",
-             cfg["command"], "```", ""] + machine_lines(info) + describe(cfg) + [""]
+    lines = [SECTION, ""] + benchlib.machine_text(info) + describe(cfg) + [""]
     ts = summ.get("torch_save", {})
     lines += ["| snapshots 2..N, median | stall | of which waiting for the previous write "
               "| staged MiB | written MiB | time to durable | stall vs torch.save | "
@@ -239,34 +221,20 @@ def report(data: Dict[str, Any]) -> str:
         if s is None:
             lines.append(f"| {LABEL[method]} | error: see the JSON | | | | | | |")
             continue
-        lines.append(f"| {LABEL[method]} | {bench.fs(s['stall_s'])} | "
-                     f"{bench.fs(s['backpressure_s'])} | {mib(s['staged'])} | "
-                     f"{mib(s['written'])} | {bench.fs(s['durable_s'])} | "
-                     f"{bench.fr(s['stall_s'], ts.get('stall_s'))} | "
-                     f"{bench.fr(s['durable_s'], ts.get('durable_s'))} |")
+        lines.append(f"| {LABEL[method]} | {benchlib.fs(s['stall_s'])} | "
+                     f"{benchlib.fs(s['backpressure_s'])} | {mib(s['staged'])} | "
+                     f"{mib(s['written'])} | {benchlib.fs(s['durable_s'])} | "
+                     f"{benchlib.fr(s['stall_s'], ts.get('stall_s'))} | "
+                     f"{benchlib.fr(s['durable_s'], ts.get('durable_s'))} |")
     lines += ["", "| first snapshot (after track() and one step) | stall | staged MiB | "
               "written MiB | time to durable |", "|---|---|---|---|---|"]
     for method in ("snapd_shared", "snapd_full"):
         first = summ.get(method, {}).get("first")
         if first:
-            lines.append(f"| {LABEL[method]} | {bench.fs(first['stall_s'])} | "
+            lines.append(f"| {LABEL[method]} | {benchlib.fs(first['stall_s'])} | "
                          f"{mib(first['staged'])} | {mib(first['written'])} | "
-                         f"{bench.fs(first['durable_s'])} |")
+                         f"{benchlib.fs(first['durable_s'])} |")
     return "\n".join(lines + [""] + notes(summ, cfg)) + "\n"
-
-
-def machine_lines(info: Dict[str, Any]) -> List[str]:
-    busy = sorted(set(info["busy_before"]) | set(info["busy_after"]))
-    quiet = ("No other process used ≥5% CPU in the 1 s samples taken at the start and "
-             "the end of the run." if not busy else
-             "Other processes using CPU at the start or the end (the machine was **not "
-             "idle**): " + "; ".join(f"`{b}`" for b in busy) + ".")
-    return [f"Machine: {info['nproc']} CPUs (`nproc`; {info['cpu']}), "
-            f"{info['mem_total'] / (1 << 30):.1f} GiB memory, Python {info['python']}, "
-            f"torch {info['torch']}, Linux {info['kernel']}; disk under the temporary "
-            f"directory: {info['tmp_disk']}. Load average at start "
-            f"{info['load_before'][0]:.2f}, at end {info['load_after'][0]:.2f}; the run "
-            f"took {info['elapsed_s'] / 60:.1f} min. {quiet}", ""]
 
 
 def describe(cfg: Dict[str, Any]) -> List[str]:
@@ -296,16 +264,16 @@ def notes(summ: Dict[str, Any], cfg: Dict[str, Any]) -> List[str]:
     shared, full = summ.get("snapd_shared"), summ.get("snapd_full")
     if shared and full:
         out.append(f"- sharing against `share_unchanged=False`: stall "
-                   f"{bench.fr(shared['stall_s'], full['stall_s'])}, staged "
-                   f"{bench.fr(shared['staged'], full['staged'])}, time to durable "
-                   f"{bench.fr(shared['durable_s'], full['durable_s'])}")
+                   f"{benchlib.fr(shared['stall_s'], full['stall_s'])}, staged "
+                   f"{benchlib.fr(shared['staged'], full['staged'])}, time to durable "
+                   f"{benchlib.fr(shared['durable_s'], full['durable_s'])}")
     for method, s in ((m, summ.get(m)) for m in ("snapd_shared", "snapd_full")):
         if not s:
             continue
         out.append(f"- {LABEL[method]}: the daemon's own write (checksums, chunk "
-                   f"identities, write, fsync, commit) took {bench.fs(s['daemon_write_s'])} "
-                   f"of the {bench.fs(s['durable_s'])} to durable; snapshot() took "
-                   f"{bench.fs(s['idle_stall_s'])} when the previous snapshot was durable; "
+                   f"identities, write, fsync, commit) took {benchlib.fs(s['daemon_write_s'])} "
+                   f"of the {benchlib.fs(s['durable_s'])} to durable; snapshot() took "
+                   f"{benchlib.fs(s['idle_stall_s'])} when the previous snapshot was durable; "
                    f"the run's directory held {mib(s['disk_bytes'])} MiB after "
                    f"{1 + 2 * cfg['snapshots']} snapshots")
     return out + [""]
@@ -317,11 +285,7 @@ def run_all(args) -> Dict[str, Any]:
     import torch
     torch.set_num_threads(args.threads)
     shape = shape_of(args.base_mb, args.width, args.trainable_pct, args.rank)
-    start = datetime.datetime.now(datetime.timezone.utc)
-    t_start = time.perf_counter()
-    info = bench.machine()
-    info["load_before"] = os.getloadavg()
-    info["busy_before"] = [] if args.no_probe else bench.busy_processes()
+    info = benchlib.start_run(probe=not args.no_probe)
     results: Dict[str, Dict[str, Any]] = {}
     for method in args.methods:
         t0 = time.perf_counter()
@@ -333,15 +297,12 @@ def run_all(args) -> Dict[str, Any]:
         results[method]["wall_s"] = time.perf_counter() - t0
         print(f"  {method:13s} {'error' if 'error' in results[method] else 'ok'} in "
               f"{results[method]['wall_s']:5.1f} s", file=sys.stderr, flush=True)
-    info["load_after"] = os.getloadavg()
-    info["busy_after"] = [] if args.no_probe else bench.busy_processes()
-    info["elapsed_s"] = time.perf_counter() - t_start
-    info["date"] = start.strftime("%Y-%m-%d %H:%M UTC")
+    benchlib.end_run(info, "bench_finetune.py", args.argv, probe=not args.no_probe)
     sizes = next((r for r in results.values() if "base_bytes" in r), {})
     cfg = {**shape, "base_mb": args.base_mb, "snapshots": args.snapshots,
            "threads": args.threads, "trainable_bytes": sizes.get("trainable_bytes", 0),
            "base_bytes": sizes.get("base_bytes", 0),
-           "command": ".venv/bin/python scripts/bench_finetune.py " + " ".join(args.argv)}
+           "command": info["command"]}
     return {"machine": info, "config": cfg, "results": results,
             "summary": summarize(results)}
 
@@ -381,14 +342,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     warnings.filterwarnings("ignore")
     args = parse(argv)
     data = run_all(args)
-    text = report(data)
-    print(text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
-    if args.doc:
-        bench.write_doc(args.doc, text, heading=SECTION)
-        print(f"written to {args.doc}", file=sys.stderr)
+    benchlib.emit(report(data), args.doc, SECTION)
     return data
 
 

@@ -63,7 +63,7 @@ def build_log(root: Path, n: int) -> float:
 
 
 def _plan(run_dir: Path, stats: IOStats):
-    from snapd.recovery import read_progress
+    from snapd.progress import read_progress
     from snapd.store import RunStore
     plan = read_progress(RunStore(str(run_dir.parent), run_dir.name), 0)
     stats.bytes_read += plan.bytes_read

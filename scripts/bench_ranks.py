@@ -7,7 +7,7 @@ For each world size N and each method, one job ``python -m torch.distributed.run
 --standalone --nproc-per-node N`` of this script (worker mode, gloo, CPU,
 ``OMP_NUM_THREADS=1``); each rank writes its figures as JSON and this script gathers
 them. Every rank holds the same state: an MLP of ``Linear(2048, 2048)`` layers +
-AdamW after one step (``scripts/bench.py``'s ``build_state``: params, exp_avg and
+AdamW after one step (``scripts/benchlib.py``'s ``build_state``: params, exp_avg and
 exp_avg_sq add up to ~``--mb`` MiB), wrapped in ``DistributedDataParallel``, so it
 is replicated on every rank. Methods, each in its own job:
 
@@ -40,7 +40,6 @@ part; the per-rank state logs are not counted).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -53,11 +52,11 @@ from typing import Any, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench import (GiB, MiB, busy_processes, build_state, dir_bytes, fr, fs,  # noqa: E402
-                   machine, median, nbytes_of, state_tensors, stop_daemon,
-                   train_briefly, write_doc)
+import bench  # noqa: E402  (its methods and timing loop)
+from benchlib import (REPO, GiB, MiB, build_state, dir_bytes, emit, end_run,  # noqa: E402
+                      fr, fs, machine_text, median, nbytes_of, start_run, state_tensors,
+                      stop_daemon, train_briefly)
 
-REPO = os.path.dirname(HERE)
 SECTION = "## Many ranks (scripts/bench_ranks.py)"
 RUN = "bench"
 METHODS = ["snapd", "dcp_async", "dcp_async_proc", "dcp_save"]
@@ -84,8 +83,7 @@ def rank_worker(args) -> Dict[str, Any]:
     os.makedirs(args.root, exist_ok=True)
     # No barrier on failure: the rank exits, torchrun stops the others, and the
     # launcher stops the daemon.
-    {"snapd": w_snapd, "dcp_async": w_dcp_async, "dcp_async_proc": w_dcp_async,
-     "dcp_save": w_dcp_save}[args.worker](args, ddp, opt, res)
+    (w_snapd if args.worker == "snapd" else w_dcp)(args, ddp, opt, res)
     dist.barrier()
     if rank == 0:
         stop_daemon(args.root)
@@ -166,69 +164,35 @@ def barrier() -> None:
     dist.barrier()
 
 
-def dcp_state(ddp, opt) -> Dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    model_sd, optim_sd = get_state_dict(ddp, opt)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def w_dcp_async(args, ddp, opt, res) -> None:
+def w_dcp(args, ddp, opt, res) -> None:
+    """DCP through scripts/bench.py's methods and timing loop, each save after a barrier
+    and a little training. The async methods get a gloo group of their own: their
+    collectives run off the training thread, and must not interleave with the training
+    loop's (DDP's all-reduce, our barrier)."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-    kind = AsyncCheckpointerType.PROCESS if args.worker == "dcp_async_proc" \
-        else AsyncCheckpointerType.THREAD
-    # Its own group: the save's collectives run off the training thread, and must not
-    # interleave with the training loop's (DDP's all-reduce, our barrier).
-    group = dist.new_group(backend="gloo")
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
-                                          use_async_staging=True,
-                                          use_non_blocking_copy=False))
-    sd = dcp_state(ddp, opt)
-    ret, stall, durable, starts, path = [], [], [], [], None
-    try:
-        for i in range(args.reps + 1):
-            path = os.path.join(args.root, f"a{i}")
-            barrier()
-            train_briefly()
-            t0 = time.perf_counter()
-            resp = dcp.async_save(sd, checkpoint_id=path, async_stager=stager,
-                                  process_group=group, async_checkpointer_type=kind)
-            t1 = time.perf_counter()
-            resp.staging_completion.result()
-            t2 = time.perf_counter()
-            resp.upload_completion.result()
-            t3 = time.perf_counter()
-            if i:
-                ret.append(t1 - t0)
-                stall.append(t2 - t0)
-                durable.append(t3 - t0)
-                starts.append(t0)
-    finally:
-        stager.close()
-    barrier()
-    res.update(return_s=ret, stall_s=stall, durable_s=durable, start_t=starts)
-    if res["rank"] == 0:
-        res["disk_bytes"] = dir_bytes(path)
+    if args.worker == "dcp_save":
+        method = bench.DcpSave(args.root, ddp, opt)
+    else:
+        kind = AsyncCheckpointerType.PROCESS if args.worker == "dcp_async_proc" \
+            else AsyncCheckpointerType.THREAD
+        method = bench.DcpAsync(args.root, ddp, opt, async_checkpointer_type=kind,
+                                process_group=dist.new_group(backend="gloo"))
+    model_sd, optim_sd = get_state_dict(ddp, opt)
+    method.sd = {"model": model_sd, "optim": optim_sd}   # once, before the first save
 
-
-def w_dcp_save(args, ddp, opt, res) -> None:
-    import torch.distributed.checkpoint as dcp
-    sd = dcp_state(ddp, opt)
-    stall, path = [], None
-    for i in range(args.reps + 1):
-        path = os.path.join(args.root, f"d{i}")
+    def before() -> None:
         barrier()
         train_briefly()
-        t0 = time.perf_counter()
-        dcp.save(sd, checkpoint_id=path)
-        if i:
-            stall.append(time.perf_counter() - t0)
+    try:
+        bench.time_saves(method, [0], before)   # warm-up
+        res.update(bench.time_saves(method, range(1, args.reps + 1), before))
+    finally:
+        method.close()
     barrier()
-    res["stall_s"] = res["durable_s"] = stall
     if res["rank"] == 0:
-        res["disk_bytes"] = dir_bytes(path)
+        res["disk_bytes"] = dir_bytes(method.path)
 
 
 # --- orchestration -------------------------------------------------------------------
@@ -297,11 +261,7 @@ def summarize(job: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def orchestrate(args) -> None:
-    start = datetime.datetime.now(datetime.timezone.utc)
-    t_start = time.perf_counter()
-    info = machine()
-    info["load_before"] = os.getloadavg()
-    info["busy_before"] = busy_processes()
+    info = start_run()
     base = f"/tmp/sbr{os.getpid()}"
     os.makedirs(base, exist_ok=True)
     results: Dict[int, Dict[str, Any]] = {}
@@ -311,19 +271,11 @@ def orchestrate(args) -> None:
             results[world] = {m: run_job(m, world, base, args) for m in args.methods}
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    info["load_after"] = os.getloadavg()
-    info["busy_after"] = busy_processes()
-    info["elapsed_s"] = time.perf_counter() - t_start
-    info["date"] = start.strftime("%Y-%m-%d %H:%M UTC")
-    info["command"] = "python scripts/bench_ranks.py " + " ".join(sys.argv[1:])
-    text = report(results, info, args)
-    print(text)
+    end_run(info, "bench_ranks.py", sys.argv[1:])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "machine": info}, f, indent=1)
-    if args.doc:
-        write_doc(args.doc, text, heading=SECTION)
-        print(f"\nwritten to {args.doc}", file=sys.stderr)
+    emit(report(results, info, args), args.doc, SECTION)
 
 
 # --- report ---------------------------------------------------------------------------
@@ -337,20 +289,9 @@ def first(v: Optional[tuple]) -> Optional[float]:
 
 
 def report(results: Dict[int, Dict[str, Any]], info: Dict[str, Any], args) -> str:
-    lines = [SECTION, "", f"Measured {info['date']} with:", "", "```sh",
-             info["command"].replace("python scripts", ".venv/bin/python scripts"), "```",
-             "",
-             f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info['mem_total'] / GiB:.1f} "
-             f"GiB memory, Python {info['python']}, torch {info['torch']}, Linux "
-             f"{info['kernel']}; disk under /tmp: {info['tmp_disk']}. Every rank is a "
-             f"process on this one machine (gloo, CPU, `OMP_NUM_THREADS=1`), so N ranks "
-             f"share its {info['nproc']} CPUs and one disk. Load average at start "
-             f"{info['load_before'][0]:.2f}, at end {info['load_after'][0]:.2f}; the run "
-             f"took {info['elapsed_s'] / 60:.1f} min.", ""]
-    busy = sorted(set(info.get("busy_before", [])) | set(info.get("busy_after", [])))
-    if busy:
-        lines += ["Other processes using CPU when the run started or ended (1 s samples; "
-                  "the machine was **not idle**):", ""] + [f"- `{b}`" for b in busy] + [""]
+    lines = [SECTION, ""] + machine_text(
+        info, f" Every rank is a process on this one machine (gloo, CPU, "
+              f"`OMP_NUM_THREADS=1`), so N ranks share its {info['nproc']} CPUs and one disk.")
     lines += [
         f"State on every rank: an MLP of `Linear(2048, 2048)` layers + AdamW after one "
         f"step (~{args.mb} MiB of params, exp_avg and exp_avg_sq), wrapped in "

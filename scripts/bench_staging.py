@@ -9,7 +9,7 @@ median time of:
 - ``copy_``: the bench's reference, ``copy_`` of every tensor into preallocated,
   faulted-in private memory;
 - ``stage``: ``Arena.stage`` as snapshot() runs it (default ``copy_threads``);
-- ``stage, copy_threads=1``: the same without helper threads.
+- ``stage, copy_threads=1``: the same on the calling thread alone.
 
 Each is timed in three conditions, because a copy's speed on a small VM depends on
 what ran just before it more than on the copy itself:
@@ -32,7 +32,7 @@ from typing import Callable, Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import build_state, parse_size, state_tensors  # noqa: E402
+from benchlib import build_state, parse_size, state_tensors, train_briefly  # noqa: E402
 
 from snapd.options import Options  # noqa: E402
 from snapd_client.staging import Arena, layout, slot_size_for  # noqa: E402
@@ -49,13 +49,6 @@ def timed(copy: Callable[[], None], before: Callable[[], None], reps: int) -> fl
         copy()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def compute() -> None:
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    end = time.perf_counter() + GAP
-    while time.perf_counter() < end:
-        torch.mm(a, b)
 
 
 def idle() -> None:
@@ -79,12 +72,12 @@ def measure(size: int, threads: int, reps: int) -> Dict[str, Dict[str, float]]:
         copies[name] = lambda a=arena: a.stage(0, tensors, offsets)
     out: Dict[str, Dict[str, float]] = {}
     try:
-        for cond, before in (("after compute", compute), ("after idle", idle)):
+        for cond, before in (("after compute", train_briefly), ("after idle", idle)):
             out[cond] = {n: timed(c, before, reps) for n, c in copies.items()}
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
             time.sleep(0.3)
-            out["core taken"] = {n: timed(c, compute, reps) for n, c in copies.items()}
+            out["core taken"] = {n: timed(c, train_briefly, reps) for n, c in copies.items()}
         finally:
             spinner.kill()
             spinner.wait()

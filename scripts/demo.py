@@ -34,7 +34,7 @@ import xxhash
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from snapd.recovery import read_progress
+from snapd.progress import read_progress
 from snapd.store import RunStore
 from snapd_client import Client
 

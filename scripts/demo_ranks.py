@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from demo import Sequences, TinyTransformer, _show, state_digest, update, warmup_cosine
-from snapd.recovery import read_progress
+from snapd.progress import read_progress
 from snapd.store import RunStore
 from snapd_client import Client
 

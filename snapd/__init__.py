@@ -5,7 +5,7 @@ format, the state log, the store and the writer, which both sides share. Every
 error of :mod:`snapd.errors` is exported here.
 """
 
-from snapd import logs as _logs  # noqa: F401  (the stderr handler of snapd's loggers)
+from snapd import stderrlog as _stderrlog  # noqa: F401  (the stderr handler of snapd's loggers)
 from snapd import errors as _errors
 from snapd.errors import *  # noqa: F401,F403  (the whole tree: snapd.errors.__all__)
 

@@ -53,7 +53,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import psutil
 
-from snapd import diskguard, logs, protocol as p, retention
+from snapd import diskguard, stderrlog, protocol as p, retention
 from snapd.arena_map import HotCache, reclaim_dead_arenas
 from snapd.commit import Commit, CommitService
 from snapd.errors import AlreadyServing, SnapdError
@@ -523,7 +523,7 @@ def _serving(root: str) -> bool:
 
 def main(root: str, options: Optional[Options] = None) -> int:
     """``snapd serve``: serve ``root``; returns the process exit code."""
-    logs.set_format("snapd", LINE_FORMAT, DATE_FORMAT)   # this process is the daemon
+    stderrlog.set_format("snapd", LINE_FORMAT, DATE_FORMAT)   # this process is the daemon
     try:
         return Daemon(root, options).serve_forever()
     except AlreadyServing as e:

@@ -384,7 +384,7 @@ BASE_KEYS = ("name", "revision", "digest")
 
 def check_base(base: Any, path: str) -> None:
     """v4's ``base``: nil, or the base model's ``{name, revision, digest}`` (strings;
-    the digest is snapd's own, 32 hex digits, snapd_client/base.py)."""
+    the digest is snapd's own, 32 hex digits, snapd_client/basemodel.py)."""
     need(base is None or (isinstance(base, dict)
                           and all(isinstance(base.get(k), str) and len(base[k]) <= MAX_NAME
                                   for k in BASE_KEYS)

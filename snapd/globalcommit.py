@@ -6,9 +6,10 @@ writer calls :func:`try_commit`. Whoever completes the set commits: under an
 exclusive ``flock`` on ``.parts-<name>/.commit.lock``, when every rank's part is there
 (same run, step, lineage, world size, session, data version) and every ``ref`` entry
 resolves, it writes ``commit.snapd`` (each part's manifest size and digest), and
-renames ``.parts-<name>`` to ``<name>``: that rename is the global commit. LATEST
-moves after it. docs/multirank.md numbers the steps and what a crash between any two
-leaves behind. Only manifests are read here, never a tensor file.
+publishes ``.parts-<name>`` as ``<name>`` (snapd/commit.py, :func:`publish`, as every
+commit does): that rename is the global commit, and LATEST moves after it.
+docs/multirank.md numbers the steps and what a crash between any two leaves behind.
+Only manifests are read here, never a tensor file.
 """
 
 from __future__ import annotations
@@ -16,19 +17,18 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import secrets
-import shutil
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Collection, Dict, Iterator, List, Optional, Tuple
 
 from snapd import format as fmt
 from snapd import fsio
+from snapd.commit import publish
 # DanglingReference lives in the error tree (it crosses the daemon's socket); it is
 # imported here too, so ``from snapd.globalcommit import DanglingReference`` works.
 from snapd.errors import CorruptSnapshot, DanglingReference
 from snapd.safefiles import read_manifest_bytes
-from snapd.store import TMP_PREFIX, RunStore, SnapshotId
+from snapd.store import RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +125,12 @@ def commit_record(parts: Dict[int, Tuple[Dict[str, Any], bytes]],
             "bytes": sum(f["size"] for m, _ in parts.values() for f in m["files"].values())}
 
 
-def try_commit(store: RunStore, sid: SnapshotId, want: Dict[str, Any]) -> bool:
+def try_commit(store: RunStore, sid: SnapshotId, want: Dict[str, Any], *,
+               superseded: Collection[str] = ()) -> bool:
     """Commit snapshot ``sid`` globally if every part of ``want``'s session is there.
 
-    ``want``: the shared fields of the part just written (its manifest). Returns True
+    ``want``: the shared fields of the part just written (its manifest);
+    ``superseded``: what the writer's restore refused (snapd/commit.py). Returns True
     when ``snapshots/<name>`` is committed (now, or by another writer before), False
     while parts are missing. Raises DanglingReference when the parts are complete
     but disagree (nothing is committed then).
@@ -147,10 +149,8 @@ def try_commit(store: RunStore, sid: SnapshotId, want: Dict[str, Any]) -> bool:
                                 fmt.encode_commit(commit_record(found)))
         os.unlink(os.path.join(parts_dir, LOCK_NAME))
         fsio.fsync_dir(parts_dir)
-        # 3. The rename that commits every part at once, made durable.
-        fsio.publish_directory(parts_dir, final)
-    # 4. Only now LATEST.
-    store.write_pointer("LATEST", sid)
+        # 3-4. The rename that commits every part at once, then LATEST.
+        publish(store, parts_dir, sid, superseded=superseded)
     log.info("run %r: %s committed globally (%d ranks)", store.run, sid.name,
              want["world_size"])
     return True
@@ -162,12 +162,7 @@ def _remove_strays(store: RunStore, parts_dir: str, world_size: int) -> None:
     keep = {fmt.part_dir_name(r) for r in range(world_size)} | {LOCK_NAME}
     for name in os.listdir(parts_dir):
         if name not in keep:
-            away = os.path.join(store.snapshots_path,
-                                f"{TMP_PREFIX}stray-{secrets.token_hex(4)}")
-            os.rename(os.path.join(parts_dir, name), away)
-            shutil.rmtree(away, ignore_errors=True)
-            if os.path.exists(away):
-                os.unlink(away)
+            store.discard(os.path.join(parts_dir, name), "stray")
 
 
 def incomplete(store: RunStore) -> List[Dict[str, Any]]:

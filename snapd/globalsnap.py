@@ -45,8 +45,11 @@ class Piece:
 class GlobalSnapshot:
     """A committed multi-rank snapshot, read through its commit record."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, check_files: bool = True) -> None:
+        """``check_files=False``: the parts' files are not stat'ed on open (a view of
+        the manifests alone, snapd/roots.py); each is checked when read."""
         self.path = path
+        self._check_files = check_files
         check_real_directories(path)
         self.record: Dict[str, Any] = read_commit(path)
         self.world_size: int = self.record["world_size"]
@@ -94,7 +97,7 @@ class GlobalSnapshot:
                                   f"{listed['manifest_xxh3']}); rank {rank}'s part is "
                                   "damaged or replaced, use an older snapshot",
                                   path=manifest_path, field=f"parts[{rank}]")
-        reader = SnapshotReader(part_dir)
+        reader = SnapshotReader(part_dir, None if self._check_files else [])
         for key in SHARED_FIELDS:
             if reader.manifest.get(key) != self.record.get(key):
                 raise CorruptSnapshot(f"{manifest_path}: field {key} is "
@@ -215,9 +218,10 @@ def _overlap(a: Piece, b: Piece) -> bool:
                zip(a.offset, a.shape, b.offset, b.shape)) and 0 not in a.shape + b.shape
 
 
-def open_snapshot(path: str) -> Union[SnapshotReader, GlobalSnapshot]:
+def open_snapshot(path: str, check_files: bool = True
+                  ) -> Union[SnapshotReader, GlobalSnapshot]:
     """A snapshot directory of either kind: one rank's (``manifest.snapd``) or many
-    ranks' (``commit.snapd``)."""
+    ranks' (``commit.snapd``). ``check_files=False``: no file is stat'ed on open."""
     if os.path.lexists(os.path.join(path, fmt.COMMIT_NAME)):
-        return GlobalSnapshot(path)
-    return SnapshotReader(path)
+        return GlobalSnapshot(path, check_files)
+    return SnapshotReader(path, None if check_files else [])

@@ -2,14 +2,15 @@
 
 A v4 snapshot may read some tensors from an earlier snapshot's file (``src``
 entries; snapd/sharing.py). That file must outlive its snapshot for as long as a
-committed snapshot refers to it, so un-committing a snapshot S (retention's
-``trash_snapshot``, the writer's :func:`set_aside`, ``snapd gc``) first calls
-:func:`keep_referenced`: each file of S that another committed manifest of the run
-refers to gets a second name, a hard link ``<run>/shared/<S>/<file>``, made durable
-before S is renamed away. A reader looks in ``shared/`` first, then in
-``snapshots/``: the file gains its second name before it loses its first, so one of
-the two opens at every instant. After retention's deletes, :func:`sweep` (mark and
-sweep) removes the ``shared/`` entries no committed manifest refers to.
+committed snapshot refers to it, so un-committing a snapshot S (snapd/commit.py's
+:func:`uncommit`, for retention's deletes, ``snapd gc`` and a damaged snapshot set
+aside) first calls :func:`keep_referenced`: each file of S that another committed
+manifest of the run refers to gets a second name, a hard link
+``<run>/shared/<S>/<file>``, made durable before S is renamed away. A reader looks
+in ``shared/`` first, then in ``snapshots/``: the file gains its second name before
+it loses its first, so one of the two opens at every instant. After retention's
+deletes, :func:`sweep` (mark and sweep) removes the ``shared/`` entries no committed
+manifest refers to.
 
 Every step is crash-safe (docs/format.md, "Keeping shared files", has the table):
 the links are made and fsynced before the rename that un-commits S, a name under
@@ -48,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from snapd import format as fmt
 from snapd import fsio, sharing
 from snapd.errors import SnapdError
-from snapd.store import DAMAGED_PREFIX, DIR_MODE, TMP_PREFIX, RunStore, SnapshotId
+from snapd.store import DIR_MODE, TMP_PREFIX, RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
 
@@ -125,20 +126,6 @@ def keep_referenced(store: RunStore, sid: SnapshotId,
         fsio.fsync_dir(store.path)
         passed("kept")
     return kept
-
-
-def set_aside(store: RunStore, sid: SnapshotId) -> str:
-    """Rename a damaged snapshot to ``.damaged-<name>-<nonce>``: no longer listed as
-    committed, never collected, kept for inspection. Returns its new path.
-
-    The files other committed snapshots read from it are kept in ``shared/`` first,
-    as before any un-commit."""
-    keep_referenced(store, sid)
-    aside = os.path.join(store.snapshots_path,
-                         f"{DAMAGED_PREFIX}{sid.name}-{secrets.token_hex(4)}")
-    os.rename(store.snapshot_path(sid), aside)
-    fsio.fsync_dir(store.snapshots_path)
-    return aside
 
 
 def files_to_keep(store: RunStore, sid: SnapshotId, marks: Marks) -> List[str]:
@@ -302,9 +289,10 @@ def sweep(store: RunStore, marks: Optional[Marks] = None, *, dry_run: bool = Fal
     ``shared/<S>``, other names and nested directories are left as they are.
     With an unreadable committed manifest nothing is removed (``blocked_by``).
 
-    An entry modified less than SWEEP_MIN_AGE_S ago is left for a later sweep: a pull of a remote snapshot (snapd/remote/pull.py) puts the shared
-    files it reads here before the rename that commits it, outside the serialization
-    retention runs under. A kept file has its first name's mtime (a link, or a copy
+    An entry modified less than SWEEP_MIN_AGE_S ago is left for a later sweep: a pull
+    of a remote snapshot (snapd/remote/pull.py) puts the shared files it reads here
+    before the rename that commits it, outside the serialization retention runs
+    under. A kept file has its first name's mtime (a link, or a copy
     given it), so one written long ago is swept at once."""
     done = Swept()
     top = os.path.join(store.path, sharing.SHARED_DIR)

@@ -35,10 +35,10 @@ from snapd.errors import CorruptSnapshot
 from snapd.globalcommit import incomplete
 from snapd.peer import Peer
 from snapd.reader import read_summary
-from snapd.recovery import RunProgress, read_progress
+from snapd.progress import RunProgress, read_progress
 from snapd.names import ROOT_LOCK_NAME as LOCK_NAME, SOCKET_NAME
 from snapd.store import RunStore, list_runs
-from snapd.text import age, count, number, si_bytes
+from snapd.humanize import age, count, number, si_bytes
 
 TAIL_BUDGET = 1024     # records read per rank and refresh, newest first
 SPARK_POINTS = 24      # losses in the sparkline

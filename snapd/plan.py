@@ -149,8 +149,8 @@ def plan_tensor(path: str, dtype: str, shape: Any, device: str, offset: int,
 
 
 def describe(plan: Any, tensors: List[List[Dict[str, Any]]]) -> Dict[str, Any]:
-    """The descriptor of ``plan`` (a SnapshotPlan, or the client's Capture, which has
-    the same fields), with ``tensors[i]`` the :func:`plan_tensor` entries of object i."""
+    """The descriptor of ``plan`` (the client's Capture: ``Capture.descriptor`` is the
+    one encoder), with ``tensors[i]`` the :func:`plan_tensor` entries of object i."""
     objects = [{"name": obj.name, "type": obj.type, "skeleton": obj.skeleton,
                 "metadata": obj.metadata, "tensors": entries}
                for obj, entries in zip(plan.objects, tensors)]
@@ -161,18 +161,6 @@ def describe(plan: Any, tensors: List[List[Dict[str, Any]]]) -> Dict[str, Any]:
             "rank": plan.rank, "world_size": plan.world_size,
             "session": plan.session, "supersedes": list(plan.supersedes),
             "base": None if plan.base is None else dict(plan.base)}
-
-
-def to_descriptor(plan: SnapshotPlan, offsets: List[List[int]]) -> Dict[str, Any]:
-    """The plan with each tensor's bytes replaced by its offset in the slot.
-
-    ``offsets[i][j]`` is where tensor j of object i starts within the slot.
-    """
-    return describe(plan, [[plan_tensor(t.path, t.dtype, t.shape, t.device, off, t.nbytes,
-                                        shard=t.shard, ref=t.ref, reuse=t.reuse,
-                                        frozen=t.frozen)
-                            for t, off in zip(obj.tensors, obj_offsets)]
-                           for obj, obj_offsets in zip(plan.objects, offsets)])
 
 
 def check_descriptor(desc: Any) -> None:

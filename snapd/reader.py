@@ -7,7 +7,9 @@ for zeros, and the file against its digest (docs/format.md) while the chunks str
 past. Each byte is read from memory once: the second digest of a chunk is taken while
 it is still in cache. Files of format v2 and later are read in parallel, over files and
 chunks, by direct I/O where the page cache does not hold them, and optionally straight
-into tensors the caller already holds (snapd/fastread.py). Nothing is
+into tensors the caller already holds (snapd/fastread.py). A daemon's in-memory copy
+(snapd_client/hotrestore.py) is another source of the same bytes: :func:`destinations` decides
+for both what tensor an entry becomes and where its bytes land. Nothing is
 trusted before it is checked: names are plain file names inside the directory, every
 declared size is compared with the file before anything is allocated, and files are
 opened without following symlinks.
@@ -169,9 +171,7 @@ class SnapshotReader:
         try:
             for name in names:
                 obj = self.objects[name]
-                out[name] = tensors = [None if "ref" in t else
-                                       _destination(into.get(name, {}).get(t["path"]), t)
-                                       for t in obj["tensors"]]
+                out[name] = tensors = destinations(obj["tensors"], into.get(name))
                 for t, dest in zip(obj["tensors"], tensors):
                     if t.get("src") is not None:
                         shared.setdefault(t["src"], []).append((t, dest))
@@ -210,7 +210,7 @@ class SnapshotReader:
             raise CorruptSnapshot(f"{full}: file checksum mismatch (manifest field "
                                   f"files[{file_name!r}].xxh3)", path=full, field="xxh3")
         return fastread.FileRead(full, fd, _direct(full, fd, fds), [t for t, _ in own],
-                                 [None if d is None else _bytes_of(d) for _, d in own])
+                                 [None if d is None else bytes_of(d) for _, d in own])
 
     def _open_shared(self, src: int, group: List[Tuple[Dict[str, Any], Any]],
                      fds: List[int]) -> fastread.FileRead:
@@ -226,7 +226,7 @@ class SnapshotReader:
         group = sorted(group, key=lambda item: item[0]["chunks"][0][0]
                        if item[0]["chunks"] else 0)
         return fastread.FileRead(full, fd, _direct(full, fd, fds), [t for t, _ in group],
-                                 [None if d is None else _bytes_of(d) for _, d in group],
+                                 [None if d is None else bytes_of(d) for _, d in group],
                                  partial=True)
 
     def _load_sequential(self, name: str, progress: Progress = None
@@ -255,9 +255,8 @@ class SnapshotReader:
 
     def _read_tensor(self, fd: int, meta: Dict[str, Any], i: int, path: str,
                      walk: "_FileWalk", progress: Progress) -> torch.Tensor:
-        import torch  # here, not at the top: the daemon checks manifests without it
-        out = torch.empty(meta["nbytes"], dtype=torch.uint8)
-        view = memoryview(out.numpy()) if meta["nbytes"] else memoryview(b"")
+        out = destination(None, meta)
+        view = bytes_of(out)
         raw_digest = xxhash.xxh3_64()
         pos = 0
         for j, chunk in enumerate(meta["chunks"]):
@@ -283,9 +282,7 @@ class SnapshotReader:
         if raw_digest.intdigest() != meta["xxh3"]:
             raise CorruptSnapshot(f"{path}: tensor {meta['path']!r} checksum mismatch "
                                   "after decoding", path=path, field=f"tensor {meta['path']!r}")
-        dtype = fmt.DTYPES[meta["dtype"]]
-        return out.view(dtype).reshape(meta["shape"]) if meta["nbytes"] else \
-            torch.empty(meta["shape"], dtype=dtype)
+        return out
 
     def verify(self, progress: Progress = None) -> None:
         """Read every object's file and check every checksum."""
@@ -323,8 +320,25 @@ def _direct(full: str, fd: int, fds: List[int]) -> Optional[int]:
     return direct
 
 
-def _destination(live: Any, meta: Dict[str, Any]) -> torch.Tensor:
-    """``live`` when the entry's bytes can go straight into it, else new memory."""
+# --- stored bytes to tensors ----------------------------------------------------------
+# The one place a tensor entry of a manifest (dtype, shape) becomes a tensor and the
+# memory its bytes are read into, whatever holds those bytes: this snapshot's files
+# (load_objects, and format v1 in order), or a daemon's in-memory copy
+# (snapd_client/hotrestore.py). Read either way, a snapshot restores the same tensors.
+
+def destinations(entries: List[Dict[str, Any]], into: Optional[Dict[str, Any]] = None
+                 ) -> List[Optional[torch.Tensor]]:
+    """Where each entry's bytes go, by :func:`destination`; None for an entry another
+    rank stores (``ref``). ``into``: tensors the caller holds now, by path."""
+    into = into or {}
+    return [None if "ref" in t else destination(into.get(t["path"]), t) for t in entries]
+
+
+def destination(live: Any, meta: Dict[str, Any]) -> torch.Tensor:
+    """``live`` when the entry's bytes can go straight into it: a plain CPU tensor (or
+    Parameter) of the saved dtype and shape, contiguous, that does not require grad
+    (a leaf of autograd's graph is not written behind its back: load_state_dict
+    copies into it under no_grad); else new memory, which never requires grad."""
     import torch  # here, not at the top: the daemon checks manifests without it
     dtype = fmt.DTYPES[meta["dtype"]]
     if type(live) in (torch.Tensor, torch.nn.Parameter) and live.dtype == dtype and \
@@ -351,7 +365,8 @@ def new_tensor(shape: List[int], dtype: Any) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """A destination's memory as bytes, for a byte source to fill."""
     import torch
     if not t.numel():
         return memoryview(bytearray())

@@ -13,13 +13,16 @@ in-process writer (both through snapd/commit.py) and ``snapd gc`` (through
 - the newest verified snapshot is always kept: the last good one is never deleted
   before its successor is committed, and a run never loses its only good snapshot;
 - the snapshot LATEST names is never deleted, even when a crash left it behind a
-  newer commit: a restore looks there first;
+  newer commit: a restore looks there first; nor the one just committed, when
+  retention runs after a commit (LATEST stays on a newer one when a resume below it
+  commits: docs/format.md, "Pointers");
 - a snapshot whose manifest cannot be read is never deleted automatically (it is
   reported, as a reader reports it) and counts for nothing.
 
-A deletion first renames the directory to ``.tmp-deleting-<name>-<nonce>``, so that a
-crash in the middle of the (slow) recursive delete leaves a tmp dir, which no reader
-lists and the next collection removes, never a half snapshot under a committed name.
+A deletion first renames the directory to ``.tmp-deleting-<name>-<nonce>`` (the one
+un-commit, snapd/commit.py's :func:`uncommit`), so that a crash in the middle of the
+(slow) recursive delete leaves a tmp dir, which no reader lists and the next
+collection removes, never a half snapshot under a committed name.
 
 Snapshots of format v4 may read tensors from an earlier snapshot's file: before a
 snapshot is renamed away, the files of it that other committed snapshots read are
@@ -43,12 +46,14 @@ import glob
 import math
 import os
 import secrets
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from snapd import fsio, keepshared, sharing
+from snapd import keepshared, sharing
+# purge: the slow part of a delete, the commit service's (snapd/remote/parts.py
+# imports it from here too).
+from snapd.commit import purge, uncommit
 from snapd.errors import CorruptSnapshot, RunInUse
 from snapd.names import WRITER_LOCK_GLOB
 from snapd.options import Options
@@ -140,21 +145,23 @@ def scan(store: RunStore) -> Tuple[List[SnapshotInfo], List[str]]:
     return infos, refused
 
 
-def stale_parts(store: RunStore, latest: Optional[SnapshotId]) -> List[Tuple[SnapshotId, str]]:
-    """``.parts-<name>`` dirs older than ``latest`` (the snapshot LATEST names, just
-    committed): they can never complete. A rank writes its snapshots in order, so
-    when snapshot S commits globally, every rank has finished its parts before S;
-    a set still incomplete then lacks a part that will not come."""
-    if latest is None:
+def stale_parts(store: RunStore, done: Optional[SnapshotId]) -> List[Tuple[SnapshotId, str]]:
+    """``.parts-<name>`` dirs older than ``done`` (the snapshot just committed, else
+    the one LATEST names): they can never complete. A rank writes its snapshots in
+    order, so when snapshot S commits globally, every rank has finished its parts
+    before S; a set still incomplete then lacks a part that will not come. (Not
+    LATEST after a commit: it stays on a newer snapshot when a resume below it
+    commits, and the parts between are the resumed ranks' own.)"""
+    if done is None:
         return []
-    return [(sid, path) for sid, path in store.parts_dirs() if sid < latest]
+    return [(sid, path) for sid, path in store.parts_dirs() if sid < done]
 
 
-def collect_parts(store: RunStore, latest: Optional[SnapshotId]) -> Tuple[List[str], List[str]]:
+def collect_parts(store: RunStore, done: Optional[SnapshotId]) -> Tuple[List[str], List[str]]:
     """Rename the stale parts dirs out (then purged with the trash); returns their
     names and the trash paths."""
     names, trash = [], []
-    for sid, path in stale_parts(store, latest):
+    for sid, path in stale_parts(store, done):
         away = os.path.join(store.snapshots_path,
                             f"{DELETING_PREFIX}parts-{sid.name}-{secrets.token_hex(4)}")
         try:
@@ -164,26 +171,6 @@ def collect_parts(store: RunStore, latest: Optional[SnapshotId]) -> Tuple[List[s
         names.append(sid.name)
         trash.append(away)
     return names, trash
-
-
-def trash_snapshot(store: RunStore, sid: SnapshotId,
-                   marks: Optional[keepshared.Marks] = None) -> str:
-    """Un-commit a snapshot with one rename; returns the tmp dir to purge. The files
-    other committed snapshots read are kept in ``shared/`` first (snapd/keepshared.py;
-    ``marks``: the run's references when the caller has read them)."""
-    keepshared.keep_referenced(store, sid, marks)   # 1. shared files get a second name
-    trash = os.path.join(store.snapshots_path,
-                         f"{DELETING_PREFIX}{sid.name}-{secrets.token_hex(4)}")
-    os.rename(store.snapshot_path(sid), trash)   # 2. no longer a committed name
-    fsio.fsync_dir(store.snapshots_path)         # 3. the un-commit is durable first
-    keepshared.passed("trashed")
-    return trash
-
-
-def purge(paths: Iterable[str]) -> None:
-    """Remove trashed directories (slow part of a delete; safe to interrupt)."""
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def update_best(store: RunStore, infos: Sequence[SnapshotInfo], mode: str) -> None:
@@ -202,7 +189,8 @@ class RetentionResult:
     trash: List[str] = field(default_factory=list)     # tmp dirs still to purge
     refused: List[str] = field(default_factory=list)   # unreadable, left alone
     kept: List[str] = field(default_factory=list)      # what the rules keep
-    protected: List[str] = field(default_factory=list)  # kept only because LATEST names it
+    # kept only because LATEST names it (or, after a commit, it is the one committed)
+    protected: List[str] = field(default_factory=list)
     bytes: int = 0                      # freed by the deletes (gc measures it)
     incomplete: List[str] = field(default_factory=list)  # .parts- dirs removed
     # Files of the deleted snapshots that kept ones read: kept in shared/ ("S/file").
@@ -216,30 +204,33 @@ class RetentionResult:
 
 
 def apply_retention(store: RunStore, opts: Options, *, purge_now: bool = True,
-                    dry_run: bool = False, sweep: bool = False) -> RetentionResult:
+                    dry_run: bool = False, sweep: bool = False,
+                    committed: Optional[SnapshotId] = None) -> RetentionResult:
     """Delete what the rules do not keep and move BEST; returns what it did.
 
     The one entry point of retention (see the module rules). ``purge_now=False``
     leaves the renamed directories for :func:`purge`, so that a caller can report
     the commit (or measure them) before the slow recursive delete. The ``shared/``
     entries no committed snapshot reads are swept after the deletes (``sweep``: even
-    when nothing was deleted, as ``snapd gc`` does).
+    when nothing was deleted, as ``snapd gc`` does). ``committed``: the snapshot
+    whose commit this retention follows (snapd/commit.py), kept like LATEST's.
     """
     infos, refused = scan(store)
     latest = store.read_pointer("LATEST")
+    done = committed if committed is not None else latest
     plan = plan_retention(infos, keep_last=opts.keep_last, keep_every=opts.keep_every,
                           keep_best=opts.keep_best, best_mode=opts.best_mode,
-                          protect=() if latest is None else (latest,))
+                          protect={sid for sid in (latest, committed) if sid is not None})
     result = RetentionResult(deleted=[i.sid.name for i in plan.delete], refused=refused,
                              kept=[i.sid.name for i in plan.keep],
                              protected=[i.sid.name for i in plan.protected])
     marks = keepshared.mark(store) if plan.delete or sweep else {}
     if dry_run:
-        result.incomplete = [sid.name for sid, _ in stale_parts(store, latest)]
+        result.incomplete = [sid.name for sid, _ in stale_parts(store, done)]
         _plan_shared(store, plan.delete, marks, result, sweep)
         return result
     _delete(store, plan.delete, marks, result)
-    result.incomplete, parts_trash = collect_parts(store, latest)
+    result.incomplete, parts_trash = collect_parts(store, done)
     result.trash += parts_trash
     update_best(store, plan.keep, opts.best_mode)
     if plan.delete or sweep:
@@ -258,7 +249,7 @@ def _delete(store: RunStore, doomed: Sequence[SnapshotInfo], marks: keepshared.M
     time)."""
     for info in reversed(doomed):
         kept = keepshared.files_to_keep(store, info.sid, marks)
-        result.trash.append(trash_snapshot(store, info.sid, marks))
+        result.trash.append(uncommit(store, info.sid, DELETING_PREFIX, marks))
         marks.pop(info.sid.name, None)   # no longer committed: it refers to nothing
         result.kept_shared += [f"{info.sid.name}/{f}" for f in kept]
         result.kept_shared_bytes += sum(

@@ -148,6 +148,19 @@ class RunStore:
         return [os.path.join(self.snapshots_path, n) for n in names
                 if n.startswith(TMP_PREFIX)]
 
+    def discard(self, path: str, what: str) -> None:
+        """Remove ``path``, never a committed snapshot (an older attempt's part, a stray
+        entry of a parts dir): renamed to ``.tmp-<what>-<nonce>`` first, so that a crash
+        in the slow delete leaves a tmp dir to collect, never half a directory where a
+        reader or the global commit looks."""
+        away = os.path.join(self.snapshots_path,
+                            f"{TMP_PREFIX}{what}-{secrets.token_hex(4)}")
+        os.rename(path, away)
+        if stat.S_ISDIR(os.lstat(away).st_mode):
+            shutil.rmtree(away, ignore_errors=True)
+        else:
+            os.unlink(away)   # a file or a link: the entry alone
+
     def collect_tmp(self, keep: tuple = ()) -> int:
         """Remove abandoned tmp dirs (none is ever read); returns how many."""
         removed = 0

@@ -1,5 +1,5 @@
 """A module's weights read from a snapshot, keyed as its ``state_dict()``: what
-``snapd export`` writes and the output check (snapd/outputs.py) loads.
+``snapd export`` writes and the output check (snapd/outputcheck.py) loads.
 
 Which object is the module is decided from the manifest without executing anything
 it names: a ``type`` under ``torch`` is looked up in torch itself

@@ -1,10 +1,12 @@
 """One snapshot, from tensor bytes in memory to a committed directory on disk.
 
-The commit order is the invariant this module exists for; it is written once, in
-:func:`write_snapshot`, and every path that saves a snapshot calls it. The tensor bytes
-arrive as buffers (a staging arena, or CPU tensors in the synchronous path); they go
-to the file without a Python-level copy unless compressed, by direct I/O where the
-buffer and the filesystem allow (``snapd/blockfile.py``).
+Steps 1-2 of the commit order are written here (tensor files, then the manifest,
+into a private directory); steps 3-4 (the rename that commits, LATEST) are the
+commit service's :func:`snapd.commit.publish`, shared with the global commit and
+pulls. :func:`write_snapshot` is what every path that saves a snapshot calls. The
+tensor bytes arrive as buffers (a staging arena, or CPU tensors in the synchronous
+path); they go to the file without a Python-level copy unless compressed, by direct
+I/O where the buffer and the filesystem allow (``snapd/blockfile.py``).
 """
 
 from __future__ import annotations
@@ -14,36 +16,21 @@ import secrets
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import xxhash
 
 from snapd import format as fmt
-from snapd import fsio
-from snapd import globalcommit, keepshared
-from snapd import sharing
+from snapd import fsio, globalcommit, sharing
 from snapd.blockfile import BlockFile
+# CommitResult is the commit service's; writers and their callers meet it here too.
+from snapd.commit import CommitResult, Progress, move_latest, publish, uncommit
 from snapd.compression import CompressionPolicy
 from snapd.errors import CorruptSnapshot, SnapdError, SnapshotExists
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.reader import SnapshotReader, read_commit
-from snapd.store import TMP_PREFIX, RunStore, SnapshotId
-
-
-Progress = Optional[Callable[[int], None]]
-
-
-@dataclass
-class CommitResult:
-    sid: SnapshotId
-    path: str            # the committed snapshot's directory (for a part: once committed)
-    bytes_written: int
-    seconds: float
-    # False for a part of a multi-rank snapshot whose other parts are still missing:
-    # durable, but not committed (snapd/globalcommit.py).
-    complete: bool = True
+from snapd.store import DAMAGED_PREFIX, TMP_PREFIX, RunStore
 
 
 def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
@@ -196,7 +183,8 @@ def _same_snapshot_committed(store: RunStore, plan: SnapshotPlan, final: str,
     existing snapshot is kept and reported as this commit, not replaced: it is
     durable, the log's committed record may name it, a replay-exact resume computes
     the same bytes, and a directory cannot be replaced atomically (there would be a
-    window with no snapshot of this step). LATEST moves to it as after a write.
+    window with no snapshot of this step). LATEST moves to it by the rule of a write
+    (:func:`snapd.commit.move_latest`).
 
     Returns None when the directory is damaged (its manifest or a file's size does
     not check): the caller sets it aside and writes anew. Another lineage under the
@@ -217,7 +205,7 @@ def _same_snapshot_committed(store: RunStore, plan: SnapshotPlan, final: str,
             f"another history holds the name. Move it out of "
             f"{store.snapshots_path} to keep it, or snapshot under another run name",
             path=os.path.join(final, fmt.MANIFEST_NAME), field=field)
-    store.write_pointer("LATEST", plan.sid)
+    move_latest(store, plan.sid, plan.supersedes)
     size = sum(int(f.get("size", 0)) for f in manifest.get("files", {}).values())
     return CommitResult(plan.sid, final, size, time.perf_counter() - t0)
 
@@ -243,16 +231,14 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
             existing = _same_snapshot_committed(store, plan, final, t0)
             if existing is not None:
                 return existing
-        keepshared.set_aside(store, plan.sid)  # refused as damaged (at restore or here): kept, renamed
+        # Refused as damaged (at restore, or just now): set aside, kept.
+        uncommit(store, plan.sid, DAMAGED_PREFIX)
     tmp = store.new_tmp_dir(plan.sid)
     total = _write_directory(tmp, plan, opts, progress,
                              sharing.Resolver(store, avoid=plan.supersedes)
                              if opts.share_unchanged else None)
-    # 3. The tmp dir's entries durable, then the rename that commits the snapshot,
-    #    then the parent fsynced so that the rename survives a power loss.
-    fsio.publish_directory(tmp, final)
-    # 4. Only now move LATEST (atomically); it is a hint, verified on use.
-    store.write_pointer("LATEST", plan.sid)
+    # 3-4. The rename that commits, then LATEST: the commit service's, written once.
+    publish(store, tmp, plan.sid, superseded=plan.supersedes)
     return CommitResult(plan.sid, final, total, time.perf_counter() - t0)
 
 
@@ -310,7 +296,7 @@ def write_part(store: RunStore, plan: SnapshotPlan, opts: Options,
     want = {"run": plan.run, "step": plan.step, "lineage": plan.lineage,
             "world_size": plan.world_size, "session": plan.session,
             "data_version": plan.data_version}
-    complete = globalcommit.try_commit(store, sid, want)
+    complete = globalcommit.try_commit(store, sid, want, superseded=plan.supersedes)
     return CommitResult(sid, final, total, time.perf_counter() - t0, complete=complete)
 
 
@@ -326,9 +312,7 @@ def _reusable_part(store: RunStore, plan: SnapshotPlan, part: str) -> Optional[i
             return sum(f["size"] for f in manifest["files"].values())
     except (SnapdError, OSError):
         pass
-    away = os.path.join(store.snapshots_path, f"{TMP_PREFIX}old-part-{secrets.token_hex(4)}")
-    os.rename(part, away)
-    shutil.rmtree(away, ignore_errors=True)
+    store.discard(part, "old-part")
     return None
 
 
@@ -345,7 +329,7 @@ def _global_committed(store: RunStore, plan: SnapshotPlan, final: str,
             record = None
     if record is None:
         try:
-            keepshared.set_aside(store, plan.sid)
+            uncommit(store, plan.sid, DAMAGED_PREFIX)
         except FileNotFoundError:
             pass   # another rank's writer set it aside first
         return None
@@ -356,5 +340,5 @@ def _global_committed(store: RunStore, plan: SnapshotPlan, final: str,
             f"{(plan.step, plan.lineage)!r}. Move it out of {store.snapshots_path} to "
             "keep it, or snapshot under another run name",
             path=os.path.join(final, fmt.COMMIT_NAME), field="lineage")
-    store.write_pointer("LATEST", plan.sid)
+    move_latest(store, plan.sid, plan.supersedes)
     return CommitResult(plan.sid, final, int(record["bytes"]), time.perf_counter() - t0)

@@ -24,8 +24,8 @@ from snapd.errors import (
     UnsupportedState,
 )
 from snapd.options import Options
-from snapd.outputs import compare_outputs
-from snapd_client.base import Base
+from snapd.outputcheck import compare_outputs
+from snapd_client.basemodel import Base
 from snapd_client.client import Client
 from snapd_client.cursor import BatchStream
 from snapd_client.handle import CloseSummary, SnapshotHandle, SnapshotWarning

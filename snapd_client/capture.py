@@ -31,8 +31,8 @@ from snapd.format import dtype_name
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, describe, plan_tensor
 from snapd.store import SnapshotId
 from snapd_client.replicas import local_data_ptr
-from snapd_client.restore import type_name
 from snapd_client.state import flatten
+from snapd_client.values import type_name
 
 T = TypeVar("T")
 

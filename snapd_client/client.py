@@ -34,33 +34,34 @@ from snapd.commit import CommitService
 from snapd.diskguard import space_for
 from snapd.errors import InvalidOption
 from snapd.options import Options, given_daemon_options
-from snapd.recovery import RunProgress, read_progress
+from snapd.progress import RunProgress, read_progress
+from snapd.retention import apply_retention
 from snapd.runlock import RunLock
 from snapd.store import RunStore, SnapshotId
-from snapd_client.base import Base, LiveBase
+from snapd.writer import write_snapshot
+from snapd_client.basemodel import Base, LiveBase
 from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
 from snapd_client.frozen import Unchanged, frozen_flags, trainable_ptrs
-from snapd_client.distrestore import begin_reshard, restore_ranks, world_size_of
+from snapd_client.distrestore import begin_reshard, restore_ranks
 from snapd_client.fromremote import pull_newer
-from snapd_client import tracking
 from snapd_client.handle import CloseSummary, SnapshotHandle, part_of
 from snapd_client.handoff import Handoff
-from snapd_client.hot import hot_offer
+from snapd_client.hotrestore import hot_offer
 from snapd_client.staging import layout
 from snapd_client.lostdaemon import settle_writes
 from snapd_client.journal import Journal
-from snapd_client.outcomes import Outcomes
+from snapd_client.snapshot_outcomes import Outcomes
 from snapd_client.ranks import default_session, detect
 from snapd_client.replicas import with_writers
 from snapd_client.restore import Loaded, load_for_resume, load_weights
 from snapd_client.rng import RngStreams
-from snapd_client.values import Values
+from snapd_client.values import Values, track_names, track_objects, values_home
 
 MODES = ("resume", "warm_start")
 
 
-# The operator's one-line decisions (what a restore chose); snapd/logs.py prints them
+# The operator's one-line decisions (what a restore chose); snapd/stderrlog.py prints them
 # on stderr as "snapd: <message>".
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class Client:
     written, no daemon started, and snapshot()/log() are refused.
 
     ``base`` (fine-tuning): the base model the tracked modules' frozen weights are,
-    as :class:`~snapd_client.base.Base` ``(name, revision)`` (or a dict or a tuple);
+    as :class:`~snapd_client.basemodel.Base` ``(name, revision)`` (or a dict or a tuple);
     same as ``track(..., base=...)``, whose docstring says what it does.
     """
 
@@ -135,7 +136,7 @@ class Client:
         self.rng = RngStreams()
         self._tracked: Dict[str, Any] = {}
         self._unchanged = Unchanged()   # frozen leaves an earlier snapshot holds
-        # The base model and its digest over the tracked modules (snapd_client/base.py).
+        # The base model and its digest over the tracked modules (snapd_client/basemodel.py).
         self._base: Optional[LiveBase] = \
             None if base is None else LiveBase(Base.of(base), self._tracked)
         self._stream: Optional[BatchStream] = None
@@ -204,7 +205,7 @@ class Client:
         """
         if base is not None:
             self._base = LiveBase(Base.of(base), self._tracked)
-        tracking.track(self._tracked, self.rng, objects)
+        track_objects(self._tracked, self.rng, objects)
         if self._base is not None:
             self._base.forget()
             self._base.record()   # the one pass over the base's bytes, here
@@ -252,7 +253,7 @@ class Client:
         then ``loop.lr /= 4``. Tracked under ``name``; restore() assigns the saved
         values back (see snapd_client/values.py for keys added or removed since). A
         second call with the same name adds its new keys to the same object."""
-        return tracking.values_home(self._tracked, name, initial)
+        return values_home(self._tracked, name, initial)
 
     def track_globals(self, *names: str, name: str = "globals") -> "Client":
         """Track the caller's module-level variables by name: ``X``, ``best_val_loss``.
@@ -262,15 +263,15 @@ class Client:
         anything else (numbers, tensors, None, lists, or no value yet) is read at each
         snapshot and assigned back by restore(), under ``name``.
         """
-        tracking.track_names(self._tracked, self.rng, sys._getframe(1).f_globals, names,
-                             name, "track_globals")
+        track_names(self._tracked, self.rng, sys._getframe(1).f_globals, names, name,
+                    "track_globals")
         return self
 
     def track_attrs(self, obj: Any, *names: str, name: Optional[str] = None) -> "Client":
         """Like :meth:`track_globals`, for attributes of ``obj`` (a trainer's
         ``top_score``); tracked under ``name``, by default its class name, lower case."""
-        tracking.track_names(self._tracked, self.rng, vars(obj), names,
-                             name or type(obj).__name__.lower(), "track_attrs")
+        track_names(self._tracked, self.rng, vars(obj), names,
+                    name or type(obj).__name__.lower(), "track_attrs")
         return self
 
     def batches(self, loader: Iterable, *, fast_forward: str = "skip") -> BatchStream:
@@ -371,7 +372,8 @@ class Client:
                                   for t, carried in zip(capture.tensors, capture.carried)
                                   if carried)
         # The daemon's commit path, here: space check, write, tmp cleanup, retention.
-        commits = CommitService(self.store.root, self.options.min_free_bytes)
+        commits = CommitService(self.store.root, self.options.min_free_bytes,
+                                writer=write_snapshot, retain=apply_retention)
         try:
             # The plan lives for the write only: its buffers are the tensors' own bytes.
             done = commits.commit(self.store, capture.plan_in_memory(), self.options)
@@ -429,7 +431,7 @@ class Client:
             self._base.forget()      # names a base to compare with (or at the next capture)
         if mode == "warm_start":
             return self._warm_start()
-        world = world_size_of(self)
+        world = self.world_size
         if world > 1:  # every rank agrees on one snapshot (snapd_client/distrestore.py)
             loaded = restore_ranks(self, set(_omit), world)
             if loaded is None:

@@ -356,7 +356,7 @@ def check_cursor(state: Any, rng: RngStreams, *, source: str,
             rng.check(streams, source=source, prefix=f"cursor.{name}", omit=omit)
     if state["index"] and not state["epoch_rng"] and not state.get("resharded"):
         raise bad("cursor.epoch_rng", "is empty although batches were consumed")
-    for name in ("world_size", "batch_size"):   # absent from cursors before issue 14
+    for name in ("world_size", "batch_size"):   # absent from cursors before multi-rank jobs
         value = state.get(name)
         if value is not None and (type(value) is not int or value < 1):
             raise bad(f"cursor.{name}", f"is {value!r}, not a positive count")
@@ -419,7 +419,7 @@ def check_cursor_counts(state: Any) -> None:
                               path="cursor", field="cursor")
     for name, least in (("epoch", 0), ("index", 0), ("world_size", 1), ("batch_size", 1)):
         value = state.get(name)
-        if value is None and least:   # absent from cursors saved before issue 14
+        if value is None and least:   # absent from cursors saved before multi-rank jobs
             continue
         if type(value) is not int or value < least:
             raise CorruptSnapshot(f"cursor: field cursor.{name} is {value!r}, not a "

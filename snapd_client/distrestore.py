@@ -1,7 +1,7 @@
 """restore() on many ranks: every rank restores the same step, or none does.
 
 Restore runs once, at start, on every rank, so it may use collectives; they go over
-a private gloo group (snapd_client/collectives.py), as bytes. In order:
+a private gloo group (snapd_client/ranks.py), as bytes. In order:
 
 1. Refuse without an initialised process group (DistributedNotReady).
 2. Let the daemon finish this rank's writes (a snapshot handed over just before a
@@ -38,16 +38,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from snapd import format as fmt
-from snapd.errors import CorruptSnapshot, IncompatibleState, SnapdError
+from snapd.errors import (CorruptSnapshot, DistributedNotReady, IncompatibleState,
+                          SnapdError)
 from snapd.globalcommit import shard_offset
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.reader import SnapshotReader, check_name_matches
 from snapd.skeleton import unflatten
 from snapd.store import RunStore, SnapshotId
 from snapd_client import reshard
-from snapd_client.collectives import Collective
-from snapd_client.restore import (FallbackWarning, Loaded, check_candidate,
-                                  live_tensors, resume_order)
+from snapd_client.cursor import reshard_cursor
+from snapd_client.fromremote import pull_from_remote
+from snapd_client.ranks import Collective, GlooGroup
+from snapd_client.restore import (FallbackWarning, Loaded, apply, check_candidate,
+                                  live_tensors, resume_order, saved_cursor)
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,6 @@ def require_process_group(world_size: int) -> None:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         return
-    from snapd.errors import DistributedNotReady  # snapd/errors.py (issue 14, capture)
     raise DistributedNotReady(
         f"restore(): WORLD_SIZE is {world_size} but torch.distributed has no process "
         "group; every rank restores the same snapshot and agrees on it with the others, "
@@ -174,12 +176,8 @@ def prepare(parts: Parts, rank: int, world_size: int, tracked: Dict[str, Any], r
 
 
 def _reshard_cursor(own: SnapshotReader, world_size: int, stream: Any) -> Dict[str, Any]:
-    source = os.path.join(own.path, fmt.MANIFEST_NAME)
-    if not isinstance(own.manifest.get("cursor"), dict):
-        raise CorruptSnapshot(f"{source}: field cursor is missing; the data position "
-                              "cannot be restored", path=source, field="cursor")
-    from snapd_client.cursor import reshard_cursor  # issue 14, capture
-    return reshard_cursor(own.manifest["cursor"], new_world_size=world_size,
+    saved = saved_cursor(own.manifest, os.path.join(own.path, fmt.MANIFEST_NAME))
+    return reshard_cursor(saved, new_world_size=world_size,
                           new_batch_size=getattr(stream.loader, "batch_size", None))
 
 
@@ -303,29 +301,16 @@ def _stop_if_not_damage(verdicts: List[Dict[str, Any]], mine: Optional[Exception
 
 # --- the client's side ----------------------------------------------------------------
 
-def world_size_of(client: Any) -> int:
-    """The client's world size: its own (issue 14's constructor), else the process
-    group's, else env WORLD_SIZE."""
-    if getattr(client, "world_size", None):
-        return int(client.world_size)
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
 def restore_ranks(client: Any, omit: set, world_size: int) -> Optional[Loaded]:
     """Client.restore() when ``world_size`` > 1: the agreed snapshot, applied on this
     rank (None when the run has none). Sets ``client.session`` to this attempt's."""
     require_process_group(world_size)
-    from snapd.recovery import read_progress
-    from snapd_client.collectives import GlooGroup
-    from snapd_client.restore import apply
+    from snapd.progress import read_progress
     client._settle_daemon_writes()
     client.recovery = read_progress(client.store, client.rank)
     # The group is not destroyed here: see GlooGroup.
     coll = GlooGroup()
-    pulled = pull_from_remote(coll, client) if getattr(client.options, "remote", None) \
+    pulled = pull_from_remote(coll, client) if client.options.remote \
         else set()
     agreed = agree(coll,
                    lambda: plan(client.store, client.recovery.furthest,
@@ -343,81 +328,6 @@ def restore_ranks(client: Any, omit: set, world_size: int) -> Optional[Loaded]:
     apply(loaded, client._tracked, client.rng, client._stream,
           omit | ({"cursor"} if loaded.manifest["cursor"] is None else set()))
     return loaded
-
-
-# --- node-local roots: the remote commit brought down first ---------------------------
-
-def pull_from_remote(coll: Collective, client: Any) -> set:
-    """Before the agreement: rank 0 lists the remote commits and broadcasts them; the
-    lowest rank of each root (host and directory) pulls the newest one newer than its
-    root's newest local snapshot (snapd/remote/pull.py), trying older ones still newer
-    on damage; a barrier; then every root holds it, and the agreement goes on as with
-    one root. Returns the names pulled anywhere. An unreachable remote is warned of,
-    and restore goes on from the local roots."""
-    listed = json.loads(coll.broadcast_bytes(
-        _remote_listing(client) if coll.rank == 0 else None, src=0))
-    if listed.get("error"):
-        warnings.warn(f"restore(): the remote {listed['url']} could not be listed "
-                      f"({listed['error']}); resuming from the local roots only",
-                      FallbackWarning, stacklevel=4)
-    keys = coll.allgather_bytes(_root_key(client).encode())
-    mine = None
-    if keys.index(keys[coll.rank]) == coll.rank and listed.get("names"):
-        try:   # the lowest rank on this root
-            mine = _pull_newest(client, listed["names"])
-        except Exception as e:   # the others wait at the barrier: nothing escapes
-            warnings.warn(f"restore(): pulling from {listed['url']} failed ({e!r}); "
-                          "going on from the local root", FallbackWarning, stacklevel=4)
-    got = coll.allgather_bytes((mine or "").encode())   # also the barrier
-    return {g.decode() for g in got if g}
-
-
-def _remote_listing(client: Any) -> bytes:
-    from snapd.remote.layout import RemoteRoot
-    url = client.options.remote
-    try:
-        remote = RemoteRoot(url)
-        names = [sid.name for sid in reversed(remote.commits(client.store.run))]
-        return json.dumps({"url": remote.url, "names": names}).encode()
-    except Exception as e:   # sent, so that the others go on from local too
-        from snapd.remote.layout import redact
-        return json.dumps({"url": redact(str(url)), "error": f"{type(e).__name__}: {e}",
-                           "names": []}).encode()
-
-
-def _root_key(client: Any) -> str:
-    """Which ranks share a root: a node's hostname and the root's path (two nodes
-    may mount different disks at the same path)."""
-    import socket
-    return json.dumps([socket.gethostname(), client.store.root])
-
-
-def _pull_newest(client: Any, names: List[str]) -> Optional[str]:
-    """The first of ``names`` (newest first) newer than this root's newest committed
-    snapshot, pulled; None when the local one is as new, or none could be pulled."""
-    from snapd.remote.layout import RemoteRoot
-    from snapd.remote.pull import pull
-    store = client.store
-    local = store.committed()
-    remote = RemoteRoot(client.options.remote)
-    for name in names:
-        sid = SnapshotId.parse(name)
-        if sid is None or (local and sid <= local[-1]):
-            return None
-        try:
-            pull(remote, store, name,
-                 threads=getattr(client.options, "remote_upload_threads", 4))
-            logger.info(f"run {client.run}: rank {client.rank}: pulled {name} from "
-                        f"{remote.url} into {store.root}")
-            return name
-        except CorruptSnapshot as e:
-            warnings.warn(f"remote snapshot {name} is damaged ({e}); trying an older "
-                          "one", FallbackWarning, stacklevel=5)
-        except SnapdError as e:   # unreachable (RemoteUnavailable), no space
-            warnings.warn(f"remote snapshot {name} could not be pulled ({e}); going on "
-                          "from the local root", FallbackWarning, stacklevel=5)
-            return None
-    return None
 
 
 def _read_candidate(client: Any, name: str, omit: set, world_size: int) -> Loaded:

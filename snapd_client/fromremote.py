@@ -1,13 +1,14 @@
 """Restore on a new node: the remote tier's newer snapshots brought down first.
 
-With ``Options.remote`` set, restore() (one rank) asks the remote root for its
-commits before it chooses a snapshot. The newest remote commit newer than the newest
-local committed snapshot is pulled (snapd/remote/pull.py: every checksum verified,
-committed locally by the same rename, LATEST moved to it); restore then takes it
-through the usual order, LATEST first. A damaged remote snapshot is warned of and
-the next older remote commit that is still newer than the local ones is tried. A
-remote that cannot be reached is warned of, and restore goes on from the local disk:
-a lost network never stops a job that has what it needs on the node.
+With ``Options.remote`` set, restore() of one rank (:func:`pull_newer`) asks the remote
+root for its commits before it chooses a snapshot. The newest remote commit newer
+than the newest local committed snapshot is pulled (snapd/remote/pull.py: every
+checksum verified, committed locally by the same rename, LATEST moved to it);
+restore then takes it through the usual order, LATEST first. A damaged remote
+snapshot is warned of and the next older remote commit that is still newer than the
+local ones is tried. A remote that cannot be reached is warned of, and restore goes on
+from the local disk: a lost network never stops a job that has what it needs on the
+node.
 
 The replicated state log is brought down too when the local log of this rank has no
 segment, before the log is read: recovery planning and the replay check then see
@@ -18,16 +19,23 @@ store that accepts connections and never answers costs restore that many seconds
 and one RemoteWarning, not botocore's minute and more, and the pull it leaves
 behind can no longer commit a snapshot or move a log segment into the root. A pull
 whose bytes keep arriving is not cut off: the bound is on silence.
+
+A job of many ranks (:func:`pull_from_remote`, before their agreement on one
+snapshot, snapd_client/distrestore.py) pulls on the lowest rank of each node-local
+root, and warns with FallbackWarning: every rank then agrees as with one root.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
-from snapd.errors import CorruptSnapshot, InsufficientSpace, RemoteUnavailable
+from snapd.errors import CorruptSnapshot, InsufficientSpace, RemoteUnavailable, SnapdError
 from snapd.store import RunStore, SnapshotId
+from snapd_client.ranks import Collective
+from snapd_client.restore import FallbackWarning
 
 if TYPE_CHECKING:   # the remote modules are imported only when a remote is set
     from snapd.remote.deadline import Deadline
@@ -133,3 +141,78 @@ class _Pull:
 
 def _warn(message: str) -> None:
     warnings.warn(message, RemoteWarning, stacklevel=4)
+
+
+# --- many ranks on node-local roots: the remote commit brought down onto each root ----
+
+def pull_from_remote(coll: Collective, client: Any) -> set:
+    """Before the agreement: rank 0 lists the remote commits and broadcasts them; the
+    lowest rank of each root (host and directory) pulls the newest one newer than its
+    root's newest local snapshot (snapd/remote/pull.py), trying older ones still newer
+    on damage; a barrier; then every root holds it, and the agreement goes on as with
+    one root. Returns the names pulled anywhere. An unreachable remote is warned of,
+    and restore goes on from the local roots."""
+    listed = json.loads(coll.broadcast_bytes(
+        _remote_listing(client) if coll.rank == 0 else None, src=0))
+    if listed.get("error"):
+        warnings.warn(f"restore(): the remote {listed['url']} could not be listed "
+                      f"({listed['error']}); resuming from the local roots only",
+                      FallbackWarning, stacklevel=4)
+    keys = coll.allgather_bytes(_root_key(client).encode())
+    mine = None
+    if keys.index(keys[coll.rank]) == coll.rank and listed.get("names"):
+        try:   # the lowest rank on this root
+            mine = _pull_newest(client, listed["names"])
+        except Exception as e:   # the others wait at the barrier: nothing escapes
+            warnings.warn(f"restore(): pulling from {listed['url']} failed ({e!r}); "
+                          "going on from the local root", FallbackWarning, stacklevel=4)
+    got = coll.allgather_bytes((mine or "").encode())   # also the barrier
+    return {g.decode() for g in got if g}
+
+
+def _remote_listing(client: Any) -> bytes:
+    from snapd.remote.layout import RemoteRoot
+    url = client.options.remote
+    try:
+        remote = RemoteRoot(url)
+        names = [sid.name for sid in reversed(remote.commits(client.store.run))]
+        return json.dumps({"url": remote.url, "names": names}).encode()
+    except Exception as e:   # sent, so that the others go on from local too
+        from snapd.remote.layout import redact
+        return json.dumps({"url": redact(str(url)), "error": f"{type(e).__name__}: {e}",
+                           "names": []}).encode()
+
+
+def _root_key(client: Any) -> str:
+    """Which ranks share a root: a node's hostname and the root's path (two nodes
+    may mount different disks at the same path)."""
+    import socket
+    return json.dumps([socket.gethostname(), client.store.root])
+
+
+def _pull_newest(client: Any, names: List[str]) -> Optional[str]:
+    """The first of ``names`` (newest first) newer than this root's newest committed
+    snapshot, pulled; None when the local one is as new, or none could be pulled."""
+    from snapd.remote.layout import RemoteRoot
+    from snapd.remote.pull import pull
+    store = client.store
+    local = store.committed()
+    remote = RemoteRoot(client.options.remote)
+    for name in names:
+        sid = SnapshotId.parse(name)
+        if sid is None or (local and sid <= local[-1]):
+            return None
+        try:
+            pull(remote, store, name,
+                 threads=client.options.remote_upload_threads)
+            logger.info(f"run {client.run}: rank {client.rank}: pulled {name} from "
+                        f"{remote.url} into {store.root}")
+            return name
+        except CorruptSnapshot as e:
+            warnings.warn(f"remote snapshot {name} is damaged ({e}); trying an older "
+                          "one", FallbackWarning, stacklevel=5)
+        except SnapdError as e:   # unreachable (RemoteUnavailable), no space
+            warnings.warn(f"remote snapshot {name} could not be pulled ({e}); going on "
+                          "from the local root", FallbackWarning, stacklevel=5)
+            return None
+    return None

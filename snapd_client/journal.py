@@ -43,7 +43,7 @@ from typing import Any, Dict, Optional
 from snapd.errors import InsufficientSpace, ReplayDivergence
 from snapd.logwriter import LogWriter
 from snapd.options import Options
-from snapd.recovery import expected_steps
+from snapd.progress import expected_steps
 from snapd.store import RunStore
 from snapd_client.rng import RngStreams
 

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from snapd.errors import CorruptSnapshot
+from snapd_client.replicas import is_dtensor
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offset, shape) in the global tensor
 _OPTIMIZER_STATE = re.compile(r"^\.state\.(\d+)\.")
@@ -87,14 +88,6 @@ def _numel(shape: Sequence[int]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed support
-        return False
-    return isinstance(t, DTensor)
 
 
 def local_box(template: Any) -> Box:

@@ -44,11 +44,11 @@ from snapd.format import dtype_name
 from snapd.reader import SnapshotReader, check_name_matches
 from snapd.skeleton import unflatten
 from snapd.store import RunStore, SnapshotId
-from snapd_client.base import LiveBase, check_same_base
+from snapd_client.basemodel import LiveBase, check_same_base
 from snapd_client.cursor import check_cursor
 from snapd_client.rng import RngStreams
 from snapd_client.state import flatten, tensor_meta
-from snapd_client.values import TrackedTensor, ValueHome
+from snapd_client.values import TrackedTensor, ValueHome, type_name
 
 
 # Tensors of one object from elsewhere than the files (the daemon's hot copy), or
@@ -146,11 +146,6 @@ class Before:
             except Exception:
                 failed.append("cursor")
         return failed
-
-
-def type_name(obj: Any) -> str:
-    cls = type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def candidates(store: RunStore) -> List[SnapshotId]:
@@ -286,11 +281,12 @@ def _destinations(live: Dict[str, torch.Tensor]
                   ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
     """Where the reader may put each tensor: the live CPU tensor itself, or for a live
     CUDA tensor a page-locked host buffer (copied to the device once every object
-    verified). The reader uses a destination only where dtype and shape match."""
+    verified). The reader uses a destination only where it fits (snapd/reader.py,
+    ``destination``): a CUDA tensor that requires grad is not written either."""
     into, device = {}, {}
     for path, t in live.items():
         if type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cuda" \
-                and t.is_contiguous():
+                and t.is_contiguous() and not t.requires_grad:
             into[path] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             device[path] = t
         else:
@@ -374,20 +370,24 @@ def rng_omitted(omit: Iterable[str]) -> List[str]:
     return [o.split(":", 1)[1] for o in omit if o.startswith("rng:")]
 
 
+def saved_cursor(manifest: Dict[str, Any], source: str) -> Dict[str, Any]:
+    """The snapshot's data cursor, which a resume with a batch stream needs."""
+    if not isinstance(manifest.get("cursor"), dict):
+        raise CorruptSnapshot(f"{source}: field cursor is missing; the data position "
+                              "cannot be restored", path=source, field="cursor")
+    return manifest["cursor"]
+
+
 def check_candidate(reader: SnapshotReader, tracked: Dict[str, Any], rng: RngStreams,
                      *, data_version: Optional[str], need_cursor: bool,
                      omit: Iterable[str] = (), base: Optional[LiveBase] = None) -> None:
     """Every check that needs no tensor: nothing live is touched yet. ``base``: the
-    client's base model, whose digest the snapshot's must equal (snapd_client/base.py)."""
+    client's base model, whose digest the snapshot's must equal (snapd_client/basemodel.py)."""
     source = os.path.join(reader.path, "manifest.snapd")
     check_name_matches(reader.path, reader.manifest)
     rng.check(reader.manifest["rng"], source=source, omit=rng_omitted(omit))
     if need_cursor:
-        if not isinstance(reader.manifest.get("cursor"), dict):
-            raise CorruptSnapshot(f"{source}: field cursor is missing; the data "
-                                  "position cannot be restored", path=source,
-                                  field="cursor")
-        check_cursor(reader.manifest["cursor"], rng, source=source,
+        check_cursor(saved_cursor(reader.manifest, source), rng, source=source,
                      omit=rng_omitted(omit))
     check_fit(reader.manifest, tracked, source=source, data_version=data_version)
     check_same_base(reader.manifest, base, source)

@@ -1,4 +1,13 @@
-"""Loop values, tensors and globals: state that lives outside any ``state_dict()``.
+"""What a client tracks, by name: the rules behind ``Client.track()``, ``values()``,
+``track_globals()`` and ``track_attrs()``, and the adapters for loop values, tensors
+and globals, state that lives outside any ``state_dict()``.
+
+A client keeps one dict, name -> what is captured under that name: an object with
+state_dict()/load_state_dict() as it is, anything else through an adapter below
+(restored in place, or assigned back by name). Generators are not in that dict: they
+join the client's RNG streams. :func:`track_objects`, :func:`values_home` and
+:func:`track_names` fill the dict and refuse what could not be restored; the
+Client's methods are thin over them.
 
 A training script keeps state no object owns: a prefetched batch, ``best_val_loss``,
 an annealed ``lr``, a recurrent ``hidden`` carried across batches. snapd tracks
@@ -33,13 +42,16 @@ restored into a name that holds none stays on the CPU.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 
-from snapd.errors import IncompatibleState, UnsupportedState
+from snapd.errors import IncompatibleState, InvalidOption, UnsupportedState
+from snapd_client.rng import RngStreams
 
 _PLAIN = (type(None), bool, int, float, str, bytes)
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
 class ValueHome:
@@ -183,8 +195,83 @@ def adapt(name: str, obj: Any) -> Any:
             f"(the script's variable would keep its old value). Keep it in "
             f"`loop = ckpt.values({name}=...)` and use loop.{name}, or, for a module-level "
             f"variable, ckpt.track_globals({name!r})", field=name)
-    cls = type(obj)
     raise UnsupportedState(
-        f"track({name}=...): a {cls.__module__}.{cls.__qualname__} has no "
+        f"track({name}=...): a {type_name(obj)} has no "
         "state_dict()/load_state_dict(); give it both, or track the plain values it "
         "holds with ckpt.values(...) or ckpt.track_attrs(obj, ...)", field=name)
+
+
+def type_name(obj: Any) -> str:
+    """The type a snapshot records an object under, and restore checks it against."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# --- the tracked dict: what each name is captured as, and which names are refused ---
+
+def check_name(name: str, caller: str) -> None:
+    """Names become keys of the snapshot's objects: identifiers only."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidOption(f"{caller}: {name!r} is not an identifier; use letters, "
+                            "digits and _, not starting with a digit (at most 64)",
+                            field=str(name))
+
+
+def _has_state(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and \
+        callable(getattr(obj, "load_state_dict", None))
+
+
+def track_objects(tracked: Dict[str, Any], rng: RngStreams,
+                  objects: Dict[str, Any]) -> None:
+    """``Client.track(**objects)``: see its docstring. ``None`` values are ignored."""
+    for name, obj in objects.items():
+        if obj is None:
+            continue
+        if not _NAME.match(name):
+            raise InvalidOption(f"track({name}=...): names must be identifiers",
+                                field=name)
+        if isinstance(obj, torch.Generator):
+            rng.add_generator(name, obj)
+        elif _has_state(obj):
+            tracked[name] = obj
+        else:
+            tracked[name] = adapt(name, obj)
+
+
+def values_home(tracked: Dict[str, Any], name: str, initial: Dict[str, Any]) -> Values:
+    """``Client.values()``: the Values tracked under ``name``, created at first use; a
+    second call adds its new keys to the same object."""
+    home = tracked.get(name)
+    if home is None:
+        check_name(name, "values")
+        home = tracked[name] = Values()
+    elif not isinstance(home, Values):
+        raise InvalidOption(f"values(name={name!r}): {name!r} already tracks a "
+                            f"{type_name(home)}; choose another name", field=name)
+    home.set_defaults(initial)
+    return home
+
+
+def track_names(tracked: Dict[str, Any], rng: RngStreams, namespace: Dict[str, Any],
+                names: Iterable[str], home_name: str, caller: str) -> None:
+    """``track_globals()``/``track_attrs()``: each name tracked as what it holds now,
+    an object with state by itself, anything else read from ``namespace`` at each
+    snapshot under ``home_name``."""
+    plain = []
+    for n in names:
+        check_name(n, caller)
+        value = namespace.get(n)
+        if isinstance(value, torch.Generator) or _has_state(value):
+            track_objects(tracked, rng, {n: value})
+        else:
+            plain.append(n)
+    home = tracked.get(home_name)
+    if home is None:
+        check_name(home_name, caller)
+        tracked[home_name] = Names(namespace, plain)
+    elif type(home) is Names and home.namespace is namespace:
+        home.add(plain)
+    else:
+        raise InvalidOption(f"{caller}(name={home_name!r}): {home_name!r} already "
+                            "tracks something else; pass another name=", field=home_name)

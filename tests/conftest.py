@@ -20,7 +20,7 @@ import tempfile
 
 import pytest
 
-from helpers import stop_daemons_under
+from helpers import million_record_log, stop_daemons_under
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -141,3 +141,11 @@ def root(tmp_path):
     path = tmp_path / "root"
     path.mkdir()
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def million_log(tmp_path_factory):
+    """A RunStore whose log holds a million step records (helpers.million_record_log):
+    built once, for the tests of bounded reads in test_statelog and test_recovery.
+    Read only: a test that damages it works on a copy."""
+    return million_record_log(str(tmp_path_factory.mktemp("million")))

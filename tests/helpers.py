@@ -13,13 +13,19 @@ import shutil
 import signal
 import threading
 import time
+from io import StringIO
 
 import psutil
+import torch
+from rich.console import Console
 
 from snapd import format as fmt
+from snapd.logwriter import LogWriter
 from snapd.names import ROOT_LOCK_NAME
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
-from snapd_client.capture import tensor_bytes
+from snapd.store import RunStore
+from snapd_client import Client
+from snapd_client.capture import Capture, CapturedObject, tensor_bytes
 from snapd_client.state import flatten
 
 
@@ -39,6 +45,12 @@ def wait_until(cond, timeout: float, what: str, interval: float = 0.05) -> None:
     """``wait_for``, failing the test with ``what`` it waited for."""
     assert wait_for(cond, timeout, interval), f"timed out waiting for {what}"
 
+
+def text_of(renderable, width: int = 100) -> str:
+    """What rich prints of ``renderable`` on a plain terminal ``width`` columns wide."""
+    out = StringIO()
+    Console(file=out, width=width, force_terminal=False, color_system=None).print(renderable)
+    return out.getvalue()
 
 def exited(proc: psutil.Process) -> bool:
     """The process has exited: it is gone, or a zombie not reaped yet. A daemon the
@@ -134,9 +146,29 @@ def plan_for(state, step: int = 1, name: str = "model",
                         [ObjectPlan(name, "x.Y", flat.skeleton, tensors)], {"python": b"s"})
 
 
+def client_descriptor(states: dict, offsets: list, *, run: str = "r", step: int = 1,
+                      lineage: dict | None = None, rng: dict | None = None,
+                      metric: float | None = None, rank: int = 0, world_size: int = 1,
+                      type_name: str = "T") -> dict:
+    """The descriptor a client submits for ``states`` (object name -> state dict)
+    staged at ``offsets`` (one per tensor leaf, objects in order), made by the
+    client's own encoder (``Capture.descriptor``): what the daemon really receives."""
+    objects = []
+    for name, state in states.items():
+        flat = flatten(state, name)
+        objects.append(CapturedObject(name, type_name, flat.skeleton, None,
+                                      tuple(flat.paths), tuple(flat.tensors),
+                                      (False,) * len(flat.paths)))
+    capture = Capture(run=run, step=step, rank=rank,
+                      lineage=lineage or {"id": 0, "mode": "fresh", "parent": None},
+                      data_version=None, metric=metric, rng=rng or {}, cursor=None,
+                      objects=tuple(objects), world_size=world_size)
+    return capture.descriptor(offsets)
+
+
 class ThreadCollective:
     """A fake collective of threads, one per rank, meeting at a barrier: the bytes
-    collectives of snapd_client/collectives.py, for restore's agreement in-process."""
+    collectives of snapd_client/ranks.py, for restore's agreement in-process."""
 
     def __init__(self, world):
         self.world, self.barrier = world, threading.Barrier(world, timeout=20)
@@ -187,3 +219,92 @@ def fill(directory: str) -> str:
                 if e.errno != errno.ENOSPC:
                     raise
     return filler
+
+
+# --- a real run's state log, to damage -------------------------------------------------
+
+def train_logged_run(root: str, steps: int = 30, every: int = 10) -> None:
+    """A real Client's run with a log over several small segments (4 KiB each): a
+    step record per step, a snapshot every ``every`` steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    client = Client(root, "r", daemon=False, log_segment_bytes=4096)
+    client.track(model=model, optimizer=opt)
+    for step in range(1, steps + 1):
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        client.log(step, loss=loss.item())
+        if step % every == 0:
+            client.snapshot(step).wait()
+    client.close()  # seals the segment: every byte is fsynced, behind a sync mark
+
+
+def put_back_log(run_path: str, segments: dict, damaged: str, data: bytes) -> None:
+    """Rank 0's log as the run left it (``segments``: name -> bytes), with segment
+    ``damaged`` replaced by ``data``."""
+    log_dir = os.path.join(run_path, "log", "rank-00000")
+    shutil.rmtree(log_dir)
+    os.mkdir(log_dir)
+    for name, raw in segments.items():
+        with open(os.path.join(log_dir, name), "wb") as f:
+            f.write(data if name == damaged else raw)
+
+
+# --- a million-record state log ----------------------------------------------------------
+
+LOGGED_RNG = {"python": 1, "numpy": 2, "torch": 3, "gen:loader": 4}
+
+
+def logged_step(step: int) -> dict:
+    """The step record of ``million_record_log``: 0.01 s of training per step."""
+    return {"kind": "step", "step": step, "time": 1000.0 + step * 0.01,
+            "cursor": [step // 500, step % 500], "rng": dict(LOGGED_RNG),
+            "scalars": {"loss": 1.0 / (step + 1)}}
+
+
+def logged_commit(step: int) -> dict:
+    """The commit record of ``million_record_log`` (with a torch RNG state's size)."""
+    return {"kind": "snapshot", "event": "committed", "step": step,
+            "time": 1000.0 + step * 0.01, "name": f"{step:08d}",
+            "rng": {"torch": b"\0" * 5056}, "cursor": {"epoch": 0}}
+
+
+def million_record_log(root: str) -> RunStore:
+    """Run "big" of ``root``: rank 0's log holds steps 1..1,000,000 and a commit every
+    1000 steps but the last (~120 MiB over four 32 MiB segments). Written with one
+    write per segment and no fsync: building it is the cost, not reading it."""
+    store = RunStore(root, "big")
+    store.ensure()
+
+    def records():
+        for step in range(1, 1_000_001):
+            yield logged_step(step)
+            if step % 1000 == 0 and step < 1_000_000:
+                yield logged_commit(step)
+
+    with LogWriter(store.path, 0, segment_bytes=32 << 20, flush_interval=None,
+                   fsync=lambda fd: None) as writer:
+        assert writer.append_many(records()) == 1_000_999
+    return store
+
+
+def small_model_and_opt():
+    """A small MLP and its AdamW (moments to restore), the same on every call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 3))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def small_train_step(model, opt, step: int) -> float:
+    """One update on step ``step``'s own batch (drawn from a generator seeded by it)."""
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g)
+    loss = ((model(x) - y) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()

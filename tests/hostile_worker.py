@@ -1,6 +1,7 @@
-"""Runs hostile cases for tests/test_hostile.py in a process of its own: a restore by
-a new trainer, then the operator commands. One JSON line per case, flushed as each
-ends, so that a crash or a hang is charged to the case that caused it.
+"""Runs hostile cases for tests/integration/test_hostile_processes.py in a process of
+its own: a restore by a new trainer, then the operator commands. One JSON line per
+case, flushed as each ends, so that a crash or a hang is charged to the case that
+caused it. The run they damage is ``train``'s (shared with tests/test_hostile.py).
 
 Usage: python hostile_worker.py ROOT:COMMANDS [ROOT:COMMANDS ...], where COMMANDS
 is "all" (restore and every command), "cli" or "restore".
@@ -24,6 +25,27 @@ def build(seed: int = 0):
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     loader = torch.utils.data.DataLoader(list(range(64)), batch_size=4, shuffle=True)
     return model, opt, loader
+
+
+def train(root: str) -> None:
+    """One real run: a model, AdamW and a data cursor; snapshots at steps 1 and 2."""
+    from snapd_client import Client   # as restore() does: imported where it is used
+
+    model, opt, loader = build()
+    client = Client(root, RUN, data_version="v1", daemon=False)
+    client.track(model=model, optimizer=opt)
+    batches = client.batches(loader)
+    for step in (1, 2):
+        x = next(batches).float().reshape(-1, 1).expand(-1, 8)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        client.snapshot(step).wait()
+    client.close()
+
+
+def snap(root: str, name: str = "00000002") -> str:
+    return os.path.join(root, RUN, "snapshots", name)
 
 
 def restore(root: str) -> dict:

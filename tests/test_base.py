@@ -11,7 +11,7 @@ import torch
 from snapd import format as fmt
 from snapd.errors import IncompatibleState
 from snapd_client import Base, Client
-from snapd_client.base import base_digest, frozen_leaves
+from snapd_client.basemodel import base_digest, frozen_leaves
 
 import lora_head as lora
 from helpers import read_manifest

@@ -1,5 +1,5 @@
-"""scripts/bench_ranks.py's arithmetic and its section of docs/benchmarks.md (no job is
-started: the per-rank figures are given)."""
+"""scripts/bench_ranks.py's arithmetic (no job is started: the per-rank figures are
+given)."""
 
 import os
 import sys
@@ -31,16 +31,3 @@ def test_summary_is_the_median_rank_and_the_slowest_rank():
     # 11.0 - 10.0 and 21.4 - 20.0, median of the two
     assert s["job_commit_s"] == pytest.approx((1.0 + 1.4) / 2)
     assert s["disk_bytes"] == 123 and s["part_bytes"] == [50, 48, 2]
-
-
-def test_section_replaces_its_own_and_keeps_the_others(tmp_path):
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n\n## Snapshots: stall, durability, memory, restore "
-                   "(scripts/bench.py)\n\nsingle\n\n## Many ranks (scripts/bench_ranks.py)"
-                   "\n\nold figures\n\n## State log (scripts/bench_log.py)\n\nlog\n")
-    bench_ranks.write_doc(str(doc), bench_ranks.SECTION + "\n\nnew figures\n",
-                          heading=bench_ranks.SECTION)
-    text = doc.read_text()
-    assert "old figures" not in text and "new figures" in text
-    assert "single" in text and "log" in text
-    assert text.index("new figures") < text.index("## State log")

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from snapd import liveview
 from snapd.cli import main
 from snapd.logwriter import LogWriter
-from snapd.recovery import read_progress
+from snapd.progress import read_progress
 from snapd.store import RunStore, SnapshotId
-from snapd.text import count
+from snapd.humanize import count
 from snapd_client import Client
 
 LONG_RUN = "a-run-name-long-enough-that-eighty-columns-would-cut-it-" + "x" * 30

@@ -8,6 +8,7 @@ event, and the snapshot on disk must stay intact.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import shutil
@@ -24,13 +25,15 @@ from snapd.daemon import Daemon
 from snapd.errors import InsufficientSpace, SnapshotExists, SnapshotFailed
 from snapd.format import MANIFEST_NAME, dtype_name
 from snapd.options import Options
-from snapd.plan import (ObjectPlan, SnapshotPlan, TensorSource, from_descriptor,
-                        to_descriptor)
+from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, from_descriptor
 from snapd.reader import SnapshotReader
+from snapd.retention import apply_retention
 from snapd.server import Submission
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import write_snapshot
 from snapd_client import Client
+
+from helpers import client_descriptor
 
 SLOT = 4096
 DATA = torch.arange(8, dtype=torch.float32)
@@ -86,7 +89,7 @@ def submission(shm, step: int, sink: Sink, opts: Options = Options(),
     arena.acquire(0)
     view = arena.slot_view(0)
     view[:32] = DATA.numpy().tobytes()
-    desc = to_descriptor(plan(step), [[0]])
+    desc = client_descriptor({"model": {"w": DATA}}, [0], step=step)
     return Submission(sink, arena, 0, view, from_descriptor(desc, view), desc, opts)
 
 
@@ -202,7 +205,7 @@ def test_enospc_part_way_is_insufficient_space_and_leaves_no_tmp_dir(root):
             f.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device", tmp)
 
-    service = CommitService(root, 0, writer=fills_the_disk)
+    service = CommitService(root, 0, writer=fills_the_disk, retain=apply_retention)
     with pytest.raises(InsufficientSpace, match="filled up") as failure:
         service.commit(RunStore(root, "r"), plan(4), Options())
     assert root in str(failure.value) and failure.value.path.startswith(root)
@@ -250,14 +253,15 @@ def test_gc_and_the_daemon_keep_the_same_snapshots_and_never_latest(tmp_path, sh
         shutil.copytree(base, tmp_path / name)
         roots.append(str(tmp_path / name))
     opts = Options(keep_last=1, keep_best=1)
-    # The daemon commits step 3 again (a resume below it): the existing snapshot is
-    # kept and LATEST moves back to it, behind step 5.
+    # LATEST names step 3, behind step 5 (a crash left it there). The daemon commits
+    # step 3 again (a resume from it): the existing snapshot is kept, LATEST stays.
+    for r in roots:
+        RunStore(r, "r").write_pointer("LATEST", SnapshotId(0, 3))
     d = daemon(roots[0], shm)
     sink = Sink()
     d._write(submission(shm, 3, sink, opts))
     assert isinstance(sink.events[0], p.Committed) and sink.events[0].name == "00000003"
     d.hot_cache.close()
-    RunStore(roots[1], "r").write_pointer("LATEST", SnapshotId(0, 3))
     out = CliRunner().invoke(cli, ["gc", "--root", roots[1], "--keep-last", "1",
                                    "--keep-best", "1"])
     assert out.exit_code == 0, out.output
@@ -267,3 +271,49 @@ def test_gc_and_the_daemon_keep_the_same_snapshots_and_never_latest(tmp_path, sh
     for r in roots:
         assert RunStore(r, "r").read_pointer("LATEST") == SnapshotId(0, 3)
         assert RunStore(r, "r").read_pointer("BEST") == SnapshotId(0, 1)
+
+
+# --- LATEST: one rule for every commit (docs/format.md, "Pointers") -----------------
+
+def latest(root: str) -> SnapshotId:
+    return RunStore(root, "r").read_pointer("LATEST")
+
+
+def test_latest_only_moves_forward_in_lineage_then_step_order(root):
+    store = RunStore(root, "r")
+    for step in (2, 5):
+        write_snapshot(store, plan(step), Options())
+    write_snapshot(store, plan(2), Options())   # a resume below 5 saves step 2 again
+    write_snapshot(store, plan(3), Options())   # and a new step below 5
+    assert store.committed() == [SnapshotId(0, 2), SnapshotId(0, 3), SnapshotId(0, 5)]
+    assert latest(root) == SnapshotId(0, 5)
+    write_snapshot(store, plan(1, lineage=1), Options())   # a warm start forks
+    assert latest(root) == SnapshotId(1, 1)
+
+
+def test_latest_moves_back_from_a_snapshot_the_restore_refused_or_one_gone(root):
+    store = RunStore(root, "r")
+    for step in (2, 5):
+        write_snapshot(store, plan(step), Options())
+    # The trainer's restore refused step 5 as damaged and resumed from step 2.
+    write_snapshot(store, dataclasses.replace(plan(3), supersedes=("00000005",)),
+                   Options())
+    assert latest(root) == SnapshotId(0, 3)
+    store.write_pointer("LATEST", SnapshotId(0, 7))   # names no committed snapshot
+    write_snapshot(store, plan(4), Options())
+    assert latest(root) == SnapshotId(0, 4)
+
+
+def test_the_daemon_committing_a_step_below_latest_leaves_latest_and_keeps_both(root,
+                                                                                shm):
+    store = RunStore(root, "r")
+    for step in (1, 3, 5):
+        write_snapshot(store, plan(step), Options())
+    d = daemon(root, shm)
+    sink = Sink()
+    d._write(submission(shm, 3, sink, Options(keep_last=1)))   # a resume below 5
+    d.hot_cache.close()
+    assert isinstance(sink.events[0], p.Committed) and sink.events[0].name == "00000003"
+    assert latest(root) == SnapshotId(0, 5)
+    # Retention after the commit keeps the newest and the one just committed.
+    assert store.committed() == [SnapshotId(0, 3), SnapshotId(0, 5)]

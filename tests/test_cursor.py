@@ -129,13 +129,17 @@ def resume(snap, order="rng_first", **build_kw):
     return stream, rng
 
 
+# A loader with workers forks its worker processes: those cases run in the
+# integration lane, with every process-starting test (the 0-worker cases stay here).
+FORKS = pytest.mark.integration
+
 ENDLESS = [
     pytest.param(dict(kind="plain", noisy=True), id="plain-0w"),
     pytest.param(dict(kind="plain", noisy=True, generator=True), id="plain-0w-gen"),
-    pytest.param(dict(kind="plain", workers=2), id="plain-2w"),
-    pytest.param(dict(kind="plain", workers=2, generator=True), id="plain-2w-gen"),
+    pytest.param(dict(kind="plain", workers=2), id="plain-2w", marks=FORKS),
+    pytest.param(dict(kind="plain", workers=2, generator=True), id="plain-2w-gen", marks=FORKS),
     pytest.param(dict(kind="stateful", noisy=True), id="stateful-0w"),
-    pytest.param(dict(kind="stateful", workers=2), id="stateful-2w"),
+    pytest.param(dict(kind="stateful", workers=2), id="stateful-2w", marks=FORKS),
     pytest.param(dict(kind="plain", noisy=True, fast_forward="replay"), id="plain-0w-replay"),
     pytest.param(dict(kind="stateful", noisy=True, fast_forward="replay"), id="stateful-0w-replay"),
     pytest.param(dict(kind="iterable"), id="iterable-dataset"),
@@ -200,10 +204,12 @@ def run_drop_in(stream, rng, snap_after=()):
 
 DROP_IN = [
     pytest.param(dict(kind="plain", noisy=True), id="plain-0w"),
-    pytest.param(dict(kind="plain", workers=2, persistent=True), id="plain-2w-persistent"),
+    pytest.param(dict(kind="plain", workers=2, persistent=True), id="plain-2w-persistent",
+                 marks=FORKS),
     pytest.param(dict(kind="plain", workers=2, persistent=True, generator=True),
-                 id="plain-2w-persistent-gen"),
-    pytest.param(dict(kind="stateful", workers=2, persistent=True), id="stateful-2w-persistent"),
+                 id="plain-2w-persistent-gen", marks=FORKS),
+    pytest.param(dict(kind="stateful", workers=2, persistent=True), id="stateful-2w-persistent",
+                 marks=FORKS),
 ]
 
 
@@ -230,6 +236,7 @@ def test_skip_positions_without_fetching():
     assert again.loader.dataset.calls == BATCH
 
 
+@FORKS
 def test_replay_is_exact_when_workers_draw_and_skip_is_not():
     kw = dict(kind="plain", workers=2, noisy=True)
     stream, rng = build(seed=0, **kw)
@@ -301,8 +308,10 @@ def test_len_is_the_loaders():
 
 @pytest.mark.parametrize("loader_kw", [
     pytest.param(dict(kind="plain", noisy=True), id="plain-0w"),
-    pytest.param(dict(kind="plain", workers=2, persistent=True), id="plain-2w-persistent"),
-    pytest.param(dict(kind="stateful", workers=2, persistent=True), id="stateful-2w-persistent"),
+    pytest.param(dict(kind="plain", workers=2, persistent=True), id="plain-2w-persistent",
+                 marks=FORKS),
+    pytest.param(dict(kind="stateful", workers=2, persistent=True), id="stateful-2w-persistent",
+                 marks=FORKS),
 ])
 def test_load_on_a_used_stream_rewinds(loader_kw):
     # load() drops the live iterator (and its workers) whatever the stream has done since.

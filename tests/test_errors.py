@@ -281,10 +281,10 @@ def test_commands_read_snapd_root_only_through_given_root():
 # --- user input refused as errors of the tree, naming the field ----------------------
 
 def test_argument_errors_name_their_field():
-    from snapd.outputs import largest_difference
+    from snapd.outputcheck import largest_difference
     from snapd.store import check_run_name
-    from snapd_client.base import Base
-    from snapd_client.tracking import check_name
+    from snapd_client.basemodel import Base
+    from snapd_client.values import check_name
     from snapd_client.values import adapt
     cases = [
         (lambda: check_run_name("../up"), InvalidOption, "run"),

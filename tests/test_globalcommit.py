@@ -137,7 +137,7 @@ def test_a_damaged_tensor_file_fails_verify(store):
 
 
 def test_retention_after_a_global_commit_removes_older_incomplete_parts(store):
-    commits = CommitService(store.root, 0)
+    commits = CommitService(store.root, 0, writer=write_snapshot, retain=apply_retention)
     commits.commit(store, part(0, step=5), Options()).purge()   # rank 1 never sends 5
     commits.commit(store, part(0, step=10), Options()).purge()
     assert [sid.step for sid, _ in store.parts_dirs()] == [5, 10]   # no commit yet
@@ -154,6 +154,28 @@ def test_a_part_for_a_committed_snapshot_keeps_it(store):
     again = write_snapshot(store, part(1, session="later"), Options())
     assert again.complete and store.parts_dirs() == []
     assert GlobalSnapshot(again.path).record["session"] == "s"
+
+
+def test_a_global_commit_below_latest_leaves_latest(store):
+    for step in (10, 5):   # step 5 completes after 10 (a resume below it)
+        for rank in (0, 1):
+            write_snapshot(store, part(rank, step=step), Options())
+    assert store.committed() == [SnapshotId(0, 5), SnapshotId(0, 10)]
+    assert store.read_pointer("LATEST") == SnapshotId(0, 10)
+
+
+def test_a_global_commit_below_latest_keeps_the_parts_after_it(store):
+    commits = CommitService(store.root, 0, writer=write_snapshot, retain=apply_retention)
+    for rank in (0, 1):
+        commits.commit(store, part(rank, step=10), Options()).purge()
+    # A resume below 10: rank 0 is ahead at step 7 while rank 1 completes step 5.
+    commits.commit(store, part(0, step=5), Options()).purge()
+    commits.commit(store, part(0, step=7), Options()).purge()
+    commits.commit(store, part(1, step=5), Options()).purge()
+    assert [sid.step for sid, _ in store.parts_dirs()] == [7]   # not stale: 5 is done
+    assert commits.commit(store, part(1, step=7), Options()).result.complete
+    assert store.committed() == [SnapshotId(0, 5), SnapshotId(0, 7), SnapshotId(0, 10)]
+    assert store.read_pointer("LATEST") == SnapshotId(0, 10)
 
 
 def test_one_part_is_a_snapshot_directory_of_its_own(store):

@@ -1,5 +1,5 @@
 """The client's side of a hot restore that reads the files instead: why, in the words
-the resume line quotes (snapd_client/hot.py). A substitute daemon connection and
+the resume line quotes (snapd_client/hotrestore.py). A substitute daemon connection and
 segments made here; the checksum case runs against the real daemon in
 tests/integration/test_resume_messages.py."""
 
@@ -13,7 +13,13 @@ import torch
 
 from snapd import protocol as p
 from snapd.errors import DaemonUnavailable, SnapdError
-from snapd_client.hot import HotSource, hot_offer
+from snapd.options import Options
+from snapd.reader import SnapshotReader
+from snapd.store import RunStore
+from snapd.writer import write_snapshot
+from snapd_client.hotrestore import HotSource, hot_offer
+
+from helpers import plan_for
 
 ENTRY = {"path": ".w", "dtype": "float32", "shape": [4], "nbytes": 16, "offset": 0}
 
@@ -102,4 +108,28 @@ def test_a_checksum_mismatch_is_named(segment):
     assert hot(reader(), "model", {}) is None   # xxh3 0: not the bytes' digest
     assert hot.why_not_used("00000004") == \
         "a tensor of model in the hot copy did not match its checksum"
+    hot.close()
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_memory_and_files_turn_the_same_bytes_into_the_same_tensors(tmp_path, segment,
+                                                                    requires_grad):
+    """One rule for both sources (snapd/reader.py, ``destinations``): a live tensor of
+    the saved dtype and shape is read into, unless it requires grad; then it is left
+    as it is and the values come in new memory that does not require grad."""
+    saved = torch.arange(4, dtype=torch.float32)   # the segment's bytes
+    result = write_snapshot(RunStore(str(tmp_path), "r"), plan_for({"w": saved}),
+                            Options())
+    files = SnapshotReader(result.path)
+    hot = source(segment, snapshot=os.path.basename(result.path))
+    live = {".w": torch.zeros(4, requires_grad=requires_grad)}
+    from_memory = hot(files, "model", live)
+    assert hot.used and from_memory is not None
+    live_again = {".w": torch.zeros(4, requires_grad=requires_grad)}
+    from_files = files.load_objects(["model"], into={"model": live_again})["model"]
+    for got, held in ((from_memory[0], live[".w"]), (from_files[0], live_again[".w"])):
+        assert torch.equal(got, saved) and not got.requires_grad
+        assert (got is held) is not requires_grad
+        if requires_grad:
+            assert torch.equal(held.detach(), torch.zeros(4))
     hot.close()

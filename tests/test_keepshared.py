@@ -14,15 +14,16 @@ from click.testing import CliRunner
 
 from snapd import keepshared, sharing
 from snapd.cli import main
+from snapd.commit import uncommit
 from snapd.commands.verify import checked_text
 from snapd.errors import SnapdError
 from snapd.options import Options
 from snapd.reader import SnapshotReader
-from snapd.retention import apply_retention, gc, trash_snapshot
+from snapd.retention import DELETING_PREFIX, apply_retention, gc
 from snapd.rootlock import RootLock
 from snapd.runlock import RunLock
-from snapd.store import RunStore, SnapshotId
-from snapd.text import human_bytes
+from snapd.store import DAMAGED_PREFIX, RunStore, SnapshotId
+from snapd.humanize import human_bytes
 from snapd.writer import write_snapshot
 from snapd_client import Client
 
@@ -150,7 +151,8 @@ def test_a_fine_tuning_run_keeps_its_frozen_base_through_retention(root):
 
 
 def test_setting_a_snapshot_aside_keeps_what_others_read(store, shared_run):
-    keepshared.set_aside(store, S1)
+    aside = uncommit(store, S1, DAMAGED_PREFIX)
+    assert os.path.basename(aside).startswith(".damaged-00000001-")
     assert store.committed() == [S2]
     assert resolved(store)["00000002"] == {"00000001/model.tensors": shared_run}
     assert verify_all(store) == ["00000002"]
@@ -206,7 +208,7 @@ def test_a_symlink_at_shared_is_refused_and_nothing_is_deleted(store, shared_run
     elsewhere = os.path.join(os.path.dirname(root), "outside")
     os.symlink(elsewhere, os.path.join(store.path, sharing.SHARED_DIR))
     with pytest.raises(SnapdError) as refused:
-        trash_snapshot(store, S1)
+        uncommit(store, S1, DELETING_PREFIX)
     assert refused.value.field == "shared"
     assert store.committed() == [S1, S2] and os.listdir(elsewhere) == []
 

@@ -9,6 +9,7 @@ In tests/, no module imports a test module: shared helpers have their own module
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
@@ -20,10 +21,22 @@ PACKAGE = Path(snapd.__file__).parent
 CLIENT = PACKAGE.parent / "snapd_client"
 
 
+def import_nodes(path: Path) -> Tuple[ast.AST, ...]:
+    """Every import statement of ``path``, at any depth: walked once per content (three
+    checks read every module of snapd), the rest of the tree not kept."""
+    return _imports(str(path), path.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(name: str, source: str) -> Tuple[ast.AST, ...]:
+    return tuple(node for node in ast.walk(ast.parse(source, name))
+                 if isinstance(node, (ast.Import, ast.ImportFrom)))
+
+
 def imported_modules(path: Path, top: Path = PACKAGE.parent) -> Iterator[Tuple[int, str]]:
     """(line, module) for every import in the file, relative ones resolved."""
     package = ".".join(path.relative_to(top).with_suffix("").parts[:-1])
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in import_nodes(path):
         if isinstance(node, ast.Import):
             yield from ((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -75,7 +88,7 @@ def test_no_module_imports_a_private_name_of_another():
     public API (statelog's readers for the log writer, for one)."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")) + sorted(CLIENT.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in import_nodes(path):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("snapd"):
                 found += [f"{path.name}:{node.lineno} {node.module}.{a.name}"
                           for a in node.names
@@ -121,3 +134,81 @@ def test_the_test_module_check_lets_helpers_through(tmp_path):
     module.write_text("from helpers import plan_for\nfrom harness import Peer\n"
                       "from hostile_worker import RUN\n")
     assert imported_test_modules(module, top=tmp_path) == []
+
+
+def import_graph(files: List[Path], top: Path = PACKAGE.parent) -> dict:
+    """module -> the modules of ``files`` it imports at module level (an import inside
+    a function runs when called, after every module is loaded: not an edge; nor is a
+    package the module is inside, which Python loads before the module anyway)."""
+    names = {".".join(p.relative_to(top).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in files}
+    graph = {}
+    for name, path in names.items():
+        tree = ast.parse(path.read_text(), str(path))
+        top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        module = ast.Module(body=top_level, type_ignores=[])
+        found = set()
+        package = ".".join(path.relative_to(top).with_suffix("").parts[:-1])
+        for node in ast.walk(module):
+            for target in _targets(node, package):
+                if target in names and not (name + ".").startswith(target + "."):
+                    found.add(target)
+        graph[name] = found
+    return graph
+
+
+def _targets(node: ast.AST, package: str) -> List[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")
+        base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
+
+
+def circles(graph: dict) -> List[List[str]]:
+    """Every strongly connected set of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_in_snapd_or_snapd_client():
+    files = sorted(PACKAGE.rglob("*.py")) + sorted(CLIENT.rglob("*.py"))
+    assert circles(import_graph(files)) == []
+
+
+def test_the_circle_check_finds_a_circle(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("from pkg import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("import pkg.c\n")
+    (tmp_path / "pkg" / "c.py").write_text("from pkg.a import x\n")
+    (tmp_path / "pkg" / "d.py").write_text("def f():\n    from pkg import a\n")
+    graph = import_graph(sorted((tmp_path / "pkg").glob("*.py")), tmp_path)
+    assert circles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]

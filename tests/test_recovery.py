@@ -5,43 +5,22 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import LOGGED_RNG, logged_step
 from snapd.logwriter import LogWriter
-from snapd.recovery import expected_steps, read_progress
+from snapd.progress import expected_steps, read_progress
 from snapd.store import RunStore
 from snapd_client.journal import compare
 
-RNG = {"python": 1, "numpy": 2, "torch": 3, "gen:loader": 4}
+RNG = LOGGED_RNG
 
 
 def step_record(step, **changes):
-    record = {"kind": "step", "step": step, "time": 1000.0 + step * 0.01,
-              "cursor": [step // 500, step % 500], "rng": dict(RNG),
-              "scalars": {"loss": 1.0 / (step + 1)}}
-    record.update(changes)
-    return record
+    return {**logged_step(step), **changes}
 
 
-@pytest.fixture(scope="module")
-def million(tmp_path_factory):
-    """A run whose log holds 1,000,000 step records and a commit every 1000 steps."""
-    store = RunStore(str(tmp_path_factory.mktemp("root")), "big")
-    store.ensure()
-
-    def records():
-        for step in range(1, 1_000_001):
-            yield step_record(step)
-            if step % 1000 == 0 and step < 1_000_000:
-                yield {"kind": "snapshot", "event": "committed", "step": step,
-                       "time": 1000.0 + step * 0.01, "name": f"{step:08d}",
-                       "rng": {"torch": b"\0" * 5056}, "cursor": {"epoch": 0}}
-
-    with LogWriter(store.path, 0, flush_interval=None) as writer:
-        writer.append_many(records())
-    return store
-
-
-def test_plan_on_a_million_records_reads_a_bounded_number_of_bytes(million):
-    plan = read_progress(million, 0)
+def test_plan_on_a_million_records_reads_a_bounded_number_of_bytes(million_log):
+    """The log: steps 1..1,000,000, a commit every 1000 (tests/helpers.py)."""
+    plan = read_progress(million_log, 0)
     assert plan.reached == 1_000_000
     assert plan.committed_step == 999_000
     assert plan.at_risk == 1000

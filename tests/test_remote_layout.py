@@ -86,10 +86,3 @@ def test_a_path_that_is_not_a_url_is_refused_with_advice():
     with pytest.raises(RemoteUnavailable) as e:
         RemoteRoot("/mnt/shared")
     assert "s3://" in str(e.value) and e.value.field == "remote"
-
-
-def test_parse_target():
-    assert layout.parse_target("run@40") == ("run", "00000040")
-    assert layout.parse_target("run") == ("run", None)
-    with pytest.raises(Exception):
-        layout.parse_target("run@x")

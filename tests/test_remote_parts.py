@@ -235,9 +235,9 @@ def pulled(remote: RemoteRoot, root: str):
 
 
 def pull_on_ranks(roots, url):
-    """distrestore.pull_from_remote on 4 rank threads, ranks 0-1 on roots[0], 2-3 on
+    """fromremote.pull_from_remote on 4 rank threads, ranks 0-1 on roots[0], 2-3 on
     roots[1]; each rank's result (or error) and the FallbackWarnings."""
-    from snapd_client.distrestore import pull_from_remote
+    from snapd_client.fromremote import pull_from_remote
     threads, out = ThreadCollective(4), [None] * 4
 
     def one(rank):

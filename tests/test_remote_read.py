@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -21,42 +22,26 @@ import torch
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, InsufficientSpace, InvalidOption, RemoteUnavailable
 from snapd.remote import layout
+from snapd.remote.deadline import Deadline
 from snapd.remote.layout import RemoteFile, RemoteRoot
 from snapd.remote.pull import pull, pull_log
 from snapd.store import RunStore, SnapshotId
 from snapd_client import Client
 from snapd_client.fromremote import RemoteWarning
 
-from helpers import flip_byte
+from helpers import flip_byte, small_model_and_opt, small_train_step
 
 RUN = "gpt"
 
 
-def model_and_opt():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-                                torch.nn.Linear(16, 3))
-    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
-
-
-def train_step(model, opt, step):
-    g = torch.Generator().manual_seed(step)
-    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g)
-    loss = ((model(x) - y) ** 2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
-
-
 def train(root, steps=4, snapshot_at=(2, 4), start=None):
     """A run trained in-process: log() every step, a snapshot at ``snapshot_at``."""
-    model, opt = model_and_opt()
+    model, opt = small_model_and_opt()
     client = Client(root, RUN, data_version="v1", daemon=False)
     client.track(model=model, optimizer=opt)
     begin = client.restore() if start is None else start
     for step in range(begin + 1, steps + 1):
-        client.log(step, loss=train_step(model, opt, step))
+        client.log(step, loss=small_train_step(model, opt, step))
         if step in snapshot_at:
             client.snapshot(step).wait()
     client.close()
@@ -142,6 +127,33 @@ def test_pulling_an_older_snapshot_leaves_latest_on_the_newer(trained, tmp_path)
     pull(remote, store, "00000004")
     pull(remote, store, "00000002")
     assert store.committed() == [SnapshotId(0, 2), SnapshotId(0, 4)]
+    assert store.read_pointer("LATEST") == SnapshotId(0, 4)
+
+
+class OtherPullFirst(Deadline):
+    """No deadline; the other rank of the node pulls the same snapshot and commits
+    it just before this pull's own rename."""
+
+    def __init__(self, remote: RemoteRoot, store: RunStore, name: str) -> None:
+        super().__init__()
+        self.remote, self.store, self.name = remote, store, name
+        self.theirs = None
+
+    @contextmanager
+    def publishing(self, what: str):
+        self.theirs = os.stat(pull(self.remote, self.store, self.name)).st_ino
+        with super().publishing(what):
+            yield
+
+
+def test_a_pull_that_finds_the_snapshot_committed_meanwhile_keeps_that_one(trained,
+                                                                           tmp_path):
+    _, remote = trained
+    store = RunStore(str(tmp_path / "node-b"), RUN)
+    other = OtherPullFirst(remote, store, "00000004")
+    path = pull(remote, store, "00000004", deadline=other)
+    assert os.stat(path).st_ino == other.theirs   # theirs kept, ours dropped
+    assert leftovers(store.root) == ["00000004"]   # no tmp dir left
     assert store.read_pointer("LATEST") == SnapshotId(0, 4)
 
 
@@ -236,7 +248,7 @@ def test_the_log_comes_down_only_into_an_empty_local_log(trained, tmp_path):
 
 def restore_on(root, url):
     """A fresh process's restore() on ``root`` with the remote tier at ``url``."""
-    model, opt = model_and_opt()
+    model, opt = small_model_and_opt()
     client = Client(root, RUN, data_version="v1", daemon=False, remote=url)
     client.track(model=model, optimizer=opt)
     step = client.restore()
@@ -306,7 +318,7 @@ def test_the_replay_check_works_after_a_restore_from_the_remote(tmp_path):
     client, model, opt, step = restore_on(str(tmp_path / "node-b"), url)
     assert (step, client.restored_from, client.recovery.furthest) == (3, "remote", 5)
     for s in (4, 5):
-        client.log(s, loss=train_step(model, opt, s))
+        client.log(s, loss=small_train_step(model, opt, s))
     assert client.journal.verdict["verdict"] == "match"
     assert client.journal.verdict["checked"] == 2
     client.close()
@@ -335,7 +347,7 @@ def test_ls_lists_remote_commits_and_names_an_upload_in_progress(remote):
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert [(r["name"], r["step"], r["marks"], r["verified"]) for r in data["snapshots"]] \
-        == [("00000002", 2, [], "record ok"), ("00000004", 4, ["NEWEST"], "record ok")]
+        == [("00000002", 2, [], "manifest ok"), ("00000004", 4, ["LATEST"], "manifest ok")]
     assert [w["name"] for w in data["incomplete"]] == ["00000006"]
     table = cli("ls", RUN, "--root", url)
     assert "00000004" in table.output and "upload in progress" in table.output

@@ -140,22 +140,30 @@ def test_the_newest_snapshot_replaces_a_stale_one_waiting(tmp_path, store, remot
 def test_a_failing_remote_is_retried_and_its_error_shown(tmp_path, store, remote,
                                                           fast_retries):
     sid = commit(store, 1)
-    failures = []
+    failures, shown, lock = [], [], threading.Lock()
     put = remote.fs.put_file
+    up = Uploader(store.root, options(tmp_path), remote=remote)
 
     def flaky(src, dst, **k):
-        if len(failures) < 3:
-            failures.append(dst)
+        # What status shows at each transfer. A retry starts only once the failed
+        # attempt's error is recorded, and the error is cleared only after the last
+        # transfer succeeded: every transfer of a retry sees it, however fast the
+        # retries (polling status from here could fall between them).
+        shown.append(up.status()["runs"][RUN]["last_error"])
+        with lock:   # transfers run in parallel: exactly three fail
+            fail = len(failures) < 3
+            if fail:
+                failures.append(dst)
+        if fail:
             raise ConnectionError("remote down")
         return put(src, dst, **k)
     remote.fs.put_file = flaky
-    errors = []
-    up = started(tmp_path, store, remote)
+    up.start()
     try:
         up.committed(RUN, 0, sid, 100)
-        assert wait_for(lambda: errors.append(up.status()["runs"][RUN]["last_error"])
-                        or remote.commits(RUN) == [sid], 10)
-        assert any(e and "remote down" in e for e in errors)
+        assert wait_for(lambda: remote.commits(RUN) == [sid], 10)
+        assert len(failures) == 3
+        assert any(e and "remote down" in e for e in shown), shown
         assert wait_for(lambda: up.status()["runs"][RUN]["last_error"] is None, 5)
     finally:
         up.stop()

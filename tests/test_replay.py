@@ -15,7 +15,7 @@ import torch
 from snapd.errors import InvalidOption, ReplayDivergence
 from snapd.logwriter import LogWriter
 from snapd.options import Options
-from snapd.recovery import read_progress
+from snapd.progress import read_progress
 from snapd.store import RunStore, SnapshotId
 from snapd_client import Client
 from snapd_client.journal import compare

@@ -17,15 +17,14 @@ from snapd import protocol as p
 from snapd.arena_map import MappedArena, HotCache, hot_segment_name, validate_shm_name
 from snapd.daemon import Daemon, WriteQueue
 from snapd.errors import SnapdError
-from snapd.format import dtype_name
 from snapd.options import Options
-from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, from_descriptor, to_descriptor
+from snapd.plan import from_descriptor
 from snapd.reader import SnapshotReader
 from snapd.server import (Connection, Submission, check_descriptor, peer_allowed,
                           plan_over_slot, submit_options)
 from snapd.store import RunStore, SnapshotId
 
-from helpers import wait_until
+from helpers import client_descriptor
 
 SLOT = 4096
 PID_MAX_LIMIT = 1 << 22   # the most pids a 64-bit Linux kernel hands out
@@ -303,11 +302,7 @@ def staged_submission(shm, root_opts=Options(), slots=1):
     view = arena.slot_view(0)
     data = torch.arange(8, dtype=torch.float32)
     view[:32] = data.numpy().tobytes()
-    plan = SnapshotPlan("r", 4, {"id": 0, "mode": "fresh", "parent": None},
-                        [ObjectPlan("model", "T", b"\x90",
-                                    [TensorSource(".w", dtype_name(data.dtype), [8],
-                                                  memoryview(bytes(32)))])], rng={})
-    desc = to_descriptor(plan, [[0]])
+    desc = client_descriptor({"model": {"w": data}}, [0], step=4)
     sink = EventSink(arena)
     sub = Submission(sink, arena, 0, view, from_descriptor(desc, view), desc, root_opts)
     return sub, sink, arena

@@ -31,7 +31,7 @@ from snapd.statelog import (
     tail_report,
 )
 
-from helpers import wait_for
+from helpers import logged_commit, logged_step, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore::snapd.statelog.TornTailWarning")
 
@@ -370,39 +370,23 @@ def test_writer_rejects_bad_records(tmp_path):
     assert list(read_records(tmp_path, 0)) == []
 
 
-@pytest.fixture(scope="module")
-def million(tmp_path_factory):
-    """1,000,000 records over several segments, built with one write per segment."""
-    run = tmp_path_factory.mktemp("million")
-
-    def records():
-        for i in range(1_000_000):
-            yield {"kind": "step", "step": i, "loss": 1.0 / (i + 1)}
-            if i % 1000 == 999:
-                yield {"kind": "snapshot", "event": "committed", "step": i}
-
-    with LogWriter(run, 0, segment_bytes=8 << 20, flush_interval=None, fsync=no_fsync) as w:
-        assert w.append_many(records()) == 1_001_000
-        w.append({"kind": "step", "step": 1_000_000, "loss": 0.5})
-    assert len(list_segments(run, 0)) >= 3
-    return run
-
-
-def test_recovery_planning_reads_a_bounded_number_of_bytes(million):
+def test_recovery_planning_reads_a_bounded_number_of_bytes(million_log):
+    """The log: steps 1..1,000,000, a commit every 1000 but the last, over several
+    segments (tests/helpers.py, shared with test_recovery)."""
+    million = million_log.path
+    assert len(list_segments(million, 0)) >= 3
     stats = IOStats()
-    assert last_record(million, 0, stats=stats) == {"kind": "step", "step": 1_000_000,
-                                                    "loss": 0.5}
+    assert last_record(million, 0, stats=stats) == logged_step(1_000_000)
     assert stats.bytes_read < 64 << 10, stats
     stats = IOStats()
     snap = find_last(million, 0, "snapshot", stats=stats)
-    assert snap == {"kind": "snapshot", "event": "committed", "step": 999_999}
+    assert snap == logged_commit(999_000)
     stats2 = IOStats()
-    assert find_last(million, 0, "snapshot", stats=stats2)["step"] == 999_999
+    assert find_last(million, 0, "snapshot", stats=stats2)["step"] == 999_000
     assert stats.bytes_read < 1 << 20, stats
-    for step in (0, 1, 4_095, 123_457, 500_000, 777_777, 999_998):
+    for step in (1, 2, 4_095, 123_457, 500_000, 777_777, 999_998):
         stats = IOStats()
-        assert find_step(million, 0, step, stats=stats) == {
-            "kind": "step", "step": step, "loss": 1.0 / (step + 1)}
+        assert find_step(million, 0, step, stats=stats) == logged_step(step)
         assert stats.bytes_read < 1 << 20, (step, stats)
     stats = IOStats()
     tail = read_tail(million, 0, 1000, stats=stats)
@@ -410,8 +394,8 @@ def test_recovery_planning_reads_a_bounded_number_of_bytes(million):
     assert len(tail) == 1000 and stats.bytes_read < 1 << 20
 
 
-def test_torn_million_record_log_is_still_read_from_the_tail(million, tmp_path):
-    last = list_segments(million, 0)[-1]
+def test_torn_million_record_log_is_still_read_from_the_tail(million_log, tmp_path):
+    last = list_segments(million_log.path, 0)[-1]
     torn = tmp_path / "log" / "rank-00000" / last.name
     torn.parent.mkdir(parents=True)
     shutil.copyfile(last, torn)

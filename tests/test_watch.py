@@ -7,17 +7,12 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from io import StringIO
 
-import psutil
 import pytest
 from click.testing import CliRunner
-from rich.console import Console
 
 from snapd import protocol as proto
 from snapd import liveview as view
@@ -27,15 +22,9 @@ from snapd.commands.watch import (LogFollower, StepLimiter, format_record,
 from snapd.logwriter import LogWriter
 from snapd.store import RunStore, SnapshotId
 
-from helpers import wait_until
+from helpers import text_of
 
 T0 = 1_800_000_000.0   # a fixed clock for hand-built models and records
-
-
-def text_of(renderable, width: int = 100) -> str:
-    out = StringIO()
-    Console(file=out, width=width, force_terminal=False, color_system=None).print(renderable)
-    return out.getvalue()
 
 
 def run_row(**over):
@@ -165,30 +154,6 @@ def test_collect_reads_logs_pointers_and_listing(root):
                                 "best": "00000050"}
     json.dumps(m)   # plain data: --json prints it as is
     assert "00000100" in text_of(view.render(m))
-
-
-@pytest.mark.integration
-def test_collect_falls_back_to_the_lock_pid(root):
-    """A daemon holding the lock but not answering: pid, CPU and RSS from psutil."""
-    lock = os.path.join(root, ".snapd.lock")
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
-                               "snapd", "serve"])
-    try:
-        # Until the child has exec'd, its command line is still this process's.
-        wait_until(lambda: "serve" in psutil.Process(holder.pid).cmdline(), 30,
-                   "the holder to run its command")
-        with open(lock, "w") as f:
-            f.write(f"{holder.pid}\n")
-        daemon = view.collect(root)["daemon"]   # asks the socket itself: none there
-        assert daemon["running"] and not daemon["answering"]
-        assert daemon["pid"] == holder.pid and daemon["rss"] > 0
-        assert "not answering" in text_of(view.render(view.collect(root)))
-        with open(lock, "w") as f:               # a pid that is no daemon's
-            f.write(f"{os.getpid()}\n")
-        assert not view.collect(root)["daemon"]["running"]
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_cli_once_json_help_and_missing_root(root):

@@ -7,7 +7,7 @@ import click
 
 from snapd import statelog
 from snapd.commands.common import ROOT_HELP, emit_json, fail, resolve_root, run_dir
-from snapd.text import count
+from snapd.humanize import count
 
 
 def consumed(path: str, rank: int, step: int) -> dict:

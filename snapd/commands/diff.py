@@ -18,7 +18,7 @@ cursor (the differing field named). Exit code 0 when weights and optimizer are e
 ``--outputs``: not the tensors but what the model makes of them: the same inputs
 through the model built from A and from B (a snapshot or a safetensors export), the
 largest output difference against the thresholds of practice
-(snapd/commands/diffoutputs.py, snapd/outputs.py).
+(snapd/commands/diffoutputs.py, snapd/outputcheck.py).
 
 Each side is named RUN/NAME, or by its snapshot directory where RUN/NAME would name
 both (runs of one name under two roots); ``--json`` gives the labels as ``a`` and
@@ -38,16 +38,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from snapd import outputs as output_check
+from snapd import outputcheck as output_check
 from snapd.commands import diffoutputs, diffparts as parts
 from snapd.commands.common import (ROOT_HELP, console as out_console, emit_json, fail,
                                    open_reader)
-from snapd.commands.locate import Located, locate
+from snapd.commands.locate import files_of, resolve
 from snapd.errors import CorruptSnapshot
 from snapd.weights import state_leaves
 from snapd.reader import SnapshotReader
+from snapd.roots import Snap
 from snapd.skeleton import unflatten
-from snapd.text import count
+from snapd.humanize import count
 
 _SLICE = 1 << 22  # elements compared at a time: bounds the float64 copies
 
@@ -302,12 +303,12 @@ def verdict_line(out: Dict[str, Any], strict: bool) -> str:
     return f"[green]EQUAL weights and optimizer[/green]; {what} (--strict: exit 1 on that)"
 
 
-def side_labels(a: Located, b: Located) -> Tuple[str, str]:
+def side_labels(a: Snap, b: Snap) -> Tuple[str, str]:
     """How A and B are named: RUN/NAME, unless that names both sides though they are
     two snapshots (runs of one name under two roots); then each by its directory, the
     only name that tells them apart."""
-    if a.label == b.label and a.path != b.path:
-        return a.path, b.path
+    if a.label == b.label and a.where != b.where:
+        return a.where, b.where
     return a.label, b.label
 
 
@@ -345,8 +346,9 @@ def diff(a: str, b: str, root: Optional[str], objects: Tuple[str, ...], show_equ
     cursor (the differing field named). Exit code 0 when weights and optimizer are
     equal, 1 when either differs; --strict: 1 on any difference.
 
-    A and B are snapshot directories, RUN/NAME (gpt/00001200), RUN or RUN@latest, or
-    RUN@best, relative to --root.
+    A and B are snapshot directories, RUN/NAME or RUN@STEP (gpt/00001200, gpt@1200),
+    RUN or RUN@latest, or RUN@best, relative to --root; or URL/RUN@STEP (pulled into a
+    temporary directory, every checksum checked).
 
     With --outputs, run the same fixed inputs through the model (--model
     module:function) built from A and from B (snapshots, or safetensors exports: one
@@ -366,15 +368,16 @@ def diff(a: str, b: str, root: Optional[str], objects: Tuple[str, ...], show_equ
         if code:
             raise SystemExit(code)
         return
-    loc_a, loc_b = locate(a, root), locate(b, root)
+    (root_a, snap_a), (root_b, snap_b) = resolve(a, root), resolve(b, root)
     only = list(objects) or None   # --object: only their files are needed
-    reader_a, reader_b = open_reader(loc_a.path, only), open_reader(loc_b.path, only)
-    try:
-        out = compare(reader_a, reader_b, list(objects) or None)
-    except CorruptSnapshot as e:
-        fail(f"{e}\n  hint: snapd verify {e.path or ''} names every damaged chunk", 1)
-    label_a, label_b = side_labels(loc_a, loc_b)
-    out.update(a=label_a, b=label_b, paths=[loc_a.path, loc_b.path], strict=strict)
+    with files_of(root_a, snap_a) as path_a, files_of(root_b, snap_b) as path_b:
+        reader_a, reader_b = open_reader(path_a, only), open_reader(path_b, only)
+        try:
+            out = compare(reader_a, reader_b, list(objects) or None)
+        except CorruptSnapshot as e:
+            fail(f"{e}\n  hint: snapd verify {e.path or ''} names every damaged chunk", 1)
+    label_a, label_b = side_labels(snap_a, snap_b)
+    out.update(a=label_a, b=label_b, paths=[snap_a.where, snap_b.where], strict=strict)
     code = exit_code(out, strict)
     out["exit_code"] = code
     if as_json:

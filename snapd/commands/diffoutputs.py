@@ -5,7 +5,7 @@ The model's code is the user's: ``--model module:function``, a zero-argument
 factory returning the nn.Module (imported with the current directory on sys.path,
 as ``python -c`` would); the inputs are ``--inputs module:function`` (returning a
 tensor or a tuple of positional arguments) or ``--input-shape 4,16`` (a float32
-``torch.randn`` from a fixed seed). The check itself is snapd/outputs.py. Exit 0
+``torch.randn`` from a fixed seed). The check itself is snapd/outputcheck.py. Exit 0
 when the largest difference is within ``--tolerance`` (default 1e-2, above which
 practice says something is wrong), 1 when it is not, 2 on a usage error.
 """
@@ -15,13 +15,14 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from contextlib import ExitStack
 from typing import Any, Callable, Optional
 
 import click
 
-from snapd import outputs
+from snapd import outputcheck
 from snapd.commands.common import emit_json, fail, optional_import
-from snapd.commands.locate import locate
+from snapd.commands.locate import files_of, resolve
 from snapd.errors import SnapdError
 
 
@@ -53,11 +54,12 @@ def parse_shape(text: str) -> tuple:
     return shape
 
 
-def side(spec: str, root: Optional[str]) -> str:
-    """A safetensors file as it is; anything else is a SNAPSHOT argument."""
+def side(stack: ExitStack, spec: str, root: Optional[str]) -> str:
+    """A safetensors file as it is; anything else is a SNAPSHOT argument (its files
+    kept where they are read for as long as ``stack`` is open)."""
     if os.path.isfile(spec):
         return os.path.abspath(spec)
-    return locate(spec, root).path
+    return stack.enter_context(files_of(*resolve(spec, root)))
 
 
 def run(a: str, b: str, root: Optional[str], model: Optional[str], inputs: Optional[str],
@@ -72,15 +74,16 @@ def run(a: str, b: str, root: Optional[str], model: Optional[str], inputs: Optio
              "(one of them)", 2)
     build = import_factory(model, "--model")
     given = import_factory(inputs, "--inputs")() if inputs else \
-        outputs.fixed_inputs(parse_shape(input_shape))
-    path_a, path_b = side(a, root), side(b, root)
-    if path_a.endswith(".safetensors") or path_b.endswith(".safetensors"):
-        optional_import("safetensors", "diff --outputs", "export")
-    try:
-        out = outputs.compare_outputs(build, path_a, path_b, given, object_name=wanted,
-                                      device=device)
-    except (SnapdError, ValueError, RuntimeError) as e:
-        fail(f"the output check could not run: {e}", 1)
+        outputcheck.fixed_inputs(parse_shape(input_shape))
+    with ExitStack() as stack:
+        path_a, path_b = side(stack, a, root), side(stack, b, root)
+        if path_a.endswith(".safetensors") or path_b.endswith(".safetensors"):
+            optional_import("safetensors", "diff --outputs", "export")
+        try:
+            out = outputcheck.compare_outputs(build, path_a, path_b, given,
+                                          object_name=wanted, device=device)
+        except (SnapdError, ValueError, RuntimeError) as e:
+            fail(f"the output check could not run: {e}", 1)
     code = 0 if out["max_abs"] <= tolerance else 1
     out.update(tolerance=tolerance, exit_code=code)
     if as_json:

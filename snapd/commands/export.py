@@ -46,10 +46,10 @@ import torch
 
 from snapd.commands.common import (ROOT_HELP, Snapshot as SnapshotReader, fail, open_reader,
                                    optional_import)
-from snapd.commands import remote
-from snapd.commands.locate import Located
+from snapd.commands.locate import files_of, resolve
 from snapd.errors import CorruptSnapshot
-from snapd.text import count, human_bytes
+from snapd.roots import Snap
+from snapd.humanize import count, human_bytes
 from snapd.weights import is_module, modules, state_leaves, state_of, weights
 
 # Free-text values the user chose: left out when they look like a local path.
@@ -124,12 +124,12 @@ def clean_metadata(reader: SnapshotReader, meta: Dict[str, str]) -> Dict[str, st
     return meta
 
 
-def _read(loc: Located, read: Any) -> Any:
+def _read(loc: Snap, read: Any) -> Any:
     """``read()``, or exit naming the damage and what to do."""
     try:
         return read()
     except CorruptSnapshot as e:
-        fail(f"{e}\n  hint: snapd verify {loc.path}; export an older snapshot (snapd ls)", 1)
+        fail(f"{e}\n  hint: snapd verify {loc.argument}; export an older snapshot (snapd ls)", 1)
 
 
 def _fresh_output(output: str) -> str:
@@ -139,7 +139,7 @@ def _fresh_output(output: str) -> str:
     return output
 
 
-def export_safetensors(loc: Located, reader: SnapshotReader, wanted: Optional[str],
+def export_safetensors(loc: Snap, reader: SnapshotReader, wanted: Optional[str],
                        output: str, save_file: Any, only_trainable: bool = False) -> None:
     name = choose_object(reader, wanted)
     tensors, skipped = _read(loc, lambda: weights(reader, name, only_trainable))
@@ -188,7 +188,7 @@ def _say_base(manifest: Dict[str, Any], entry: Dict[str, Any], kept: int) -> Non
                    "written")
 
 
-def export_dcp(loc: Located, reader: SnapshotReader, wanted: Optional[str],
+def export_dcp(loc: Snap, reader: SnapshotReader, wanted: Optional[str],
                output: str) -> None:
     """Every object's state (or ``wanted``'s) as a torch.distributed.checkpoint
     directory, written aside and renamed into place: no half checkpoint is ever seen."""
@@ -264,7 +264,7 @@ def export(snapshot: str, fmt: str, output: str, wanted: Optional[str],
 
     SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), RUN or
     RUN@latest (its LATEST), or RUN@best, relative to --root; or URL/RUN@STEP on a
-    remote root (pulled into a temporary directory, every checksum checked).
+    root behind a URL (pulled into a temporary directory, every checksum checked).
 
     Example: snapd export gpt-small@best -o gpt-small.safetensors --root checkpoints
     """
@@ -272,8 +272,9 @@ def export(snapshot: str, fmt: str, output: str, wanted: Optional[str],
         fail("--only-trainable writes safetensors; drop --format dcp", 2)
     save_file = None if fmt == "dcp" else \
         optional_import("safetensors.torch", "export", "export").save_file
-    with remote.located(snapshot, root) as loc:   # a remote one pulled, then removed
-        reader = open_reader(loc.path, objects=[wanted] if wanted else [])  # files on read
+    found, loc = resolve(snapshot, root)
+    with files_of(found, loc) as path:   # behind a URL: pulled, then removed
+        reader = open_reader(path, objects=[wanted] if wanted else [])  # files on read
         if fmt == "dcp":
             export_dcp(loc, reader, wanted, output)
         else:

@@ -25,7 +25,7 @@ from snapd.commands.common import ROOT_HELP, emit_json, fail, resolve_root, run_
 from snapd.errors import AlreadyServing
 from snapd.options import Options
 from snapd.store import list_runs
-from snapd.text import human_bytes
+from snapd.humanize import human_bytes
 
 
 def _as_json(r: retention.RetentionResult) -> Dict[str, Any]:

@@ -12,7 +12,6 @@ which rank), or per rank. RNG streams and cursor shown are rank 0's.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from typing import Any, Dict, Optional
 
@@ -22,16 +21,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from snapd import format as fmt
 from snapd import keepshared
-from snapd.commands import inspectparts, remote
-from snapd.commands.common import (ROOT_HELP, console, cursor_info, emit_json, files_bytes,
-                                   is_multirank, read_manifest)
-from snapd.commands.locate import locate
+from snapd.commands import inspectparts
+from snapd.commands.common import (ROOT_HELP, console, cursor_info, emit_json, fail,
+                                   files_bytes, is_multirank, read_manifest)
+from snapd.commands.locate import resolve
 from snapd.errors import CorruptSnapshot
-from snapd.reader import SnapshotReader
-from snapd.remote.pull import check_listing, reaching
-from snapd.text import age, count, human_bytes, iso_time, lineage_text
+from snapd.roots import Root, Snap
+from snapd.humanize import age, count, human_bytes, iso_time, lineage_text
 
 
 def summary(path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
@@ -48,11 +45,6 @@ def summary(path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
                          "bytes": sum(t["bytes"] for t in tensors),
                          "stored_bytes": sum(t["stored_bytes"] for t in tensors)}
     use = keepshared.usage(manifest)
-    files_problem = None
-    try:
-        SnapshotReader(path)  # stats each file against files[name].size
-    except CorruptSnapshot as e:
-        files_problem = str(e)
     return {"path": path, "run": manifest.get("run"), "step": manifest["step"],
             "rank": manifest.get("rank"), "world_size": manifest.get("world_size"),
             "created": manifest.get("created"), "created_iso": iso_time(manifest.get("created")),
@@ -62,7 +54,7 @@ def summary(path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
             "cursor": cursor_info(manifest.get("cursor")), "objects": objects,
             "parts": None, "bytes": files_bytes(manifest), "owned_bytes": use.owned,
             "shared_bytes": use.shared, "shared_with": use.shared_with,
-            "files_problem": files_problem}
+            "files_problem": None}
 
 
 def _shared_from(manifest: Dict[str, Any], t: Dict[str, Any]) -> Optional[str]:
@@ -156,17 +148,19 @@ def inspect(snapshot: str, root: Optional[str], as_json: bool) -> None:
 
     SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), RUN or
     RUN@latest (its LATEST), or RUN@best, relative to --root; or URL/RUN@STEP on a
-    remote root (its manifest, the files checked in the remote listing).
+    root behind a URL (its manifests fetched, the files checked in the listing).
 
     Example: snapd inspect gpt-small@latest --root checkpoints
     """
-    if remote.is_url(snapshot) or remote.is_url(root):
-        info = remote_info(snapshot, root)
-    else:
-        loc = locate(snapshot, root)
-        info = inspectparts.summary(loc.path) if is_multirank(loc.path) else \
-            summary(loc.path, read_manifest(loc.path))
-        info["snapshot"] = loc.label
+    found, snap = resolve(snapshot, root)
+    try:
+        with found.manifests(snap) as path:
+            info = inspectparts.summary(path) if is_multirank(path) else \
+                summary(path, read_manifest(path))
+    except CorruptSnapshot as e:
+        fail(f"{e}\n  hint: the manifest is damaged; pick an older snapshot (snapd ls)", 1)
+    info.update(path=snap.where, snapshot=snap.label,
+                files_problem=info["files_problem"] or _files_problem(found, snap))
     info.setdefault("owned_bytes", info.get("bytes"))   # many ranks, remote: never shared
     info.setdefault("shared_bytes", 0)
     info.setdefault("shared_with", [])
@@ -176,29 +170,11 @@ def inspect(snapshot: str, root: Optional[str], as_json: bool) -> None:
         render(info, console())
 
 
-def remote_info(spec: str, root: Optional[str]) -> Dict[str, Any]:
-    """``snapd inspect``'s summary of a remote commit, from its manifest alone (many
-    ranks: pulled whole, as their summary reads every part's manifest); the files
-    are checked against the record in the remote listing instead of on a disk."""
-    t = remote.target(spec, root)
-    with reaching(t.remote, f"reading {t.label}"):
-        record = t.remote.read_record(t.run, t.name)
-    if record["world_size"] > 1:
-        with remote.located(spec, root) as loc:
-            info = inspectparts.summary(loc.path)
-    else:
-        with tempfile.TemporaryDirectory(prefix="snapd-inspect-") as tmp:
-            top = t.remote.file_path(t.run, t.name, fmt.MANIFEST_NAME)
-            with reaching(t.remote, f"reading {t.label}"):
-                data = t.remote.read_small(top, fmt.MAX_MANIFEST_BYTES)
-            manifest = fmt.decode_manifest(data, path=t.remote.where(top))
-            info = summary(tmp, manifest)
-        try:
-            with reaching(t.remote, f"listing {t.label}"):
-                check_listing(t.remote, t.run, t.name, record)
-            info["files_problem"] = None
-        except CorruptSnapshot as e:
-            info["files_problem"] = str(e)
-    info.update(path=t.remote.where(t.remote.snapshot_path(t.run, t.name)),
-                snapshot=t.label)
-    return info
+def _files_problem(root: Root, snap: Snap) -> Optional[str]:
+    """What is wrong with the snapshot's files (each listed file there at its size;
+    behind a URL, in the listing), or None; nothing is read."""
+    try:
+        root.check_files(snap)
+    except CorruptSnapshot as e:
+        return str(e)
+    return None

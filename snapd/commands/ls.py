@@ -25,40 +25,38 @@ from rich.markup import escape
 from rich.table import Table
 
 from snapd import keepshared
-from snapd.commands import remote
-from snapd.commands.common import (ROOT_HELP, console as out_console, emit_json, files_bytes,
-                                   resolve_root, run_dir)
-from snapd.commands.locate import Located
+from snapd.commands.common import ROOT_HELP, console as out_console, emit_json, files_bytes
+from snapd.commands.locate import root_of, run_of
 from snapd.commands.verify import check
 from snapd.errors import CorruptSnapshot
-from snapd.globalcommit import incomplete
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
-from snapd.store import RunStore, SnapshotId, list_runs
-from snapd.text import age, human_bytes, iso_time, lineage_text
+from snapd.roots import Root, Snap, root_argument
+from snapd.humanize import age, human_bytes, iso_time, lineage_text
 
 
-def describe(store: RunStore, sid: SnapshotId, *, verify: bool,
-             marks: List[str]) -> Dict[str, Any]:
-    """One snapshot as plain data. ``verified`` is "manifest ok", "ok" (--verify), or
-    "DAMAGED" with the reason in ``error``."""
-    path = store.snapshot_path(sid)
-    row: Dict[str, Any] = {"run": store.run, "name": sid.name, "path": path, "marks": marks,
-                           "step": None, "lineage": None, "bytes": None, "owned_bytes": None,
-                           "shared_bytes": None, "shared_with": [], "metric": None,
-                           "created": None, "world_size": None, "verified": "unverified",
-                           "error": None}
+def describe(root: Root, snap: Snap, *, verify: bool, marks: List[str]) -> Dict[str, Any]:
+    """One snapshot as plain data. ``verified`` is "manifest ok" (its manifests decode
+    and its files are there at their sizes), "ok" (--verify), or "DAMAGED" with the
+    reason in ``error``."""
+    row: Dict[str, Any] = {"run": snap.run, "name": snap.name, "path": snap.where,
+                           "marks": marks, "step": None, "lineage": None, "bytes": None,
+                           "owned_bytes": None, "shared_bytes": None, "shared_with": [],
+                           "metric": None, "created": None, "world_size": None,
+                           "verified": "unverified", "error": None}
     try:
-        snap = open_snapshot(path)
-        m = snap.manifest   # many ranks: every part's manifest, checked against the record
+        with root.manifests(snap) as path:
+            opened = open_snapshot(path, check_files=False)
+            m = opened.manifest   # many ranks: every part's manifest, checked against the record
+        root.check_files(snap)
     except CorruptSnapshot as e:
         row.update(verified="DAMAGED", error=str(e))
         return row
     except OSError as e:
-        row.update(verified="DAMAGED", error=f"{e.filename or path}: cannot be read "
+        row.update(verified="DAMAGED", error=f"{e.filename or snap.where}: cannot be read "
                                              f"({e.strerror})")
         return row
-    many = isinstance(snap, GlobalSnapshot)
-    row["world_size"] = snap.world_size if many else 1
+    many = isinstance(opened, GlobalSnapshot)
+    row["world_size"] = opened.world_size if many else 1
     # Bytes its own files hold, and those it reads from earlier snapshots' files
     # (many ranks never share).
     use = keepshared.Usage(files_bytes(m), 0, []) if many else keepshared.usage(m)
@@ -67,34 +65,18 @@ def describe(store: RunStore, sid: SnapshotId, *, verify: bool,
                metric=m.get("metric"), created=m.get("created"),
                data_version=m.get("data_version"), verified="manifest ok")
     if verify:  # the same checks as snapd verify: every byte, every skeleton
-        result = check(Located(path, sid.name, store.run))
+        result = check(root, snap)
         row.update(verified="ok" if result["ok"] else "DAMAGED", error=result["error"])
     return row
 
 
-def incomplete_rows(root: str, runs: List[str]) -> List[Dict[str, Any]]:
-    """The ``.parts-<name>`` dirs of every run: ranks present and missing."""
-    return [{"run": run, **entry} for run in runs
-            for entry in incomplete(RunStore(root, run))]
-
-
-def incomplete_line(entry: Dict[str, Any]) -> str:
-    world = entry["world_size"]
-    present = ", ".join(map(str, entry["ranks"])) or "none"
-    missing = ", ".join(map(str, entry["missing"])) or "unknown"
-    return (f"{entry['run']}/{entry['name']} INCOMPLETE: ranks {present} of "
-            f"{world if world else '?'} present, missing {missing} ({entry['path']}). "
-            "Never restored; snapd gc removes it once a newer snapshot is committed")
-
-
-def collect(root: str, runs: List[str], verify: bool) -> List[Dict[str, Any]]:
+def collect(root: Root, runs: List[str], verify: bool) -> List[Dict[str, Any]]:
     rows = []
     for run in runs:
-        store = RunStore(root, run)
-        pointers = {which: store.read_pointer(which) for which in ("LATEST", "BEST")}
-        for sid in store.committed():
+        pointers = {which: root.pointer(run, which) for which in ("LATEST", "BEST")}
+        for sid in root.commits(run):
             marks = [which for which, target in pointers.items() if target == sid]
-            rows.append(describe(store, sid, verify=verify, marks=marks))
+            rows.append(describe(root, root.snap(run, sid), verify=verify, marks=marks))
     return rows
 
 
@@ -137,28 +119,22 @@ def ls(run: Optional[str], root: Optional[str], verify: bool, as_json: bool) -> 
     incomplete multi-rank snapshots (ranks present and missing). Exit code 1 if
     --verify (or a manifest) finds damage.
 
-    On a remote root (snapd ls s3://bucket/prefix, or RUN --root URL): its remote
-    commits, from their records (--verify pulls each and checks every checksum).
+    ROOT may be a URL (snapd ls s3://bucket/prefix, or RUN --root URL): its remote
+    commits, the same columns (--verify pulls each and checks every checksum).
 
     Example: snapd ls gpt-small --root checkpoints --verify
     """
-    if remote.is_url(run) or remote.is_url(root):   # a remote root (snapd/commands/remote.py)
-        base, run = (root, run) if remote.is_url(root) else (run, None)
-        rows, waiting = remote.ls_rows(base, run, verify)
-        say_waiting = remote.waiting_line
-    else:
-        base = resolve_root(root)
-        if run is not None:
-            run_dir(base, run)
-        runs = [run] if run else list_runs(base)
-        rows, waiting = collect(base, runs, verify), incomplete_rows(base, runs)
-        say_waiting = incomplete_line
+    base, run = root_argument(run, root)
+    found = root_of(base)
+    runs = [run_of(found, run)] if run else found.runs()
+    rows = collect(found, runs, verify)
+    waiting = [entry for r in runs for entry in found.unfinished(r)]
     if as_json:
-        emit_json({"root": base, "snapshots": rows, "incomplete": waiting})
+        emit_json({"root": found.where, "snapshots": rows, "incomplete": waiting})
     else:
         console = out_console()
         if not rows:
-            click.echo(f"no committed snapshot under {base}"
+            click.echo(f"no committed snapshot under {found.where}"
                        + (f" for run {run!r}" if run else ""))
         else:
             console.print(render(rows, time.time(), with_run=run is None))
@@ -167,6 +143,6 @@ def ls(run: Optional[str], root: Optional[str], verify: bool, as_json: bool) -> 
                 console.print(f"[red]{r['run']}/{r['name']}[/red]: {escape(r['error'])}",
                               highlight=False, soft_wrap=True)
         for entry in waiting:
-            console.print(escape(say_waiting(entry)), highlight=False, soft_wrap=True)
+            console.print(escape(entry["line"]), highlight=False, soft_wrap=True)
     if any(r["verified"] == "DAMAGED" for r in rows):
         raise SystemExit(1)

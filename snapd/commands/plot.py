@@ -19,7 +19,7 @@ from snapd.commands.common import (ROOT_HELP, emit_json, fail, optional_import,
                                    resolve_root, run_dir)
 from snapd.errors import CorruptLog
 from snapd.store import SnapshotId
-from snapd.text import count
+from snapd.humanize import count
 
 
 def series(path: str, rank: int, scalar: str) -> Dict[str, Any]:

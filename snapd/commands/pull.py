@@ -18,13 +18,12 @@ from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
 
-from snapd.commands import remote
 from snapd.commands.common import ROOT_HELP, fail, given_root
-from snapd.errors import CorruptSnapshot
+from snapd.commands.locate import resolve
+from snapd.errors import CorruptSnapshot, InvalidOption
 from snapd.options import Options
-from snapd.remote.pull import pull as pull_snapshot
 from snapd.store import RunStore
-from snapd.text import human_bytes
+from snapd.humanize import human_bytes
 
 
 @click.command()
@@ -44,23 +43,24 @@ def pull(url: str, target: str, root: Optional[str], threads: int,
 
     Example: snapd pull s3://bucket/snapd gpt-small@1200 --root checkpoints
     """
-    t = remote.target(target, url)
-    base = os.path.abspath(given_root(root))
-    store = RunStore(base, t.run)
-    record = t.remote.read_record(t.run, t.name)
+    found, snap = resolve(target, url)
+    store = RunStore(os.path.abspath(given_root(root)), snap.run)
     show = sys.stderr.isatty() if progress is None else progress
-    bar = Progress(TextColumn(f"pull {t.label}"), BarColumn(),
+    bar = Progress(TextColumn(f"pull {snap.label}"), BarColumn(),
                    DownloadColumn(binary_units=True), TransferSpeedColumn(),
                    TimeRemainingColumn(), console=Console(stderr=True), transient=True,
                    disable=not show)
     try:
+        total = found.stored_bytes(snap)
         with bar:
-            shared = sum(s["size"] for s in record.get("shared") or [])
-            task = bar.add_task("", total=record["bytes"] + shared)
-            path = pull_snapshot(t.remote, store, t.name, threads=threads,
-                                 progress=lambda n: bar.advance(task, n),
-                                 min_free_bytes=Options.resolve().min_free_bytes)
+            task = bar.add_task("", total=total)
+            path = found.pull(snap, store, threads=threads,
+                              progress=lambda n: bar.advance(task, n),
+                              min_free_bytes=Options.resolve().min_free_bytes)
     except CorruptSnapshot as e:
-        fail(f"{e}\n  hint: nothing was committed locally; snapd ls {t.remote.url} "
-             f"{t.run} lists the older remote commits", 1)
-    click.echo(f"pulled {t.label} to {path} ({human_bytes(record['bytes'])}, verified)")
+        fail(f"{e}\n  hint: nothing was committed locally; snapd ls {found.where} "
+             f"{snap.run} lists the older remote commits", 1)
+    except InvalidOption as e:
+        fail(str(e), 2)
+    click.echo(f"pulled {snap.label} to {path} ({human_bytes(found.stored_bytes(snap))}, "
+               "verified)")

@@ -1,7 +1,7 @@
 """``snapd status [ROOT]``: every run's progress and risk, from logs and manifests only.
 
 The last snapshot is the newest committed directory (or LATEST, or the log's record,
-whichever is newest; snapd.recovery.RunProgress.committed): a client killed right after
+whichever is newest; snapd.progress.RunProgress.committed): a client killed right after
 a commit never logged it, and "at risk" counts from that snapshot.
 
 A multi-rank run is also shown as a job (snapd.liveview.job_model): its world size,
@@ -21,29 +21,25 @@ printed once to stderr), and a run that cannot be read at all gets an ``error``.
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import click
 from rich.table import Table
 
 from snapd import statelog
-from snapd.commands import remote as remote_commands
-from snapd.commands.common import console, emit_json, resolve_root
+from snapd.commands.common import console, emit_json
+from snapd.commands.locate import root_of
 from snapd.daemons import LiveDaemon, find_daemons
-from snapd.errors import CorruptSnapshot
 from snapd.liveview import DaemonProbe, job_lines, jobs_of, remote_lines
-from snapd.recovery import RunProgress, read_progress
-from snapd.remote.layout import RemoteRoot
-from snapd.remote.pull import pull_log, reaching
-from snapd.store import RunStore, SnapshotId, list_runs
-from snapd.text import age, count, human_bytes
+from snapd.progress import RunProgress, read_progress
+from snapd.store import RunStore, list_runs
+from snapd.humanize import age, count, human_bytes
 
 
 def collect(root: str) -> List[Dict[str, Any]]:
-    """One entry per (run, rank): its progress (snapd.recovery.RunProgress), as plain data."""
+    """One entry per (run, rank): its progress (snapd.progress.RunProgress), as plain data."""
     rows = []
     for run in list_runs(root):
         store = RunStore(root, run)
@@ -113,9 +109,9 @@ def status(root: str | None, as_json: bool, daemons: bool) -> None:
     rank's last step, the last global commit and incomplete snapshots (ranks
     missing). Reads only logs, manifests and commit records; with a daemon serving
     ROOT with a remote tier, also each run's remote lag (last remote commit, steps and
-    bytes behind, last error), from the daemon. On a remote root (snapd status
+    bytes behind, last error), from the daemon. ROOT may be a URL (snapd status
     s3://bucket/prefix): each run's replicated log against its newest remote commit
-    ("at risk": what a restore from the remote would recompute).
+    ("at risk": what a restore from there would recompute).
 
     With --daemons: every live daemon of this user instead, with its root, pid,
     resident memory, hot copies held, trainers connected, idle time and the idle
@@ -129,13 +125,13 @@ def status(root: str | None, as_json: bool, daemons: bool) -> None:
                                    f"out ROOT ({root})")
         _show_daemons(as_json)
         return
-    if remote_commands.is_url(root):   # the replicated logs against the remote commits
-        rows, jobs, lag = remote_rows(root), [], None
-    else:
-        base = resolve_root(root)
+    found = root_of(root)
+    with found.logs() as base:   # behind a URL: the replicated logs, pulled
         rows = collect(base)
         jobs = jobs_of(base, rows)
-        lag = _remote_status(base)
+    found.against_commits(rows, jobs)
+    served = found.daemon_root()
+    lag = _remote_status(served) if served else None
     if as_json:
         emit_json({"runs": rows, "jobs": jobs, "remote": lag})
         return
@@ -226,39 +222,3 @@ def _show_daemons(as_json: bool) -> None:
     total = sum(r["rss"] for r in rows)
     out.print(f"{count(len(rows), 'daemon')}, {human_bytes(total)} resident "
               "(snapd stop --all stops them)", highlight=False, markup=False)
-
-
-def remote_rows(url: str) -> List[Dict[str, Any]]:
-    """``snapd status``'s rows for a remote root: per run and rank, the progress its
-    replicated log shows (pulled into a temporary root) against the newest remote
-    commit: "at risk" counts the updates a restore from the remote would recompute."""
-    remote = remote_commands.open_remote(url)
-    newest: Dict[str, Tuple[int, Optional[Dict[str, Any]]]] = {}
-    with tempfile.TemporaryDirectory(prefix="snapd-status-") as tmp:
-        with reaching(remote, "reading the runs"):
-            for run in remote.runs():
-                commits = remote.commits(run)
-                newest[run] = (len(commits), _newest_record(remote, run, commits))
-                RunStore(tmp, run).ensure()
-                pull_log(remote, RunStore(tmp, run))
-        rows = collect(tmp)
-    for row in rows:
-        count, record = newest.get(row["run"], (0, None))
-        row.update(remote=remote.url, remote_commits=count, committed=None,
-                   committed_step=None, committed_age_s=None, at_risk=None)
-        if record is not None:
-            row.update(committed=record["name"], committed_step=record["step"],
-                       committed_age_s=time.time() - record["uploaded_at"],
-                       at_risk=None if row["reached"] is None else
-                       max(0, row["reached"] - record["step"]))
-    return rows
-
-
-def _newest_record(remote: RemoteRoot, run: str,
-                   commits: List[SnapshotId]) -> Optional[Dict[str, Any]]:
-    for sid in reversed(commits):
-        try:
-            return remote.read_record(run, sid.name)
-        except CorruptSnapshot:
-            continue
-    return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import click
 from rich.console import Console
@@ -24,46 +24,52 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
 
 from snapd import keepshared
-from snapd.commands import remote
-from snapd.commands.common import ROOT_HELP, emit_json, resolve_root, run_dir
-from snapd.commands.locate import Located, committed_of, locate
-from snapd.errors import CorruptSnapshot, SnapdError
+from snapd.commands.common import ROOT_HELP, emit_json
+from snapd.commands.locate import every_commit, resolve, root_of
+from snapd.errors import SnapdError
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.reader import SnapshotReader, check_name_matches
+from snapd.roots import Root, Snap
 from snapd.skeleton import unflatten
-from snapd.store import RunStore, list_runs
-from snapd.text import human_bytes
+from snapd.humanize import human_bytes
 
 
 Advance = Optional[Callable[[int], None]]
 
 
-def check(loc: Located, advance: Advance = None) -> Dict[str, Any]:
+def check(root: Root, snap: Snap, advance: Advance = None) -> Dict[str, Any]:
     """Verify one snapshot; a plain-data verdict (``ok``, and ``error``/``file``/``field``,
-    and for a multi-rank snapshot ``world_size`` and the ``rank`` whose part failed)."""
-    result: Dict[str, Any] = {"snapshot": loc.label, "path": loc.path, "ok": False,
+    and for a multi-rank snapshot ``world_size`` and the ``rank`` whose part failed).
+    On a root behind a URL the files are pulled into a temporary directory (which
+    checks every size and checksum as it commits them there) and checked there."""
+    result: Dict[str, Any] = {"snapshot": snap.label, "path": snap.where, "ok": False,
                               "bytes": None, "error": None, "file": None, "field": None,
                               "world_size": None, "rank": None, "owned_bytes": None,
                               "shared_bytes": 0, "shared_with": []}
     try:
-        snap = open_snapshot(loc.path)
-        if isinstance(snap, GlobalSnapshot):
-            _check_parts(snap, result, advance)
-        else:
-            check_name_matches(loc.path, snap.manifest)
-            use = keepshared.usage(snap.manifest)
-            # Checked: its own files, and the chunks it reads from earlier snapshots'.
-            result.update(world_size=1, bytes=use.owned + use.shared, owned_bytes=use.owned,
-                          shared_bytes=use.shared, shared_with=use.shared_with)
-            _check_files(snap, advance)
+        with root.files(snap) as path:
+            _check_directory(path, result, advance)
         result["ok"] = True
     except SnapdError as e:   # CorruptSnapshot, and DanglingReference (refs check)
         where = f"rank {result['rank']}: " if result["rank"] is not None else ""
         result.update(error=where + str(e), file=e.path, field=e.field)
     except OSError as e:
-        result.update(error=f"{e.filename or loc.path}: cannot be read ({e.strerror})",
+        result.update(error=f"{e.filename or snap.where}: cannot be read ({e.strerror})",
                       file=e.filename)
     return result
+
+
+def _check_directory(path: str, result: Dict[str, Any], advance: Advance) -> None:
+    snap = open_snapshot(path)
+    if isinstance(snap, GlobalSnapshot):
+        _check_parts(snap, result, advance)
+        return
+    check_name_matches(path, snap.manifest)
+    use = keepshared.usage(snap.manifest)
+    # Checked: its own files, and the chunks it reads from earlier snapshots'.
+    result.update(world_size=1, bytes=use.owned + use.shared, owned_bytes=use.owned,
+                  shared_bytes=use.shared, shared_with=use.shared_with)
+    _check_files(snap, advance)
 
 
 def _check_files(reader: SnapshotReader, advance: Advance) -> None:
@@ -101,47 +107,47 @@ def checked_text(r: Dict[str, Any]) -> str:
 
 
 def _targets(snapshot: Optional[str], all_: bool, run: Optional[str],
-             root: Optional[str]) -> List[Located]:
+             root: Optional[str]) -> Tuple[Root, List[Snap]]:
     if snapshot and (all_ or run):
         raise click.UsageError("give a SNAPSHOT, or --all (with --run RUN), not both")
     if snapshot:
-        return [locate(snapshot, root)]
+        found, snap = resolve(snapshot, root)
+        return found, [snap]
     if not all_ and not run:
         raise click.UsageError("give a SNAPSHOT to verify, or --all (--run RUN: one run)")
-    base = resolve_root(root)
-    if run is not None:
-        run_dir(base, run)
-    return [loc for r in ([run] if run else list_runs(base))
-            for loc in committed_of(RunStore(base, r))]
+    found = root_of(root)
+    return found, every_commit(found, run)
 
 
-def _planned_bytes(targets: List[Located]) -> int:
+def _planned_bytes(root: Root, targets: List[Snap]) -> int:
     """Bytes the chunks of every target hold (what the bar advances by); 0 if unknown."""
     total = 0
-    for loc in targets:
+    for snap in targets:
         try:
-            snap = open_snapshot(loc.path)
-            parts = snap.parts() if isinstance(snap, GlobalSnapshot) else [snap]
-        except (CorruptSnapshot, OSError):
+            with root.manifests(snap) as path:
+                opened = open_snapshot(path, check_files=False)
+                parts = opened.parts() if isinstance(opened, GlobalSnapshot) else [opened]
+        except (SnapdError, OSError):
             continue
         total += sum(c[1] for part in parts for obj in part.objects.values()
                      for t in obj["tensors"] for c in t["chunks"])
     return total
 
 
-def run_checks(targets: List[Located], show_progress: bool) -> List[Dict[str, Any]]:
+def run_checks(root: Root, targets: List[Snap], show_progress: bool
+               ) -> List[Dict[str, Any]]:
     if not show_progress:
-        return [check(loc) for loc in targets]
+        return [check(root, snap) for snap in targets]
     progress = Progress(TextColumn("verify {task.description}"), BarColumn(),
                         DownloadColumn(binary_units=True), TransferSpeedColumn(),
                         TimeRemainingColumn(), console=Console(stderr=True),
                         transient=True)
     results = []
     with progress:
-        task = progress.add_task("", total=_planned_bytes(targets) or None)
-        for loc in targets:
-            progress.update(task, description=loc.label)
-            results.append(check(loc, lambda n: progress.advance(task, n)))
+        task = progress.add_task("", total=_planned_bytes(root, targets) or None)
+        for snap in targets:
+            progress.update(task, description=snap.label)
+            results.append(check(root, snap, lambda n: progress.advance(task, n)))
     return results
 
 
@@ -160,26 +166,19 @@ def verify(snapshot: Optional[str], all_: bool, run: Optional[str], root: Option
     good, 1 when any snapshot is damaged (naming the file, tensor and chunk), 2 when
     there is nothing to verify.
 
-    SNAPSHOT is a snapshot directory, RUN/NAME (gpt/00001200 or gpt/1200), RUN or
-    RUN@latest (its LATEST), or RUN@best, relative to --root. On a remote root,
-    URL/RUN@STEP (or RUN@STEP --root URL; --all --root URL): pulled into a temporary
-    directory and checked there.
+    SNAPSHOT is a snapshot directory, RUN/NAME or RUN@STEP (gpt/00001200, gpt@1200),
+    RUN or RUN@latest (its LATEST), or RUN@best, relative to --root. On a root behind
+    a URL (URL/RUN@STEP, or RUN@STEP --root URL; --all --root URL) each snapshot is
+    pulled into a temporary directory and checked there.
 
     Example: snapd verify --all --root checkpoints
     """
-    if remote.is_url(snapshot) or remote.is_url(root):   # pulled, then checked
-        if not (snapshot or all_ or run):
-            raise click.UsageError("give a SNAPSHOT to verify, or --all (--run RUN: one run)")
-        targets = remote.verify_targets(snapshot, all_, run, root)
-        check_one = remote.verify_one
-    else:
-        targets = _targets(snapshot, all_, run, root)
-        check_one = None
+    found, targets = _targets(snapshot, all_, run, root)
     if not targets:
         click.echo("no committed snapshot to verify", err=True)
         raise SystemExit(2)
     show = sys.stderr.isatty() if progress is None else progress
-    results = [check_one(t) for t in targets] if check_one else run_checks(targets, show)
+    results = run_checks(found, targets, show)
     bad = [r for r in results if not r["ok"]]
     if as_json:
         emit_json({"ok": not bad, "snapshots": results})

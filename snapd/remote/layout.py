@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import urlsplit, urlunsplit
 
 from snapd import format as fmt
-from snapd.errors import CorruptSnapshot, RemoteUnavailable, SnapdError
+from snapd.errors import CorruptSnapshot, RemoteUnavailable
 from snapd.store import SnapshotId, check_run_name
 
 RECORD_SUFFIX = ".snapd"
@@ -409,14 +409,3 @@ def _is_run(name: str) -> bool:
 
 def newest(commits: List[SnapshotId]) -> Optional[SnapshotId]:
     return commits[-1] if commits else None
-
-
-def parse_target(spec: str) -> Tuple[str, Optional[str]]:
-    """``RUN`` or ``RUN@STEP`` (as the commands take it) to (run, name or None)."""
-    run, _, step = spec.partition("@")
-    if not step:
-        return check_run_name(run), None
-    if not step.isdigit():
-        raise SnapdError(f"{spec!r}: the step after @ is a number (RUN@STEP)",
-                         path=spec, field="step")
-    return check_run_name(run), SnapshotId(0, int(step)).name

@@ -18,7 +18,7 @@ remote root, by the same checks and the same record as the local one
    so two daemons that commit at once write the same bytes.
 3. :func:`note_remote_commit`, the daemon on seeing the record: the marker
    ``<run>/snapshots/.remote-<name>`` in its local root, which the client's
-   committed check accepts (snapd_client/outcomes.py), since no local directory
+   committed check accepts (snapd_client/snapshot_outcomes.py), since no local directory
    ``<name>`` will ever appear there. Never a directory, never a snapshot name.
 """
 

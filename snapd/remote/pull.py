@@ -17,8 +17,9 @@ A pull is a local commit whose bytes come from the remote root (docs/remote.md,
 5. Every checksum verified by the local readers (SnapshotReader, or GlobalSnapshot
    for many ranks), the manifest's run, step and lineage against the name; the
    tensors that read shared files read them where step 4 put them.
-6. The files and the tmp dir fsynced, then the rename that commits it, as a local
-   commit does (fsio.publish_directory); LATEST moved when the snapshot is newer.
+6. The files and the tmp dir fsynced, then the commit service's :func:`snapd.commit.
+   publish`, as every local commit: the rename that commits it, then LATEST by the
+   one rule (it moves only forward: pulling an older snapshot leaves it).
 
 Any failure removes the tmp dir. Shared files already brought down stay (another pull
 of this node may be reading them): none is referenced by a committed snapshot, so
@@ -44,7 +45,8 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from snapd import diskguard, fsio, sharing
 from snapd import format as fmt
-from snapd.errors import CorruptSnapshot, InsufficientSpace, RemoteUnavailable, SnapdError
+from snapd.commit import enospc_of, publish
+from snapd.errors import CorruptSnapshot, RemoteUnavailable, SnapdError
 from snapd.globalsnap import GlobalSnapshot
 from snapd.options import Options
 from snapd.reader import SnapshotReader
@@ -130,13 +132,12 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
             _verify(remote, store.run, sid, record, tmp, brought)           # 5.
             _fsync_tree(tmp)                                                # 6.
         with deadline.publishing(f"committing {store.run}/{name} locally"):
-            if _publish(tmp, final):
+            if not _publish(store, tmp, sid):
                 return final
-            _move_latest(store, sid)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        space = None if isinstance(e, InsufficientSpace) else _out_of_space(e)
-        if space is not None:   # (LATEST's own InsufficientSpace is raised as it is)
+        space = enospc_of(e)   # the commit service's mapping, as for a local write
+        if space is not None:
             raise diskguard.from_enospc(space, store.root, need) from e
         raise
     log.debug("run %r: pulled %s from %s (%d bytes)", store.run, name, remote.url, need)
@@ -160,35 +161,18 @@ def arrived(store: RunStore) -> int:
     return total
 
 
-def _out_of_space(error: BaseException) -> Optional[OSError]:
-    """The ENOSPC (or quota) error behind ``error``: a download that filled the local
-    disk comes back from transfer.py as RemoteUnavailable caused by it."""
-    for e in (error, error.__cause__):
-        if isinstance(e, OSError) and diskguard.is_enospc(e):
-            return e
-    return None
-
-
-def _move_latest(store: RunStore, sid: SnapshotId) -> None:
-    """LATEST to the pulled snapshot when it is the newest committed one."""
-    latest = store.read_pointer("LATEST")
-    if latest is None or latest not in store.committed() or sid > latest:
-        with diskguard.space_for(store.root, os.path.join(store.path, "LATEST"),
-                                 f"moving LATEST to the pulled {sid.name}"):
-            store.write_pointer("LATEST", sid)
-
-
-def _publish(tmp: str, final: str) -> bool:
-    """The rename that commits; True when another pull (a second rank of this node)
-    committed the same snapshot first: ours is dropped and theirs kept."""
+def _publish(store: RunStore, tmp: str, sid: SnapshotId) -> bool:
+    """Step 6's commit; False when another pull (a second rank of this node) committed
+    the same snapshot first: ours is dropped and theirs kept."""
     try:
-        fsio.publish_directory(tmp, final)
-        return False
+        publish(store, tmp, sid)
+        return True
     except OSError:
-        if not os.path.isdir(final):
+        # The rename failed (our tmp dir is still there) because the name is taken.
+        if not (os.path.isdir(tmp) and os.path.isdir(store.snapshot_path(sid))):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        return True
+        return False
 
 
 def check_listing(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
@@ -414,7 +398,7 @@ def pull_log(remote: RemoteRoot, store: RunStore,
                     os.replace(tmp, os.path.join(local, leaf))
                 fsio.fsync_dir(str(local))
         except BaseException as e:
-            space = _out_of_space(e)
+            space = enospc_of(e)
             if space is None:
                 raise
             raise diskguard.out_of_space(space, store.root, str(local),

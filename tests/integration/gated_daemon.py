@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from snapd import daemon as snapd_daemon, logs
+from snapd import daemon as snapd_daemon, stderrlog
 from snapd.options import Options
 from snapd.writer import write_snapshot
 
@@ -34,6 +34,6 @@ def gated_writer(store, plan, opts, **kwargs):
     return write_snapshot(store, plan, opts, **kwargs)
 
 
-logs.set_format("snapd", snapd_daemon.LINE_FORMAT, snapd_daemon.DATE_FORMAT)
+stderrlog.set_format("snapd", snapd_daemon.LINE_FORMAT, snapd_daemon.DATE_FORMAT)
 options = Options.resolve({"idle_exit_seconds": idle})
 sys.exit(snapd_daemon.Daemon(root, options, writer=gated_writer).serve_forever())

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from snapd import daemon as snapd_daemon, logs
+from snapd import daemon as snapd_daemon, stderrlog
 from snapd.options import Options
 from snapd.remote.layout import RemoteRoot
 
@@ -30,6 +30,6 @@ def gated_write_record(self, run, name, record):
 
 
 RemoteRoot.write_record = gated_write_record
-logs.set_format("snapd", snapd_daemon.LINE_FORMAT, snapd_daemon.DATE_FORMAT)
+stderrlog.set_format("snapd", snapd_daemon.LINE_FORMAT, snapd_daemon.DATE_FORMAT)
 options = Options.resolve({"idle_exit_seconds": 0.0, "remote": url})
 sys.exit(snapd_daemon.Daemon(root, options).serve_forever())

@@ -20,13 +20,11 @@ from typing import Any, Dict, List, Optional
 import psutil
 import torch
 
-from helpers import wait_exited, wait_for, wait_until
+from helpers import client_descriptor, wait_exited, wait_for, wait_until
 
 from snapd import peer as peer_mod
 from snapd import protocol as p
-from snapd.format import dtype_name
 from snapd.names import ROOT_LOCK_NAME
-from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource, to_descriptor
 from snapd.reader import SnapshotReader
 from snapd.store import SnapshotId
 from snapd_client import Client
@@ -166,26 +164,21 @@ class Arena:
 
     def stage(self, slot: int, run: str, step: int, states: Dict[str, Dict],
               metric: Optional[float] = None) -> Dict[str, Any]:
-        """Copy the states' tensors into a slot; return the plan descriptor."""
-        objects, offsets, pos = [], [], 0
+        """Copy the states' tensors into a slot; return the descriptor the client
+        would submit for it (its own encoder: helpers.client_descriptor)."""
+        offsets, pos = [], 0
         with open(self.fd, "r+b", closefd=False) as f:
             for name, state in states.items():
-                flat = flatten(state, name)
-                tensors, offs = [], []
-                for path, t in zip(flat.paths, flat.tensors):
+                for t in flatten(state, name).tensors:
                     raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                     f.seek(slot * self.slot_bytes + pos)
                     f.write(raw)
-                    tensors.append(TensorSource(path, dtype_name(t.dtype), list(t.shape),
-                                                memoryview(raw)))
-                    offs.append(pos)
+                    offsets.append(pos)
                     pos += -(-len(raw) // ALIGN) * ALIGN
-                objects.append(ObjectPlan(name, "test.State", flat.skeleton, tensors))
-                offsets.append(offs)
         assert pos <= self.slot_bytes
-        plan = SnapshotPlan(run, step, {"id": 0, "mode": "fresh", "parent": None},
-                            objects, rng={"python": b"\x01\x02"}, metric=metric)
-        return to_descriptor(plan, offsets)
+        return client_descriptor(states, offsets, run=run, step=step,
+                                 rng={"python": b"\x01\x02"}, metric=metric,
+                                 type_name="test.State")
 
     def attach(self, peer: Peer, run: str, hot: bool = False) -> None:
         reply = peer.request(p.Attach(run, 0, self.name, self.size, self.slots, hot))

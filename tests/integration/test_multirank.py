@@ -39,7 +39,7 @@ from jobs import (Job, files_exist, job_env, logged_step, newest_snapshot, part_
                   parts_dir, run_job, snapshot_dir, tensor_file_bytes)
 from rankstate import (load_close, load_progress, load_state, sample_differences,
                        state_differences, with_prefix)
-from snapd.recovery import read_progress
+from snapd.progress import read_progress
 from snapd.store import RunStore
 
 DDP = {"steps": 30, "snapshot_every": 8, "batch_size": 4, "samples": 96}

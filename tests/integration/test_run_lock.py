@@ -23,7 +23,7 @@ import torch
 from snapd import statelog
 from snapd.errors import DaemonUnavailable
 from snapd.reader import SnapshotReader
-from snapd.recovery import read_progress
+from snapd.progress import read_progress
 from snapd.store import RunStore
 from snapd_client import Client, SnapshotWarning
 

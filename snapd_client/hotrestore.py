@@ -3,17 +3,20 @@
 After a commit the daemon may hold the snapshot's slot of the trainer's arena (named
 by the daemon; snapd/arena_map.py). A trainer restarted on the same node then reads
 its tensors from memory instead of disk. The segment is a hint, like LATEST: it is
-used only for the snapshot restore() chose, and each tensor must match the committed manifest (path, dtype, shape, size,
-and the xxh3 of its raw bytes) or the object is read from the files instead.
+used only for the snapshot restore() chose, and each tensor must match the committed
+manifest (path, dtype, shape, size, and the xxh3 of its raw bytes) or the object is
+read from the files instead.
 
 Each byte is copied once: the segment is read (pread, not mapped: mapping 1 GiB of
 4 KiB pages costs more than copying it on a VM) straight into the tensor the live
 module or optimizer already holds at that path, when one fits, and hashed there in
 pieces small enough to still be in cache. ``load_state_dict`` then finds its own
 tensors and copies nothing, and no new memory is touched (new pages are what such a
-machine writes slowest). Tensors with no live counterpart get new memory. Tensors
-are read on this thread and a few helpers, shared by bytes; the kernel copies and the
-hash release the GIL.
+machine writes slowest). Tensors with no live counterpart get new memory. What fits,
+and what else an entry becomes, is the files' rule (snapd/reader.py,
+``destinations``): the segment is only another source of the bytes, and a restore
+reads the same tensors from either. Tensors are read on this thread and a few
+workers, shared by bytes; the kernel copies and the hash release the GIL.
 
 Reading in place means a live tensor is written before its checksum is known. A
 mismatch makes restore() read that object from the files, which overwrite it; the
@@ -39,11 +42,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import xxhash
 
-from snapd import format as fmt, protocol as proto
+from snapd import protocol as proto
 from snapd.errors import DaemonUnavailable, SnapdError
 from snapd.names import SHM_DIR, SHM_PREFIX
 from snapd.plan import tensor_extent
-from snapd.reader import SnapshotReader
+from snapd.reader import SnapshotReader, bytes_of, destinations
 from snapd.store import SnapshotId
 
 # Read, then hashed while still in the core's L2: measured at 1 GiB on a 2-CPU VM, a
@@ -62,21 +65,6 @@ def _open_segment(name: str) -> int:
         os.close(fd)
         raise SnapdError(f"hot segment {name}: not a non-empty file of ours")
     return fd
-
-
-def _destination(live: Optional[torch.Tensor], entry: Dict[str, Any]) -> torch.Tensor:
-    """The live tensor when the bytes can go straight into it, else new memory."""
-    dtype = fmt.DTYPES[entry["dtype"]]
-    if live is not None and live.dtype == dtype and list(live.shape) == \
-            list(entry["shape"]) and live.device.type == "cpu" and live.is_contiguous():
-        return live
-    return torch.empty(entry["shape"], dtype=dtype)
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    if not t.numel():
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _read_verified(fd: int, start: int, out: memoryview, expected: int) -> bool:
@@ -123,7 +111,7 @@ class HotSource:
         self.touched: List[str] = []  # written in place, then failed: read from files
         self._fd: Optional[int] = None
         self._pool: Optional[ThreadPoolExecutor] = None
-        self._helpers = 0
+        self._workers = 0
 
     @property
     def used(self) -> bool:
@@ -169,23 +157,24 @@ class HotSource:
         """The tensors of object ``name``, read and verified; raises _Miss."""
         if self._fd is None:
             self._fd = _open_segment(self.shm)
-            self._helpers = min(MAX_READERS, os.cpu_count() or 1) - 1  # + this thread
-            self._pool = ThreadPoolExecutor(self._helpers, thread_name_prefix="snapd-hot") \
-                if self._helpers else None
+            self._workers = min(MAX_READERS, os.cpu_count() or 1) - 1  # + this thread
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="snapd-hot") \
+                if self._workers else None
         size = os.fstat(self._fd).st_size
         held = next((o for o in self.plan["objects"] if o["name"] == name), None)
         if held is None or len(held["tensors"]) != len(entries):
             raise _Miss(f"the hot copy's tensors of {name} are not the snapshot's")
         starts = []
         for t, entry in zip(held["tensors"], entries):
-            if (t["path"], t["dtype"], list(t["shape"]), t["nbytes"]) != \
-                    (entry["path"], entry["dtype"], list(entry["shape"]), entry["nbytes"]):
+            saved = (entry["path"], entry["dtype"], list(entry["shape"]), entry["nbytes"])
+            held_as = (t["path"], t["dtype"], list(t["shape"]), t["nbytes"])
+            if "ref" in entry or held_as != saved:
                 raise _Miss(f"the hot copy's tensor {name}/{entry['path']} does not "
                             "match the snapshot's manifest")
             starts.append(tensor_extent(t, size)[0])  # bounds-checked
-        out = [_destination(live.get(e["path"]), e) for e in entries]
-        if self._read_all(list(zip(starts, map(_bytes_of, out),
-                                   [e["xxh3"] for e in entries]))):
+        out = destinations(entries, live)   # as the files would: one way to read
+        if self._read_all([(start, bytes_of(t), e["xxh3"])
+                           for start, t, e in zip(starts, out, entries)]):
             return out
         if any(t is live.get(e["path"]) for t, e in zip(out, entries)):
             self.touched.append(name)
@@ -193,9 +182,9 @@ class HotSource:
 
     def _read_all(self, jobs: List[tuple]) -> bool:
         """Run every (start, destination, digest) read, shared by bytes between this
-        thread and the helpers; True iff all verified. Returns only when every
+        thread and the workers; True iff all verified. Returns only when every
         read has ended: they write into live tensors."""
-        shares: List[List[tuple]] = [[] for _ in range(1 + self._helpers)]
+        shares: List[List[tuple]] = [[] for _ in range(1 + self._workers)]
         loads = [0] * len(shares)
         for job in sorted(jobs, key=lambda j: -len(j[1])):
             i = loads.index(min(loads))

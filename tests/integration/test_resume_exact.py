@@ -22,9 +22,8 @@ import pytest
 
 from helpers import stop_daemons_under
 
-pytestmark = pytest.mark.integration  # every test here runs trainer processes
-
-TRAINER = os.path.join(os.path.dirname(__file__), "trainer.py")
+TRAINER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "trainer.py")
 STEPS, CUT, DIED = 12, 5, 9   # snapshot at CUT, the first process dies after DIED
 
 
