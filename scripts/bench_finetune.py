@@ -48,13 +48,11 @@ method, as are torch.save's files.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-import warnings
 from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -339,14 +337,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    warnings.filterwarnings("ignore")
-    args = parse(argv)
-    data = run_all(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
-    benchlib.emit(report(data), args.doc, SECTION)
-    return data
+    return benchlib.run_bench(argv, parse, run_all, report, SECTION)
 
 
 if __name__ == "__main__":

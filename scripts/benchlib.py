@@ -435,3 +435,19 @@ def emit(text: str, doc: Optional[str], heading: str) -> None:
     if doc:
         write_doc(doc, text, heading)
         print(f"written to {doc}", file=sys.stderr)
+
+
+def run_bench(argv: Optional[List[str]], parse: Any, run_all: Any, report: Any,
+              heading: str) -> Dict[str, Any]:
+    """A bench's whole main: its arguments, its run, the JSON (``--json``) and its
+    markdown section (printed, and written into ``--doc``)."""
+    import json
+    import warnings
+    warnings.filterwarnings("ignore")
+    args = parse(argv)
+    data = run_all(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    emit(report(data), args.doc, heading)
+    return data

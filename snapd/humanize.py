@@ -10,7 +10,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Dict, Optional
 
-__all__ = ["age", "count", "human_bytes", "iso_time", "lineage_text", "number", "si_bytes"]
+__all__ = ["age", "count", "human_bytes", "iso_time", "lineage_text", "number", "si_bytes",
+           "span"]
 
 
 def age(seconds: Optional[float]) -> str:
@@ -22,6 +23,14 @@ def age(seconds: Optional[float]) -> str:
         if seconds >= size:
             return f"{seconds / size:.1f}{unit}"
     return f"{seconds:.0f}s"
+
+
+def span(seconds: Optional[float]) -> str:
+    """A duration where tenths matter below ten seconds: ``0.4s``, ``3.4s``, then as
+    :func:`age` (``12s``, ``3.5m``, ``1.2h``); ``-`` when unknown."""
+    if seconds is None:
+        return "-"
+    return f"{max(0.0, seconds):.1f}s" if seconds < 9.95 else age(seconds)
 
 
 def count(n: Any, word: str, many: Optional[str] = None) -> str:

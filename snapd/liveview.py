@@ -38,7 +38,7 @@ from snapd.reader import read_summary
 from snapd.progress import RunProgress, read_progress
 from snapd.names import ROOT_LOCK_NAME as LOCK_NAME, SOCKET_NAME
 from snapd.store import RunStore, list_runs
-from snapd.humanize import age, count, number, si_bytes
+from snapd.humanize import age, count, number, si_bytes, span
 
 TAIL_BUDGET = 1024     # records read per rank and refresh, newest first
 SPARK_POINTS = 24      # losses in the sparkline
@@ -169,7 +169,8 @@ def _progress(prog: RunProgress, committed: Optional[Dict[str, Any]], now: float
     return {
         "step": prog.reached, "steps_per_s": prog.steps_per_s,
         "step_age_s": None if prog.reached_time is None else now - prog.reached_time,
-        "at_risk": prog.at_risk,
+        "at_risk": prog.at_risk, "at_risk_seconds": prog.at_risk_seconds,
+        "cadence": prog.cadence,
         "last_committed": last,
         "committed_age_s": now - last["time"] if last and last.get("time") else None,
         "last_resume": _pick(prog.last_resume, "snapshot", "step", "mode", "recompute",
@@ -178,7 +179,8 @@ def _progress(prog: RunProgress, committed: Optional[Dict[str, Any]], now: float
 
 
 def rank_model(store: RunStore, rank: int, now: float) -> Dict[str, Any]:
-    """One (run, rank): progress, loss, last commit, stall, skips, retention."""
+    """One (run, rank): progress, work at risk (updates and seconds), the cadence's
+    decision, loss, last commit, stall, skips, retention."""
     row: Dict[str, Any] = {"run": store.run, "rank": rank, "error": None, "log_damage": []}
     try:
         with warnings.catch_warnings():  # a live view shows damage in its rows instead
@@ -281,6 +283,36 @@ def collect(root: str, status: Any = _QUERY, *, now: Optional[float] = None
             "remote": (status or {}).get("remote")}
 
 
+def at_risk_text(steps: Optional[int], seconds: Optional[float]) -> str:
+    """``12 (3.4s)``: the updates and the seconds of training since the newest
+    committed snapshot; ``12`` when the log has no times, ``-`` when nothing is known."""
+    if steps is None:
+        return "-"
+    return str(steps) if seconds is None else f"{steps} ({span(seconds)})"
+
+
+def cadence_text(cadence: Optional[Dict[str, Any]]) -> str:
+    """``every 40 (12s, overhead)``: the cadence's interval in steps and seconds and
+    the bound that sets it; ``-`` for a run without a cadence record."""
+    if not cadence:
+        return "-"
+    steps = cadence.get("interval_steps")
+    return (f"every {'-' if steps is None else steps} "
+            f"({span(cadence.get('interval_s'))}, {cadence.get('bound') or '-'})")
+
+
+def cadence_line(run: str, rank: int, cadence: Optional[Dict[str, Any]]) -> Optional[str]:
+    """The whole decision in words, for the lines under the tables; None without one."""
+    if not cadence:
+        return None
+    steps = cadence.get("interval_steps")
+    every = "- steps" if steps is None else count(steps, "step")
+    return (f"{run} r{rank}: cadence every {every} ({span(cadence.get('interval_s'))}), "
+            f"set by the {cadence.get('bound') or '-'} bound; expected loss per failure "
+            f"{span(cadence.get('expected_loss_s'))}; MTBF {age(cadence.get('mtbf_s'))} "
+            f"({cadence.get('mtbf_from') or '-'})")
+
+
 def remote_lines(remote: Optional[Dict[str, Any]], now: float) -> List[str]:
     """The remote tier's lag, one line per run (pure; ``remote`` is status_reply's)."""
     if not remote:
@@ -338,14 +370,18 @@ def _table(title: str) -> Table:
 
 def _training_table(runs: List[Dict[str, Any]], points: int) -> Table:
     table = _table("training")
-    for name in ("run", "rank", "step", "steps/s", "loss", "trend", "at risk", "last step"):
-        table.add_column(name, justify="left" if name in ("run", "trend") else "right",
-                         no_wrap=name in ("run", "step", "trend"))
+    for name in ("run", "rank", "step", "steps/s", "loss", "trend", "at risk", "cadence",
+                 "last step"):
+        table.add_column(name, justify="left" if name in ("run", "trend", "cadence")
+                         else "right", no_wrap=name in ("run", "step", "trend"),
+                         # a narrow terminal wraps the cadence, never cuts its bound
+                         min_width=len("young-daly)") if name == "cadence" else None)
     for r in runs:
         table.add_row(r["run"], str(r["rank"]), number(r.get("step"), "{}"),
                       number(r.get("steps_per_s"), "{:.2f}"), number(r.get("loss")),
                       Text(sparkline(r.get("losses") or [], points), style="cyan"),
-                      number(r.get("at_risk"), "{}"), age(r.get("step_age_s")) + " ago"
+                      at_risk_text(r.get("at_risk"), r.get("at_risk_seconds")),
+                      cadence_text(r.get("cadence")), age(r.get("step_age_s")) + " ago"
                       if r.get("step_age_s") is not None else "-")
     return table
 
@@ -400,6 +436,9 @@ def _history(runs: List[Dict[str, Any]]) -> List[Text]:
         for damage in (r.get("log_damage") or [])[:1]:
             lines.append(Text(who + "log damaged, valid records shown: " + damage,
                               style="yellow"))
+        cadence = cadence_line(r["run"], r["rank"], r.get("cadence"))
+        if cadence:
+            lines.append(Text(cadence))
         if resume:
             verdict = replay and f"; replay {replay['verdict']} at step {replay['step']}"
             lines.append(Text(f"{who}resumed from {resume['snapshot']} ({resume['mode']}, "
@@ -414,7 +453,9 @@ def render(model: Dict[str, Any], width: int = 100) -> Group:
     if not runs:
         parts.append(Text("no runs under this root yet"))
     else:
-        points = max(8, min(SPARK_POINTS, width // 6))
+        # The training table's other columns take up to about 90 characters; the
+        # trend gets what is left, so that a narrow terminal wraps the least.
+        points = max(8, min(SPARK_POINTS, width - 90))
         parts += [Text(""), _training_table(runs, points), Text(""), _snapshot_table(runs)]
     jobs = [line for job in model.get("jobs") or [] for line in job_lines(job)]
     if jobs:

@@ -24,6 +24,7 @@ from snapd.errors import InvalidOption, OptionMismatch, ProtocolError, UnknownOp
 _log = logging.getLogger(__name__)
 
 Compression = Union[str, int]  # "off", "auto", or a zstd level 1..22
+Every = Union[None, int, str]  # None, a step count N, or "auto"
 
 
 # The options a client sends with each submit: the run's writer and retention
@@ -33,7 +34,8 @@ SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep
 # The options the training process acts on itself (its handoff, log, restore, waits).
 CLIENT_OPTIONS = ("mode", "on_busy", "slots", "copy_threads", "daemon",
                   "log_flush_interval", "log_segment_bytes", "replay_check",
-                  "verify_steps", "timeout", "global_commit_timeout", "remote_timeout")
+                  "verify_steps", "timeout", "global_commit_timeout", "remote_timeout",
+                  "every", "overhead", "max_loss", "mtbf")
 # The options of the daemon as a whole: one value for every client of the root. A
 # daemon a client starts gets the client's values (daemon_environment); a client that
 # joins a running daemon is refused where its values differ (check_shared).
@@ -86,6 +88,15 @@ class Options:
     remote_log_interval: float = 5.0  # how often the state log is replicated
     remote_timeout: float = 10.0  # restore()'s whole remote work (listing, pulling):
     #                               past it, a RemoteWarning and the local disk
+    # When snapshot(step) takes one (docs/operations.md, "Snapshot cadence").
+    every: Every = None           # None: every call; N: steps that are multiples of N;
+    #                               "auto": as often as it pays (snapd_client/cadence.py)
+    overhead: float = 0.01        # "auto": the most of the training time snapshots may
+    #                               stall it (0.01: one percent)
+    max_loss: Optional[float] = None  # "auto": the most seconds of training a failure
+    #                               may lose (the interval plus the time to durable)
+    mtbf: Optional[float] = None  # "auto": seconds between failures; None: learned from
+    #                               the run's resumes, else 24 hours
     # State log.
     log_flush_interval: float = 1.0
     log_segment_bytes: int = 64 << 20
@@ -150,6 +161,7 @@ class Options:
                 raise InvalidOption(f"{name}={getattr(self, name)}: zero or more",
                                     field=name)
         _check_verify_steps(self.verify_steps, self.keep_last)
+        _check_cadence(self)
         _check_remote(self)
         if self.slots not in (1, 2):
             raise InvalidOption(f"slots={self.slots}: the staging arena has 1 or 2 slots",
@@ -208,6 +220,32 @@ def _check_verify_steps(k: int, keep_last: Optional[int]) -> None:
                             field="verify_steps")
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_cadence(o: "Options") -> None:
+    """``every`` and the cadence's three figures (docs/operations.md, "Snapshot
+    cadence")."""
+    every = o.every
+    if not (every is None or every == "auto" or
+            (isinstance(every, int) and not isinstance(every, bool) and every > 0)):
+        raise InvalidOption(f"every={every!r}: None (each snapshot() call takes one), a "
+                            "positive step count N (the steps that are multiples of N) "
+                            "or 'auto' (as often as it pays)", field="every")
+    if not (_number(o.overhead) and 0 < o.overhead < 1):
+        raise InvalidOption(f"overhead={o.overhead!r}: the share of training time "
+                            "snapshots may stall it, between 0 and 1 (0.01: one "
+                            "percent)", field="overhead")
+    for name, meaning in (("max_loss", "the most seconds of training a failure may "
+                                       "lose"),
+                          ("mtbf", "the seconds between failures")):
+        value = getattr(o, name)
+        if value is not None and not (_number(value) and value > 0):
+            raise InvalidOption(f"{name}={value!r}: {meaning}, a positive number, or "
+                                "None", field=name)
+
+
 def _check_remote(o: "Options") -> None:
     if o.remote is not None:
         if not isinstance(o.remote, str) or "://" not in o.remote:
@@ -258,6 +296,10 @@ def _parse(name: str, raw: str, default: Any) -> Any:
             return raw or None
         if name == "compression":
             return raw if raw in ("off", "auto") else int(raw)
+        if name == "every":   # SNAPD_EVERY=auto or a step count
+            return raw if raw == "auto" else int(raw)
+        if name in ("max_loss", "mtbf"):   # seconds; their default is None
+            return float(raw)
         if isinstance(default, bool):
             return raw.strip().lower() in ("1", "true", "yes", "on")
         if isinstance(default, int) or (default is None and "keep_" in name):

@@ -1,8 +1,9 @@
 """A run's progress, read from the state log and the pointers without a tensor file.
 
 A restarting trainer, ``snapd status`` and ``snapd watch`` all ask the same questions:
-how far did training get, what is the last committed snapshot, how many updates are
-at risk, what happened at the last resume. The answers come from the tail of each
+how far did training get, what is the last committed snapshot, how many updates (and
+seconds of training) are at risk, what happened at the last resume, what interval the
+snapshot cadence aims at. The answers come from the tail of each
 rank's log (bounded reads, see statelog), from LATEST and from the names of the
 committed snapshot directories, so they cost milliseconds whatever the length of the
 run. What is committed is the directories' and LATEST's answer, not the log's: a
@@ -18,7 +19,7 @@ about by the readers), never an error. It is a report, not a plan: restore decid
 from __future__ import annotations
 
 import os
-from contextlib import suppress
+from contextlib import closing, suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -47,6 +48,8 @@ class RunProgress:
     last_resume: Optional[Dict[str, Any]] = None
     last_replay: Optional[Dict[str, Any]] = None
     last_scalars: Dict[str, Any] = field(default_factory=dict)
+    at_risk_seconds: Optional[float] = None   # training since the committed step
+    cadence: Optional[Dict[str, Any]] = None  # the newest cadence record's decision
     bytes_read: int = 0
     log_damage: List[str] = field(default_factory=list)  # what the readers skipped
 
@@ -130,40 +133,150 @@ def _rate(records: List[Dict[str, Any]]) -> Optional[float]:
     return (steps[-1]["step"] - steps[0]["step"]) / (steps[-1]["time"] - steps[0]["time"])
 
 
+# The fields of a "cadence" record that say what the cadence decided (docs/operations.md,
+# "Snapshot cadence"): what status and watch show of it.
+CADENCE_FIELDS = ("interval_s", "interval_steps", "bound", "expected_loss_s", "mtbf_s",
+                  "mtbf_from")
+STEP_SAMPLES = 64        # step records the step rate is measured over
+PAST_COMMIT = 4096       # records read past the newest commit record, at most, to find
+#                          the committed step's own records
+
+
+class _Walk:
+    """What one backward pass over a rank's log collects, and when it may stop.
+
+    It stops once it has the newest committed-snapshot record, a short tail of step
+    records for the rate, and has gone past that snapshot's step: the records logged
+    when the snapshot was taken (its step record, its "staged" and "cadence" records)
+    lie just before the commit record, behind the steps trained while it was written.
+    """
+
+    def __init__(self, progress: RunProgress) -> None:
+        self.progress = progress
+        self.steps: List[Dict[str, Any]] = []     # newest first
+        self.step_time: Dict[int, float] = {}     # step -> when training was there
+        self.committed_at: Optional[int] = None   # index of the commit record
+        self.passed = False                       # a step before the committed one seen
+        self.oldest_time: Optional[float] = None  # of the oldest record read
+        self.exhausted = False                    # the whole log was read
+
+    def take(self, i: int, record: Dict[str, Any]) -> None:
+        progress, kind = self.progress, record.get("kind")
+        at = _number(record.get("time"))
+        self.oldest_time = self.oldest_time if at is None else at
+        self._note_step_time(record)
+        if statelog.is_step(record) and len(self.steps) < STEP_SAMPLES:
+            self.steps.append(record)
+        elif kind == "resume" and progress.last_resume is None:
+            progress.last_resume = record
+        elif kind == "replay" and progress.last_replay is None:
+            progress.last_replay = record
+        elif kind == "cadence" and progress.cadence is None:
+            progress.cadence = _cadence(record)
+        elif kind == "snapshot" and record.get("event") == "committed" \
+                and progress.last_committed is None:
+            progress.last_committed, self.committed_at = record, i
+            progress.last_resume = progress.last_resume or _map(record.get("last_resume"))
+            progress.last_replay = progress.last_replay or _map(record.get("last_replay"))
+        committed_step = (progress.last_committed or {}).get("step")
+        if statelog.is_step(record) and type(committed_step) is int \
+                and record["step"] < committed_step:
+            self.passed = True
+
+    def _note_step_time(self, record: Dict[str, Any]) -> None:
+        """When training was at a step: its step record, or the "staged" record of a
+        snapshot taken there; the newest wins (a replayed step's, the run that went
+        on). Only the records near the tail, where the committed step's are."""
+        step, at = record.get("step"), _number(record.get("time"))
+        staged = record.get("kind") == "snapshot" and record.get("event") == "staged"
+        if type(step) is int and at is not None and (statelog.is_step(record) or staged) \
+                and len(self.step_time) < PAST_COMMIT:
+            self.step_time.setdefault(step, at)
+
+    def done(self, i: int) -> bool:
+        if self.committed_at is None or (len(self.steps) < STEP_SAMPLES and i <= 256):
+            return False
+        return self.passed or i > self.committed_at + PAST_COMMIT
+
+
 def read_progress(store: RunStore, rank: int = 0) -> RunProgress:
     """Read the log tail and LATEST of one rank; never opens a tensor file.
 
-    One backward pass, which stops at the newest committed-snapshot record: that record
-    carries the resume and replay records that preceded it, so the bytes read are those
-    logged since the last commit (plus a short tail for the step rate), never the log.
+    One backward pass, which stops just past the newest committed-snapshot record (see
+    _Walk): that record carries the resume and replay records that preceded it, so the
+    bytes read are those logged since the snapshot was taken (plus a short tail for the
+    step rate), never the log.
     """
     stats = statelog.IOStats()
     progress = RunProgress(store.run, rank)
     latest = store.read_pointer("LATEST")
     progress.latest = latest.name if latest else None
-    steps: List[Dict[str, Any]] = []
-    for i, record in enumerate(statelog.newest_first(store.path, rank, stats)):
-        kind = record.get("kind")
-        if statelog.is_step(record) and len(steps) < 64:
-            steps.append(record)
-        elif kind == "resume" and progress.last_resume is None:
-            progress.last_resume = record
-        elif kind == "replay" and progress.last_replay is None:
-            progress.last_replay = record
-        elif kind == "snapshot" and record.get("event") == "committed" \
-                and progress.last_committed is None:
-            progress.last_committed = record
-            progress.last_resume = progress.last_resume or _map(record.get("last_resume"))
-            progress.last_replay = progress.last_replay or _map(record.get("last_replay"))
-        if progress.last_committed is not None and (len(steps) >= 64 or i > 256):
-            break
-    if steps:
-        progress.reached, progress.reached_time = steps[0]["step"], _number(steps[0].get("time"))
-        progress.last_scalars = _map(steps[0].get("scalars")) or {}
-    progress.steps_per_s = _rate(steps[::-1])
+    walk = _Walk(progress)
+    with closing(statelog.newest_first(store.path, rank, stats)) as records:
+        for i, record in enumerate(records):
+            walk.take(i, record)
+            if walk.done(i):
+                break
+        else:
+            walk.exhausted = True
+    if walk.steps:
+        newest = walk.steps[0]
+        progress.reached, progress.reached_time = newest["step"], _number(newest.get("time"))
+        progress.last_scalars = _map(newest.get("scalars")) or {}
+    progress.steps_per_s = _rate(walk.steps[::-1])
     _newest_dir(store, progress)
+    progress.at_risk_seconds = _at_risk_seconds(store, progress, walk, stats)
     progress.bytes_read, progress.log_damage = stats.bytes_read, list(stats.damage)
     return progress
+
+
+def _at_risk_seconds(store: RunStore, progress: RunProgress, walk: _Walk,
+                     stats: statelog.IOStats) -> Optional[float]:
+    if progress.committed_step is None:   # nothing committed: since the run's start
+        start = walk.oldest_time if walk.exhausted else None
+    else:
+        start = walk.step_time.get(progress.committed_step)
+    return at_risk_seconds(store, progress.rank, progress.at_risk, progress.committed_step,
+                           progress.reached_time, progress.last_resume, start=start,
+                           stats=stats)
+
+
+def at_risk_seconds(store: RunStore, rank: int, at_risk: Optional[int],
+                    since_step: Optional[int], reached_time: Optional[float],
+                    last_resume: Optional[Dict[str, Any]], *, start: Optional[float] = None,
+                    stats: Optional[statelog.IOStats] = None) -> Optional[float]:
+    """Seconds of training at risk: from when training was at ``since_step`` (the
+    committed snapshot's) to ``reached_time`` (the last step logged). ``start``: that
+    moment when the caller read it; else the step's record, found by bisection
+    (statelog.find_step: the write was long, or the directories know a snapshot the
+    log's tail does not). A resume since restarts the count: the time the run was down
+    is not training. None when the log does not say (no times, the records lost)."""
+    if at_risk is None or reached_time is None:
+        return None
+    if at_risk == 0:
+        return 0.0
+    if start is None and since_step is not None:
+        record = statelog.find_step(store.path, rank, since_step, stats=stats)
+        start = _number(record.get("time")) if record else None
+    if start is None:
+        return None
+    resumed = _number((last_resume or {}).get("time"))
+    return max(0.0, reached_time - max(start, resumed or start))
+
+
+def _cadence(record: Dict[str, Any]) -> Dict[str, Any]:
+    """The decision a "cadence" record carries; a field of the wrong type (a hostile
+    edit, another version) reads as unknown, never as an error."""
+    out: Dict[str, Any] = {}
+    for name in CADENCE_FIELDS:
+        value = record.get(name)
+        if name == "interval_steps":
+            out[name] = value if type(value) is int else None
+        elif name in ("bound", "mtbf_from"):
+            out[name] = value if isinstance(value, str) else None
+        else:
+            out[name] = _number(value)
+    return out
 
 
 def _newest_dir(store: RunStore, progress: RunProgress) -> None:

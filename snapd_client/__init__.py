@@ -31,10 +31,12 @@ from snapd_client.cursor import BatchStream
 from snapd_client.handle import CloseSummary, SnapshotHandle, SnapshotWarning
 from snapd_client.journal import ReplayWarning
 from snapd_client.restore import FallbackWarning
+from snapd_client.schedule import CadenceWarning
 
 __all__ = [
     "Base",
     "BatchStream",
+    "CadenceWarning",
     "Client",
     "CloseSummary",
     "CorruptSnapshot",

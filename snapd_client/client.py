@@ -40,6 +40,7 @@ from snapd.runlock import RunLock
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import write_snapshot
 from snapd_client.basemodel import Base, LiveBase
+from snapd_client.cadence import Cadence
 from snapd_client.capture import Capture, capture_object, stepped_tensors
 from snapd_client.cursor import BatchStream
 from snapd_client.frozen import Unchanged, frozen_flags, trainable_ptrs
@@ -56,6 +57,7 @@ from snapd_client.ranks import default_session, detect
 from snapd_client.replicas import with_writers
 from snapd_client.restore import Loaded, load_for_resume, load_weights
 from snapd_client.rng import RngStreams
+from snapd_client.schedule import CadenceWarning, Schedule
 from snapd_client.values import Values, track_names, track_objects, values_home
 
 MODES = ("resume", "warm_start")
@@ -77,6 +79,12 @@ def _as_metric(metric: Any) -> Optional[float]:
         raise InvalidOption(f"snapshot(metric={metric!r}): the metric must be one number "
                             f"(a float, or a tensor of one element): {e}",
                             field="metric") from e
+
+
+def _check_step(step: Any) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise InvalidOption(f"snapshot(step={step!r}): step counts completed "
+                            "updates, a non-negative int", field="step")
 
 
 class Client:
@@ -152,6 +160,10 @@ class Client:
                                 given) if self.daemon else None
         self._outcomes = Outcomes(self.store, self._handoff,
                                   global_timeout=self.options.global_commit_timeout)
+        # Which snapshot() calls take one (``every``; snapd_client/schedule.py).
+        self._schedule = Schedule(self.options, rank=self.rank,
+                                  world_size=self.world_size,
+                                  history=self._resume_times)
         self._hooks: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook
         self._warm_hooks: Dict[int, Any] = {}  # id(optimizer) -> its first step's hook
         self._stepped: set = set()   # optimizers whose first step has been seen
@@ -173,6 +185,18 @@ class Client:
             self._journal = Journal(self.store, self.rank, self.rng, self.options)
             self._outcomes.journal = self._journal   # outcomes are logged from now on
         return self._journal
+
+    def _resume_times(self) -> List[float]:
+        """The run's resume times, as this client's restore() logged them (none
+        before a restore, or on a fresh run): the cadence's history."""
+        return self._journal.resume_times if self._journal is not None else []
+
+    @property
+    def cadence(self) -> Optional[Cadence]:
+        """With ``every="auto"``, the :class:`~snapd_client.cadence.Cadence` deciding
+        (made at the first snapshot() call; its ``step_s``, ``stall_s``, ``mtbf_s``);
+        else None."""
+        return self._schedule.cadence
 
     @property
     def skipped(self) -> List[int]:
@@ -289,9 +313,7 @@ class Client:
         """The frozen capture of the tracked state at this step boundary (the live
         tensors, not copies: valid until the trainer next changes them). ``share``:
         frozen leaves unchanged since an earlier snapshot refer to it (not copied)."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise InvalidOption(f"snapshot(step={step!r}): step counts completed "
-                                "updates, a non-negative int", field="step")
+        _check_step(step)
         # Overlap mode defers the copies only optimizer.step() changes (capture.py).
         defer = stepped_tensors(self._tracked) \
             if self._handoff is not None and self.options.mode == "overlap" else None
@@ -333,19 +355,36 @@ class Client:
         writes after. ``daemon=False`` writes here, synchronously. A snapshot that
         failed in the background since the last call is warned of first
         (``SnapshotWarning``), and one a lost daemon left staged is retried.
+
+        With ``every`` set, only some calls take one (docs/operations.md, "Snapshot
+        cadence"): the others return at once a handle whose ``taken`` is False,
+        having copied, sent and logged nothing. ``every="auto"`` logs a ``cadence``
+        record with each snapshot taken, and warns once (``CadenceWarning``) when
+        ``max_loss`` cannot be met.
         """
         self._check_open()
         self._check_writable("snapshot()")
+        _check_step(step)
         self._outcomes.report()
+        take = self._schedule.decide(step)
+        unreachable = self._schedule.warning()
+        if unreachable is not None:   # once, at the trainer's line
+            warnings.warn(CadenceWarning(unreachable), stacklevel=2)
+        if not take:
+            return SnapshotHandle.not_taken(step)
         metric = _as_metric(metric)
-        started = time.perf_counter()
+        started, called_at = time.perf_counter(), self._schedule.clock()
         handle = self._hand_over(step, metric)
+        self._schedule.agree()   # many ranks under "auto": rank 0's interval
         # The stall: how long this call kept the loop from its next update.
+        stall = time.perf_counter() - started
         self.journal.event("snapshot", event="staged", step=step, metric=metric,
-                           stall=time.perf_counter() - started,
-                           staged_bytes=handle.staged_bytes,
+                           stall=stall, staged_bytes=handle.staged_bytes,
                            waited=handle.stall_seconds, mode=self.options.mode
                            if self._handoff is not None else "in-process")
+        cadence = self._schedule.taken(handle, stall, called_at)
+        if cadence is not None:
+            self.journal.event("cadence", **cadence)
         self.journal.sync_soon()  # flushed now by the log's thread: no fsync here
         self._outcomes.add(handle)
         return handle
@@ -527,7 +566,8 @@ class Client:
             return step
         # Counted from the log's records: step numbers need not be contiguous.
         recompute = self.journal.begin_replay(step, reached)
-        self.journal.resume(step=step, snapshot=loaded.sid.name, mode="resume",
+        self.journal.resume(previous=self.recovery.last_resume,
+                            step=step, snapshot=loaded.sid.name, mode="resume",
                             lineage=self.lineage, reached=reached, recompute=recompute,
                             restored_from=self.restored_from, refused=loaded.refused,
                             omitted=omitted,

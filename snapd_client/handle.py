@@ -83,6 +83,10 @@ class SnapshotHandle:
     write was still busy and ``on_busy="skip"``) is done at once and waits to None.
     ``stall_seconds`` is how long snapshot() waited for a free staging slot.
 
+    A call that took no snapshot (``every``: not a step it takes, docs/operations.md
+    "Snapshot cadence") returns a handle built by :meth:`not_taken`: ``taken`` False,
+    done, not failed, ``wait()`` None; nothing was copied or logged for it.
+
     A snapshot lost with a dead daemon whose bytes are still staged is retried on a
     new daemon (handoff.py): ``reopen()`` puts the handle back in flight, and the
     retry's outcome replaces the loss (done callbacks run again with it).
@@ -111,6 +115,7 @@ class SnapshotHandle:
         # are not copied (snapd_client/frozen.py).
         self.staged_bytes = 0
         self.result: Optional[CommitResult] = None
+        self.taken = True          # False: this call took no snapshot (not_taken)
         self.skipped = False
         self.outcome_unknown = False
         self.warned = False        # a SnapshotWarning told the trainer of this failure
@@ -122,6 +127,15 @@ class SnapshotHandle:
         self._event = threading.Event()   # set once the outcome's callbacks have run
         self._lock = threading.Lock()
         self._callbacks: List[Callable[["SnapshotHandle"], None]] = []
+
+    @classmethod
+    def not_taken(cls, step: int) -> "SnapshotHandle":
+        """The handle of a call that took no snapshot: done at once, nothing to wait
+        for, no outcome to record."""
+        handle = cls(step)
+        handle.taken, handle._settled = False, True
+        handle._event.set()
+        return handle
 
     def add_done_callback(self, callback: Callable[["SnapshotHandle"], None]) -> None:
         """Call ``callback(handle)`` on each outcome (at once if one is known): once,
@@ -250,7 +264,8 @@ class SnapshotHandle:
         return e
 
     def __repr__(self) -> str:
-        state = ("outcome unknown" if self.outcome_unknown else "failed" if self.failed
+        state = ("not taken" if not self.taken else
+                 "outcome unknown" if self.outcome_unknown else "failed" if self.failed
                  else "skipped" if self.skipped else "durable" if self.done()
                  else "in flight")
         return f"<SnapshotHandle step={self.step} {state}>"

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from snapd.errors import InsufficientSpace, ReplayDivergence
 from snapd.logwriter import LogWriter
@@ -46,6 +46,29 @@ from snapd.options import Options
 from snapd.progress import expected_steps
 from snapd.store import RunStore
 from snapd_client.rng import RngStreams
+
+
+# Resume times a resume record carries at most: enough for a mean time between
+# failures, small enough for a record.
+RESUME_HISTORY = 32
+# The resume modes that continue the run after an interruption (a warm start does not).
+CONTINUING = ("resume", "reshard")
+
+
+def resume_times(record: Optional[Dict[str, Any]]) -> List[float]:
+    """The times of a run's resumes up to ``record`` (a resume record), oldest first:
+    its ``resumes``, or, from a record written before they were carried, its own
+    time. A warm start begins a new lineage, and its history: none."""
+    if not isinstance(record, dict) or record.get("mode") not in CONTINUING:
+        return []
+    carried = record.get("resumes")
+    if isinstance(carried, list):
+        return [float(t) for t in carried if _seconds(t)]
+    return [float(record["time"])] if _seconds(record.get("time")) else []
+
+
+def _seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class ReplayWarning(UserWarning):
@@ -217,13 +240,30 @@ class Journal:
         except OSError as e:  # a failed fsync: the records stay, their durability is late
             self._dropped(e, records=0)
 
-    def resume(self, **fields: Any) -> Dict[str, Any]:
+    def resume(self, *, previous: Optional[Dict[str, Any]] = None,
+               **fields: Any) -> Dict[str, Any]:
         """The resume record; kept, so that later committed records can carry it.
-        Written at the run's start: a full disk raises InsufficientSpace (see above)."""
-        record = {"kind": "resume", "time": time.time(), **fields}
+        Written at the run's start: a full disk raises InsufficientSpace (see above).
+
+        A resume that continues the run (``mode`` "resume" or "reshard") also carries
+        ``resumes``:
+        the times of the run's resumes, ``previous``' (the run's last resume record,
+        as read_progress found it) and this one's, the newest RESUME_HISTORY. The
+        cadence learns the run's time between failures from them (resume_times) in
+        one record, without reading the log back to its start."""
+        now = time.time()
+        record = {"kind": "resume", "time": now, **fields}
+        if fields.get("mode") in CONTINUING:
+            record["resumes"] = (resume_times(previous) + [now])[-RESUME_HISTORY:]
         self._append(record, at_start=True)
         self.last_resume = record
         return record
+
+    @property
+    def resume_times(self) -> List[float]:
+        """The times of the run's resumes, oldest first, as this client's restore()
+        logged them; empty on a fresh run or a warm start."""
+        return resume_times(self.last_resume)
 
     def close(self) -> None:
         """Seal the log; a disk error here is kept in ``last_error``, not raised."""

@@ -283,3 +283,116 @@ def test_section_replaces_its_own_and_keeps_the_others(tmp_path):
     assert "old figures" not in text and "new figures" in text
     assert "single" in text and "log" in text
     assert text.index("new figures") < text.index("## State log")
+
+
+# --- the automatic cadence (scripts/bench_cadence.py) -------------------------------
+
+import bench_cadence as bc  # noqa: E402
+
+
+def test_overhead_is_against_the_loop_without_snapshots_and_loss_adds_d():
+    assert bc.overhead(10.3, 10.0) == pytest.approx(0.03)
+    assert bc.overhead(9.9, 10.0) == pytest.approx(-0.01)    # noise reads as it is
+    assert bc.expected_loss(4.0, 0.5) == pytest.approx(2.5)  # half an interval, plus D
+    assert bc.expected_loss(None, 0.5) is None and bc.expected_loss(4.0, None) is None
+
+
+def test_the_best_fixed_n_loses_least_at_no_more_overhead():
+    fixed = {"10": {"overhead": 0.050, "expected_loss_s": 1.0},
+             "40": {"overhead": 0.012, "expected_loss_s": 2.0},
+             "160": {"overhead": 0.003, "expected_loss_s": 5.0},
+             "640": {"overhead": 0.001, "expected_loss_s": None}}   # nothing durable
+    assert bc.best_fixed(fixed, 0.012) == "40"       # equal overhead still counts
+    assert bc.best_fixed(fixed, 0.02) == "40"
+    assert bc.best_fixed(fixed, 0.06) == "10"
+    assert bc.best_fixed(fixed, 0.0009) is None
+
+
+FIRST = {"kind": "cadence", "step": 0, "interval_steps": 1, "interval_s": 0.0,
+         "bound": "first", "expected_loss_s": 0.0, "mtbf_s": 600.0, "mtbf_from": "option",
+         "stall_s": 0.14}
+
+
+def cadence_run(every, base_index, loop_s, durable, records=(), step_s=0.05):
+    return {"every": every, "base_index": base_index, "loop_s": loop_s, "step_s": step_s,
+            "taken": [{"step": 40 * (i + 1), "call_s": 0.03, "waited_s": 0.0,
+                       "durable_s": d} for i, d in enumerate(durable)],
+            "cadence": list(records)}
+
+
+def cadence_results():
+    record = {**FIRST, "step": 120, "interval_steps": 40, "interval_s": 1.9,
+              "bound": "young-daly", "expected_loss_s": 1.4, "stall_s": 0.03}
+    return {"state_bytes": 100 << 20, "matmuls_per_step": 50,
+            # the loops without snapshots, before the first configuration and after each
+            "base": [{"loop_s": s, "step_s": 0.05} for s in (10.0, 10.2, 10.0, 10.0, 9.8)],
+            "auto": {"0.01": cadence_run("auto", 0, 10.2, [0.4, 0.5, 0.6],
+                                         [FIRST, {**record, "step": 80}, record]),
+                     "0.05": {"every": "auto", "budget": 0.05, "base_index": 1,
+                              "error": "OSError: full"}},
+            "fixed": {"10": cadence_run(10, 1, 11.0, [0.4, 0.4]),
+                      "40": cadence_run(40, 2, 10.3, [0.5]),
+                      "160": cadence_run(160, 3, 9.8, [0.5])}}
+
+
+def test_each_configuration_is_set_against_its_neighbours_and_its_best_fixed_n():
+    fig = bc.size_figures(cadence_results())
+    assert fig["base_s"] == pytest.approx(10.0)
+    assert fig["noise"] == pytest.approx(0.4 / 10.0)           # max − min of all five
+    auto = fig["auto"]["0.01"]
+    # between the loops of 10.0 s and 10.2 s: against 10.1, with their 2% of drift
+    assert auto["overhead"] == pytest.approx(10.2 / 10.1 - 1)
+    assert auto["noise"] == pytest.approx(0.2 / 10.1)
+    assert auto["taken"] == 3 and auto["durable_s"] == pytest.approx(0.5)
+    # the cadence's final interval in steps, at the loop's own median step
+    assert auto["interval_s"] == pytest.approx(40 * 0.05)
+    assert auto["expected_loss_s"] == pytest.approx(1.0 + 0.5)
+    assert auto["bound"] == "young-daly" and auto["cadence_expected_loss_s"] == 1.4
+    assert auto["mtbf_s"] == 600.0 and auto["first_stall_s"] == 0.14
+    assert "0.05" not in fig["auto"]                     # failed: reported, not summed
+    fixed = fig["fixed"]
+    assert fixed["10"]["overhead"] == pytest.approx(11.0 / 10.1 - 1)
+    assert fixed["160"]["overhead"] == pytest.approx(9.8 / 9.9 - 1)   # 10.0 and 9.8
+    assert fixed["10"]["interval_s"] == pytest.approx(0.5)
+    assert fixed["10"]["expected_loss_s"] == pytest.approx(0.25 + 0.4)
+    # every=10 and every=40 (10.3 against 10.0) cost more than auto's +1.0%;
+    # every=160 costs less
+    assert fig["versus"]["0.01"]["best_fixed"] == "160"
+    assert fig["versus"]["0.01"]["loss_ratio"] == pytest.approx(1.5 / (4.0 + 0.5))
+
+
+def test_the_section_names_the_rule_the_bound_and_a_failed_configuration():
+    data = {"machine": {"date": "2026-12-03 14:00 UTC", "command": "bench_cadence.py",
+                        "nproc": 2, "cpu": "cpu", "mem_total": 1 << 34,
+                        "python": "3", "torch": "2", "kernel": "6", "tmp_disk": "d",
+                        "load_before": (0.5,), "load_after": (0.6,), "elapsed_s": 60.0},
+            "config": {"steps": 200, "step_ms": 50.0, "threads": 1, "mtbf": 600.0},
+            "results": {"100M": cadence_results()}}
+    data["figures"] = {"100M": bc.size_figures(data["results"]["100M"])}
+    text = bc.report(data)
+    assert text.startswith(bc.SECTION)
+    assert "| none (5 loops) | 10.00 s (mean) | | 4.0% (max − min) |" in text
+    assert "| `auto`, overhead=0.01 | 10.20 s | +1.0% | 2.0% | 3 | 40 steps, 2.00 s | " \
+           "young-daly | 500 ms | 1.50 s | 30 ms |" in text
+    assert "| `every=160` | 9.80 s | -1.0% | 2.0% | 1 | 160 steps, 8.00 s | fixed |" in text
+    assert "| `auto`, overhead=0.05 | error: OSError: full |" in text
+    assert "CheckFreq's published bound, FAST '21: 3.5%" in text
+    assert "interval 40 steps, 2.00 s set by `young-daly`, step 0's stall 140 ms " \
+           "against 30 ms in the loop (M 600 s from option)" in text
+    assert "the best fixed N at no more overhead is `every=160`" in text
+    assert "M = 600 s (`mtbf=`)" in text
+
+
+def test_an_auto_run_that_took_none_after_step_0_says_so_and_names_no_rule():
+    per = cadence_results()
+    per["auto"]["0.01"] = cadence_run("auto", 0, 10.1, [], [FIRST])
+    fig = bc.size_figures(per)
+    auto = fig["auto"]["0.01"]
+    assert auto["taken"] == 0 and auto["bound"] is None     # not step 0's "first"
+    assert auto["interval_s"] is None and auto["expected_loss_s"] is None
+    table = "\n".join(bc.config_table(fig, per, 200))
+    assert "| `auto`, overhead=0.01 | 10.10 s | +0.0% | 2.0% | 0 | none taken in 200 " \
+           "steps | – | – | – |" in table
+    line = bc.versus_lines(fig, 200)[0]
+    assert "no snapshot after step 0 in 200 steps, step 0's stall 140 ms against – in " \
+           "the loop (M 600 s from option)" in line

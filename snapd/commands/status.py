@@ -2,7 +2,10 @@
 
 The last snapshot is the newest committed directory (or LATEST, or the log's record,
 whichever is newest; snapd.progress.RunProgress.committed): a client killed right after
-a commit never logged it, and "at risk" counts from that snapshot.
+a commit never logged it, and "at risk" counts from that snapshot, in updates and in
+seconds of training (``at_risk_seconds``). A run snapshotting with ``every="auto"``
+also shows its newest ``cadence`` record: the interval, the bound that sets it, the
+expected loss per failure and the MTBF used, with where it came from.
 
 A multi-rank run is also shown as a job (snapd.liveview.job_model): its world size,
 each rank's last logged step, the last global commit and the incomplete snapshots
@@ -32,8 +35,10 @@ from snapd import statelog
 from snapd.commands.common import console, emit_json
 from snapd.commands.locate import root_of
 from snapd.daemons import LiveDaemon, find_daemons
-from snapd.liveview import DaemonProbe, job_lines, jobs_of, remote_lines
-from snapd.progress import RunProgress, read_progress
+from snapd.liveview import (DaemonProbe, at_risk_text, cadence_line, cadence_text,
+                            job_lines, jobs_of, remote_lines)
+from snapd.progress import RunProgress, at_risk_seconds, read_progress
+from snapd.roots import Root
 from snapd.store import RunStore, list_runs
 from snapd.humanize import age, count, human_bytes
 
@@ -63,6 +68,22 @@ def _row(store: RunStore, rank: int) -> Dict[str, Any]:
     return row
 
 
+def _against_commits(found: Root, base: str, rows: List[Dict[str, Any]],
+                     jobs: List[Dict[str, Any]]) -> None:
+    """The rows set against the root's own commits (behind a URL: the remote's, see
+    snapd/roots.py). Where that moves a row's snapshot, its seconds at risk are
+    measured again, from the log's record of the new snapshot's step."""
+    planned = [row["committed"] for row in rows]
+    found.against_commits(rows, jobs)
+    with warnings.catch_warnings():  # the damage is in the rows already
+        warnings.simplefilter("ignore", statelog.LogDamageWarning)
+        for row, committed in zip(rows, planned):
+            if row["committed"] != committed:
+                row["at_risk_seconds"] = at_risk_seconds(
+                    RunStore(base, row["run"]), row["rank"], row["at_risk"],
+                    row["committed_step"], row["reached_time"], row["last_resume"])
+
+
 def _say_damage(rows: List[Dict[str, Any]]) -> None:
     for row in rows:
         for problem in row["log_damage"] + ([row["error"]] if row["error"] else []):
@@ -82,7 +103,7 @@ def _verdict(row: Dict[str, Any]) -> str:
 def render(rows: List[Dict[str, Any]]) -> Table:
     table = Table(title="snapd status", title_justify="left")
     for column in ("run", "rank", "step", "steps/s", "last snapshot", "age", "at risk",
-                   "last resume", "replay"):
+                   "cadence", "last resume", "replay"):
         table.add_column(column, justify="right" if column in ("step", "steps/s",
                                                                 "at risk") else "left")
     for r in rows:
@@ -91,7 +112,8 @@ def render(rows: List[Dict[str, Any]]) -> Table:
             r["run"], str(r["rank"]), "-" if r["reached"] is None else str(r["reached"]),
             "-" if r["steps_per_s"] is None else f"{r['steps_per_s']:.2f}",
             r["committed"] or "-", age(r["committed_age_s"]),
-            "-" if r["at_risk"] is None else str(r["at_risk"]),
+            at_risk_text(r["at_risk"], r.get("at_risk_seconds")),
+            cadence_text(r.get("cadence")),
             f"from {resume.get('snapshot')} ({resume.get('mode')})" if resume else "-",
             _verdict(r))
     return table
@@ -104,8 +126,10 @@ def render(rows: List[Dict[str, Any]]) -> Table:
               help="List this user's live daemons, whatever their roots: root, pid, "
                    "memory, idle time and when each exits by itself.")
 def status(root: str | None, as_json: bool, daemons: bool) -> None:
-    """Runs, last step, steps/s, last committed snapshot and its age, updates at risk,
-    last resume and its replay verdict; for a multi-rank run, its world size, each
+    """Runs, last step, steps/s, last committed snapshot and its age, updates and
+    seconds of training at risk, the snapshot cadence (interval in steps and seconds,
+    the bound that sets it, expected loss per failure, MTBF and its source), last
+    resume and its replay verdict; for a multi-rank run, its world size, each
     rank's last step, the last global commit and incomplete snapshots (ranks
     missing). Reads only logs, manifests and commit records; with a daemon serving
     ROOT with a remote tier, also each run's remote lag (last remote commit, steps and
@@ -129,7 +153,7 @@ def status(root: str | None, as_json: bool, daemons: bool) -> None:
     with found.logs() as base:   # behind a URL: the replicated logs, pulled
         rows = collect(base)
         jobs = jobs_of(base, rows)
-    found.against_commits(rows, jobs)
+        _against_commits(found, base, rows, jobs)
     served = found.daemon_root()
     lag = _remote_status(served) if served else None
     if as_json:
@@ -141,10 +165,17 @@ def status(root: str | None, as_json: bool, daemons: bool) -> None:
     else:
         out = console()
         out.print(render(rows))
-        for line in (line for job in jobs for line in job_lines(job)):
+        for line in _lines_under(rows, jobs):
             out.print(line, highlight=False, markup=False, soft_wrap=True)
     for line in remote_lines(lag, time.time()):
         console().print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _lines_under(rows: List[Dict[str, Any]], jobs: List[Dict[str, Any]]) -> List[str]:
+    """What the table has no room for: each row's cadence in full, then the jobs."""
+    cadences = [cadence_line(r["run"], r["rank"], r.get("cadence")) for r in rows]
+    return [line for line in cadences if line] + \
+        [line for job in jobs for line in job_lines(job)]
 
 
 def _remote_status(root: str) -> Optional[Dict[str, Any]]:

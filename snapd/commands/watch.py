@@ -3,9 +3,9 @@
 On a terminal the view (snapd/liveview.py: collect, render) is redrawn by rich's Live on
 every change under the root and every ``--interval`` seconds. With stdout piped it
 prints, like ``tail -f``, one line per new log record: the last few events first, then
-snapshot events, resumes and replay verdicts as they happen, and step lines at most
-once per second per run. Both read only logs, pointers, listings and the daemon's
-status; neither starts a daemon.
+snapshot events, cadence decisions, resumes and replay verdicts as they happen, and
+step lines at most once per second per run. Both read only logs, pointers, listings
+and the daemon's status; neither starts a daemon.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from rich.live import Live
 from snapd import statelog
 from snapd import liveview as view
 from snapd.commands.common import emit_json, given_root, resolve_root
+from snapd.progress import CADENCE_FIELDS
 from snapd.store import list_runs
 
 BACKLOG = 10          # events printed at start, per (run, rank)
@@ -76,6 +77,8 @@ def format_record(run: str, rank: int, record: Dict[str, Any]) -> Optional[str]:
     if kind == "replay":
         return f"{head} replay " + _fields(record, "verdict", "from", "to", "checked",
                                            "step", "cause")
+    if kind == "cadence":
+        return f"{head} cadence " + _fields(record, "step", *CADENCE_FIELDS)
     return None
 
 
@@ -212,9 +215,10 @@ def live_view(root: str, interval: float, console: Console) -> None:
               help="Print the status model as JSON (implies --once).")
 def watch(root: Optional[str], interval: float, once: bool, as_json: bool) -> None:
     """Watch a checkpoint root live: per run and rank the step, steps/s, loss with a
-    sparkline, last committed snapshot and its age, updates at risk, the snapshot in
-    flight (progress, MB/s, ETA), stall per snapshot, skips, retention, disk free and
-    the daemon's pid, CPU and memory. Refreshes on file changes and every --interval.
+    sparkline, last committed snapshot and its age, updates and seconds of training at
+    risk, the snapshot cadence (interval, bound, expected loss per failure, MTBF), the
+    snapshot in flight (progress, MB/s, ETA), stall per snapshot, skips, retention,
+    disk free and the daemon's pid, CPU and memory. Refreshes on file changes and every --interval.
 
     With stdout piped, prints one line per event instead, like tail -f. Reads only
     logs, pointers and the daemon's status; never starts a daemon. ROOT: the checkpoint

@@ -2,8 +2,8 @@
 through the real daemon: `snapd diff` says weights and optimizer equal, the python
 and numpy streams seeded differently and never drawn from, and exits 0.
 
-The two trainers run side by side (two runs of one root: they share only the daemon),
-and so do the two diffs, which only read."""
+The two trainers run side by side (two runs of one root: they share only the daemon);
+the diffs, which only read what they wrote, run in this process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import json
 import subprocess
 import sys
 
+from click.testing import CliRunner
+
 from helpers import stop_daemons_under
+from snapd.cli import main
 
 SCRIPT = """
 import sys, torch
@@ -39,19 +42,17 @@ def test_two_processes_that_never_seed_python_or_numpy_diff_equal(tmp_path):
         trainers = [subprocess.Popen([sys.executable, "-c", SCRIPT, root, run])
                     for run in ("a", "b")]
         assert [finish(p) for p in trainers] == [0, 0]
-        diff = [sys.executable, "-m", "snapd", "diff", "a", "b", "--root", root]
-        result, strict = [subprocess.Popen(diff + [flag], stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True)
-                          for flag in ("--json", "--strict")]
-        (out, err), (strict_out, _) = result.communicate(120), strict.communicate(120)
     finally:
         stop_daemons_under(str(tmp_path))
-    assert result.returncode == 0, out + err
-    parts = json.loads(out)["parts"]
+    diff = ["diff", "a", "b", "--root", root]
+    result, strict = [CliRunner().invoke(main, diff + [flag], catch_exceptions=False)
+                      for flag in ("--json", "--strict")]
+    assert result.exit_code == 0, result.output
+    parts = json.loads(result.output)["parts"]
     assert {p: r["verdict"] for p, r in parts.items()} == {
         "weights": "equal", "optimizer": "equal", "rng": "never-drawn",
         "cursor": "never-drawn"}
-    assert strict.returncode == 1 and "never drawn from: numpy, python" in strict_out
+    assert strict.exit_code == 1 and "never drawn from: numpy, python" in strict.output
 
 
 def finish(proc: subprocess.Popen) -> int:

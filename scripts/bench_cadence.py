@@ -1,0 +1,480 @@
+#!/usr/bin/env python
+"""Automatic cadence: what ``snapshot(step)`` after every step costs with ``every="auto"``.
+
+    python scripts/bench_cadence.py [--sizes 100M,1G] [--steps 1600] [--budgets 0.01,0.05]
+                                    [--every 25,100,400] [--mtbf 600] [--quick]
+                                    [--json PATH] [--doc docs/benchmarks.md]
+
+One run, one training loop per configuration, all in this process, on the MLP + AdamW
+state of scripts/benchlib.py (``--sizes``; ``torch.set_num_threads(--threads)``,
+default 1: the daemon has the other core). A step is a fixed amount of work: as many
+256×256 matmuls as took ``--step-ms`` (default 50) when calibrated at the start, so
+that a daemon taking CPU from the loop makes its steps longer (a step that spins for
+a fixed time would hide that). The configurations, each over ``--steps`` steps:
+
+- *no snapshots*: the loop alone, run before the first configuration and after each
+  one; a configuration's overhead is against the mean of the two it sits between,
+  and how far those two differ (*drift*) is the noise floor of that figure;
+- ``every="auto", overhead=B`` for each budget B (``--budgets``): ``snapshot(step)``
+  after every step, the cadence deciding which calls take one (snapd_client/
+  cadence.py; docs/operations.md, "Snapshot cadence");
+- ``every=N`` for each N of ``--every``: a snapshot when ``step % N == 0``.
+
+Per size, one untimed snapshot by a throwaway client comes first (the VM's first
+touch of new memory is paid there, not by the first configuration). Each snapd
+configuration gets a fresh root in a temporary directory, its own daemon
+(stopped at the end by scripts/benchlib.py's ``stop_daemon``) and ``keep_last=2`` (the
+disk holds two snapshots, not one per interval). Before its timed loop, track(), one
+step and the snapshot of step 0 (daemon, arena; every configuration takes it) are
+waited on and the daemon let settle; they are not timed. After the loop the
+snapshots still in flight are waited on, untimed.
+
+The failure rate ``--mtbf`` (M, default 600 s) is handed to the cadence: at the
+client's default M (24 h) the cadence's interval on these states is minutes, longer
+than a loop this script can afford; its interval grows as √M under the Young/Daly
+rule. ``--mtbf default`` leaves M to the client.
+
+Figures, per size and configuration: loop time; *overhead* = loop time / loop time
+without snapshots (its neighbours' mean) − 1; snapshots taken in the timed loop; for
+``auto``, the interval and the rule (``bound``) its newest ``cadence`` log record of
+the timed loop names (none: it took no snapshot after step 0); the median time to
+durable D of the loop's snapshots (snapshot() called to the handle settling); the
+*expected lost work per failure*, interval / 2 + D, with interval = interval in steps
+× the loop's median step (``auto``: the cadence's final interval in steps). Each
+budget's ``auto`` is set against the best fixed N whose measured overhead is no higher
+(the one losing least per failure), and beside CheckFreq's published bound of 3.5 %
+overhead (Mohan et al., FAST '21). The script prints a markdown section, writes every
+raw figure with ``--json`` and replaces its section of a markdown file with ``--doc``.
+``--quick``: a smoke run (50M, 120 steps, N of 10 and 40, M = 30 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import benchlib  # noqa: E402  (the bench scripts' shared pieces)
+from benchlib import median  # noqa: E402
+
+SECTION = "## Automatic cadence (scripts/bench_cadence.py)"
+RUN = "cadence"
+CHECKFREQ_BOUND = 0.035   # CheckFreq (Mohan et al., FAST '21): its published overhead
+FULL = {"sizes": "100M,1G", "steps": 1600, "every": "25,100,400", "mtbf": "600"}
+QUICK = {"sizes": "50M", "steps": 120, "every": "10,40", "mtbf": "30"}
+MATMUL = 256
+
+
+# --- the training step --------------------------------------------------------------
+
+_MM: Dict[str, Any] = {}
+
+
+def matmuls(n: int) -> None:
+    """``n`` matmuls: one step's fixed work."""
+    import torch
+    if not _MM:
+        _MM.update(a=torch.randn(MATMUL, MATMUL), b=torch.randn(MATMUL, MATMUL),
+                   c=torch.empty(MATMUL, MATMUL))
+    for _ in range(n):
+        torch.mm(_MM["a"], _MM["b"], out=_MM["c"])
+
+
+def calibrate(step_s: float, probe_s: float = 1.0) -> int:
+    """How many matmuls take ``step_s`` here, now (counted over ``probe_s``)."""
+    matmuls(20)   # threads and caches warm
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < probe_s:
+        matmuls(10)
+        count += 10
+    return max(1, round(count * step_s / (time.perf_counter() - t0)))
+
+
+def run_loop(work: int, steps: int, after_step: Optional[Callable[[int], None]] = None
+             ) -> Dict[str, Any]:
+    """Steps 1..``steps``, each ``work`` matmuls then ``after_step(step)``: loop time,
+    median step."""
+    marks = [time.perf_counter()]
+    for step in range(1, steps + 1):
+        matmuls(work)
+        if after_step is not None:
+            after_step(step)
+        marks.append(time.perf_counter())
+    durations = [b - a for a, b in zip(marks, marks[1:])]
+    return {"loop_s": marks[-1] - marks[0], "step_s": median(durations),
+            "max_step_s": max(durations)}
+
+
+# --- snapshots ----------------------------------------------------------------------
+
+class Snapshots:
+    """``snapshot(step)`` after each step, and what each taken one cost: the call, the
+    wait for a free staging slot in it, the time to durable (stamped when its handle
+    settles, on the client's thread that learns it)."""
+
+    def __init__(self, client) -> None:
+        self.client, self.taken, self.handles = client, [], []
+        self.skip_call_s: List[float] = []
+
+    def __call__(self, step: int) -> None:
+        t0 = time.perf_counter()
+        handle = self.client.snapshot(step)
+        call = time.perf_counter() - t0
+        if not handle.taken:
+            self.skip_call_s.append(call)
+            return
+        record = {"step": step, "call_s": call, "waited_s": handle.stall_seconds}
+        self.taken.append(record)
+        self.handles.append(handle)
+        # setdefault: a retried snapshot runs its callbacks again; the first settles it
+        handle.add_done_callback(
+            lambda h: record.setdefault("durable_s", time.perf_counter() - t0))
+
+    def wait_all(self) -> None:
+        for handle in self.handles:
+            handle.wait()
+
+
+def client_options(every: Any, budget: Optional[float], mtbf: Optional[float]
+                   ) -> Dict[str, Any]:
+    opts: Dict[str, Any] = {"every": every, "keep_last": 2}
+    if every == "auto":
+        opts["overhead"] = budget
+        if mtbf is not None:
+            opts["mtbf"] = mtbf
+    return opts
+
+
+def snapd_loop(args, state, work: int, every: Any, budget: Optional[float] = None
+               ) -> Dict[str, Any]:
+    """One configuration: a fresh root and daemon, the untimed snapshot of step 0, the
+    timed loop, its snapshots waited on, the run's cadence records read back."""
+    from snapd_client import Client
+    model, opt = state
+    root = tempfile.mkdtemp(prefix="sd-cad-", dir=args.tmp)
+    res: Dict[str, Any] = {"every": every, "budget": budget}
+    try:
+        with Client(root, RUN, **client_options(every, budget, args.mtbf)) as client:
+            client.track(model=model, optimizer=opt)
+            matmuls(work)
+            t0 = time.perf_counter()
+            client.snapshot(0).wait()   # daemon, arena: the same for every configuration
+            res["first_durable_s"] = time.perf_counter() - t0
+            res["settle_s"] = benchlib.wait_idle(benchlib.daemon_pid_of(root))
+            snaps = Snapshots(client)
+            res.update(run_loop(work, args.steps, snaps))
+            snaps.wait_all()
+        res["taken"] = snaps.taken
+        res["skip_call_s"] = median(snaps.skip_call_s)
+        res["cadence"] = cadence_records(client.store.path)
+    finally:
+        res["daemon_stopped"] = benchlib.stop_daemon(root)
+        shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+def warm_up(args, state) -> float:
+    """One snapshot by a throwaway client and daemon, untimed: the VM's first touch of
+    new memory (arena, hot copy) is paid here, not by whichever configuration runs
+    first. Its time to durable."""
+    from snapd_client import Client
+    model, opt = state
+    root = tempfile.mkdtemp(prefix="sd-cad-", dir=args.tmp)
+    try:
+        with Client(root, RUN) as client:
+            client.track(model=model, optimizer=opt)
+            t0 = time.perf_counter()
+            client.snapshot(0).wait()
+            return time.perf_counter() - t0
+    finally:
+        benchlib.stop_daemon(root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def cadence_records(run_dir: str) -> List[Dict[str, Any]]:
+    """The run's ``cadence`` log records (one per snapshot the cadence took), oldest
+    first: read as ``snapd status`` reads them, from the log."""
+    from snapd.statelog import read_records
+    return [r for r in read_records(run_dir, 0) if r.get("kind") == "cadence"]
+
+
+# --- figures (pure) -----------------------------------------------------------------
+
+def overhead(loop_s: float, base_s: float) -> float:
+    """Loop time against the loop without snapshots, minus one: 0.02 is 2 % slower."""
+    return loop_s / base_s - 1
+
+
+def expected_loss(interval_s: Optional[float], durable_s: Optional[float]
+                  ) -> Optional[float]:
+    """Training lost per failure on average: half an interval, plus the time the
+    newest snapshot takes to become durable (a failure in it loses the one before)."""
+    if interval_s is None or durable_s is None:
+        return None
+    return interval_s / 2 + durable_s
+
+
+def summarize(res: Dict[str, Any], bases: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One configuration's figures: overhead against the mean of the loops without
+    snapshots run just before and just after it (and how far those two differ: the
+    drift the overhead cannot tell from its own cost), snapshots taken, the interval
+    (steps and seconds at the loop's median step), its rule, D and the expected loss."""
+    taken = res["taken"]
+    durable = median([t["durable_s"] for t in taken if "durable_s" in t])
+    before, after = (bases[res["base_index"]]["loop_s"],
+                     bases[res["base_index"] + 1]["loop_s"])
+    base_s = (before + after) / 2
+    out: Dict[str, Any] = {"overhead": overhead(res["loop_s"], base_s),
+                           "noise": abs(after - before) / base_s,
+                           "loop_s": res["loop_s"], "step_s": res["step_s"],
+                           "taken": len(taken), "durable_s": durable,
+                           "call_s": median([t["call_s"] for t in taken]),
+                           "waited_s": max([t["waited_s"] for t in taken], default=None)}
+    if res["every"] == "auto":
+        # The decision of the newest snapshot of the timed loop; step 0's is "first"
+        # (nothing measured yet) and says nothing of the cadence.
+        in_loop = [r for r in res["cadence"] if r["step"] > 0]
+        last = in_loop[-1] if in_loop else {}
+        steps = last.get("interval_steps")
+        first = res["cadence"][0] if res["cadence"] else {}
+        out.update(bound=last.get("bound"), cadence_interval_s=last.get("interval_s"),
+                   cadence_expected_loss_s=last.get("expected_loss_s"),
+                   mtbf_s=first.get("mtbf_s"), mtbf_from=first.get("mtbf_from"),
+                   first_stall_s=first.get("stall_s"), records=len(res["cadence"]))
+    else:
+        steps = res["every"]
+    out["interval_steps"] = steps
+    out["interval_s"] = None if steps is None else steps * res["step_s"]
+    out["expected_loss_s"] = expected_loss(out["interval_s"], durable)
+    return out
+
+
+def best_fixed(fixed: Dict[str, Dict[str, Any]], limit: float) -> Optional[str]:
+    """Of the fixed ``every=N`` figures, the N whose measured overhead is no higher
+    than ``limit`` and that loses least per failure; None when none is that cheap."""
+    cheap = [(f["expected_loss_s"], n) for n, f in fixed.items()
+             if f["overhead"] <= limit and f["expected_loss_s"] is not None]
+    return min(cheap)[1] if cheap else None
+
+
+def size_figures(per: Dict[str, Any]) -> Dict[str, Any]:
+    """Every configuration of one size summarized against its neighbouring loops
+    without snapshots, and each budget's ``auto`` against its best fixed N; the loops
+    without snapshots: their mean and spread."""
+    bases = [b["loop_s"] for b in per["base"]]
+    base_s = sum(bases) / len(bases)
+    auto = {k: summarize(r, per["base"]) for k, r in per["auto"].items()
+            if "error" not in r}
+    fixed = {k: summarize(r, per["base"]) for k, r in per["fixed"].items()
+             if "error" not in r}
+    versus = {}
+    for budget, a in auto.items():
+        n = best_fixed(fixed, a["overhead"])
+        versus[budget] = {"best_fixed": n, "loss_ratio": None if n is None or not
+                          fixed[n]["expected_loss_s"] or a["expected_loss_s"] is None
+                          else a["expected_loss_s"] / fixed[n]["expected_loss_s"]}
+    return {"base_s": base_s, "noise": (max(bases) - min(bases)) / base_s,
+            "base_step_s": median([b["step_s"] for b in per["base"]]),
+            "auto": auto, "fixed": fixed, "versus": versus}
+
+
+# --- the section --------------------------------------------------------------------
+
+def pct(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x * 100:+.1f}%"
+
+
+def seconds(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:.0f} s"
+
+
+def report(data: Dict[str, Any]) -> str:
+    cfg = data["config"]
+    lines = [SECTION, ""] + benchlib.machine_text(data["machine"]) + describe(cfg) + [""]
+    for label, fig in data["figures"].items():
+        per = data["results"][label]
+        lines += [f"### {label} (state {per['state_bytes'] / benchlib.GiB:.2f} GiB, "
+                  f"step {benchlib.fs(fig['base_step_s'])} without snapshots)", ""]
+        lines += config_table(fig, per, cfg["steps"]) + [""] + \
+            versus_lines(fig, cfg["steps"]) + [""]
+    return "\n".join(lines) + "\n"
+
+
+def describe(cfg: Dict[str, Any]) -> List[str]:
+    mtbf = ("the client's default M" if cfg["mtbf"] is None
+            else f"M = {cfg['mtbf']:.0f} s (`mtbf=`)")
+    return [
+        f"A training loop of {cfg['steps']} steps, each a fixed {cfg['step_ms']:.0f} ms "
+        f"(calibrated) of {MATMUL}×{MATMUL} matmuls on `torch.set_num_threads("
+        f"{cfg['threads']})`, calls `snapshot(step)` after every step; the state is "
+        "scripts/benchlib.py's MLP + AdamW. Per size, one untimed snapshot by a "
+        "throwaway client first (this VM's first touch of new memory). "
+        "Configurations: no snapshots (before the "
+        f"first of the others and after each), `every=\"auto\"` with {mtbf} and "
+        "the overhead budget shown, and fixed `every=N`; each snapd one on a fresh root "
+        "and daemon, `keep_last=2`, its snapshot of step 0 (daemon, arena) taken and "
+        "waited on before the timed loop. *Overhead*: loop time / loop time without "
+        "snapshots − 1, against the mean of the two loops without snapshots run just "
+        "before and just after (this VM's speed drifts over minutes); *drift*: how far "
+        "those two differ, the noise floor of that overhead. *Taken*: snapshots in "
+        "the timed loop. *Interval*: in steps (for `auto`, the cadence's final one, "
+        "from its newest `cadence` log record of the timed loop) and in "
+        "seconds at the loop's median step. *D*: median time from snapshot() to "
+        "durable. *Expected loss*: lost training per failure, interval / 2 + D. "
+        "All figures are from one run."]
+
+
+def config_table(fig: Dict[str, Any], per: Dict[str, Any], steps: int) -> List[str]:
+    rows = ["| snapshots | loop | overhead | drift | taken | interval | bound | D | "
+            "expected loss per failure | snapshot() when taken |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            f"| none ({len(per['base'])} loops) | {benchlib.fs(fig['base_s'])} (mean) | | "
+            f"{fig['noise'] * 100:.1f}% (max − min) | | | | | | |"]
+    named = [(config_name("auto", b), f) for b, f in fig["auto"].items()]
+    named += [(config_name("fixed", n), f) for n, f in fig["fixed"].items()]
+    for name, f in named:
+        rows.append(f"| {name} | {benchlib.fs(f['loop_s'])} | {pct(f['overhead'])} | "
+                    f"{f['noise'] * 100:.1f}% | {f['taken']} | {interval_text(f, steps)} | "
+                    f"{f.get('bound', 'fixed') or '–'} | {benchlib.fs(f['durable_s'])} | "
+                    f"{benchlib.fs(f['expected_loss_s'])} | {benchlib.fs(f['call_s'])} |")
+    failed = [f"| {config_name(group, k)} | error: {r['error']} | | | | | | | | |"
+              for group in ("auto", "fixed") for k, r in per[group].items() if "error" in r]
+    return rows + failed
+
+
+def config_name(group: str, key: str) -> str:
+    return f"`auto`, overhead={key}" if group == "auto" else f"`every={key}`"
+
+
+def interval_text(f: Dict[str, Any], steps: int) -> str:
+    if f["interval_steps"] is None:   # ``auto`` took none after step 0
+        return f"none taken in {steps} steps"
+    return f"{f['interval_steps']} steps, {benchlib.fs(f['interval_s'])}"
+
+
+def versus_lines(fig: Dict[str, Any], steps: int) -> List[str]:
+    out = []
+    for budget, a in fig["auto"].items():
+        v = fig["versus"][budget]
+        # Step 0's stall (daemon, arena: a first call costs more) is in delta, the
+        # median of the newest five, until two more snapshots outvote it.
+        chose = (f"interval {interval_text(a, steps)} set by `{a['bound']}`" if a["bound"]
+                 else f"no snapshot after step 0 in {steps} steps")
+        chose += (f", step 0's stall {benchlib.fs(a['first_stall_s'])} against "
+                  f"{benchlib.fs(a['call_s'])} in the loop")
+        head = (f"- `auto` at overhead={budget}: measured {pct(a['overhead'])} (budget "
+                f"{float(budget) * 100:.0f}%; CheckFreq's published bound, FAST '21: "
+                f"{CHECKFREQ_BOUND * 100:.1f}%), {chose} (M {seconds(a.get('mtbf_s'))} "
+                f"from {a.get('mtbf_from')}), expected loss "
+                f"{benchlib.fs(a['expected_loss_s'])}")
+        n = v["best_fixed"]
+        if n is None:
+            out.append(head + "; no fixed N measured an overhead that low.")
+            continue
+        f = fig["fixed"][n]
+        ratio = "" if v["loss_ratio"] is None else \
+            f"; auto's is {v['loss_ratio']:.2f}× that"
+        out.append(head + f"; the best fixed N at no more overhead is `every={n}` "
+                   f"({pct(f['overhead'])}), expected loss "
+                   f"{benchlib.fs(f['expected_loss_s'])}{ratio}.")
+    return out
+
+
+# --- driver -------------------------------------------------------------------------
+
+def one_size(args, label: str) -> Dict[str, Any]:
+    """Build the state, calibrate the step, warm up, then each budget and each fixed N,
+    with a loop without snapshots before the first and after each (this VM's speed drifts by
+    several percent over minutes: each configuration is set against its neighbours)."""
+    model, opt = benchlib.build_state(benchlib.parse_size(label), args.threads)
+    per: Dict[str, Any] = {"state_bytes": benchlib.nbytes_of(
+        benchlib.state_tensors(model, opt))}
+    work = per["matmuls_per_step"] = calibrate(args.step_ms / 1e3)
+    per["warm_up_durable_s"] = warm_up(args, (model, opt))
+    per["base"] = [run_loop(work, args.steps)]
+    per["auto"], per["fixed"] = {}, {}
+    configs = [("auto", b) for b in args.budgets] + [(n, None) for n in args.every]
+    for every, budget in configs:
+        res = guarded(args, (model, opt), work, every, budget)
+        res["base_index"] = len(per["base"]) - 1   # the loop without snapshots before it
+        per["auto" if every == "auto" else "fixed"][str(budget or every)] = res
+        per["base"].append(run_loop(work, args.steps))
+    return per
+
+
+def guarded(args, state, work: int, every: Any, budget: Optional[float] = None
+            ) -> Dict[str, Any]:
+    """One configuration; its failure is reported and the others still run."""
+    t0 = time.perf_counter()
+    try:
+        res = snapd_loop(args, state, work, every, budget)
+    except Exception as e:
+        res = {"every": every, "budget": budget, "error": f"{type(e).__name__}: {e}"}
+    name = f"auto {budget}" if every == "auto" else f"every={every}"
+    print(f"  {name:12s} {'error' if 'error' in res else 'ok'} in "
+          f"{time.perf_counter() - t0:5.1f} s", file=sys.stderr, flush=True)
+    return res
+
+
+def run_all(args) -> Dict[str, Any]:
+    info = benchlib.start_run(probe=not args.no_probe)
+    results = {}
+    for label in args.sizes:
+        print(f"{label}:", file=sys.stderr, flush=True)
+        results[label] = one_size(args, label)
+    benchlib.end_run(info, "bench_cadence.py", args.argv, probe=not args.no_probe)
+    cfg = {"steps": args.steps, "step_ms": args.step_ms, "threads": args.threads,
+           "budgets": args.budgets, "every": args.every, "mtbf": args.mtbf}
+    return {"machine": info, "config": cfg, "results": results,
+            "figures": {k: size_figures(r) for k, r in results.items()}}
+
+
+def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", help=f"states (default {FULL['sizes']})")
+    ap.add_argument("--steps", type=int, help=f"steps per loop (default {FULL['steps']})")
+    ap.add_argument("--step-ms", type=float, default=50.0,
+                    help="one step's matmuls, calibrated (default 50)")
+    ap.add_argument("--budgets", default="0.01,0.05", help="overhead budgets of auto")
+    ap.add_argument("--every", help=f"fixed intervals N (default {FULL['every']})")
+    ap.add_argument("--mtbf", help=f"seconds between failures handed to the cadence, or "
+                    f"'default' for the client's (default {FULL['mtbf']})")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: " + ", ".join(
+        f"--{k} {v}" for k, v in QUICK.items()) + " unless given")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tmp", default=tempfile.gettempdir(),
+                    help="where the roots go (default the temp dir)")
+    ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--doc", default=None,
+                    help="replace this script's section of that markdown file")
+    ap.add_argument("--no-probe", action="store_true",
+                    help="skip the 1 s samples of other processes' CPU")
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        args.sizes = args.sizes.split(",")
+        args.budgets = [float(b) for b in args.budgets.split(",")]
+        args.every = [int(n) for n in args.every.split(",")]
+        args.mtbf = None if args.mtbf == "default" else float(args.mtbf)
+    except ValueError as e:
+        ap.error(f"--budgets, --every, --mtbf: numbers, comma-separated ({e})")
+    if args.steps < 1 or min(args.every) < 1 or not all(0 < b < 1 for b in args.budgets):
+        ap.error("--steps and every N: at least 1; --budgets: fractions between 0 and 1")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    return benchlib.run_bench(argv, parse, run_all, report, SECTION)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""The cadence: how often a snapshot pays for itself, decided again at every step.
+
+A snapshot costs the trainer a stall (delta: the staging copy, or backpressure) each
+time it is taken; a failure costs the training done since the last durable snapshot.
+Young (1974) and Daly (2006) give the interval between snapshots that minimises the
+sum, from delta and the mean time between failures M. Nothing here is configured
+ahead: the step time comes from the clock between calls, delta from the stalls the
+client reports, the time to durable D from the writer, so a slower disk or a growing
+model moves the interval with them. Three bounds keep the formula from hurting: an
+overhead budget (never stall more than that fraction of training), the writer's pace
+(never snapshot faster than snapshots become durable) and ``max_loss`` (never risk
+more than that many seconds of training). docs/operations.md "Snapshot cadence"
+states every rule, with the formula.
+
+Pure logic: no I/O, no torch, an injected clock. The client calls :meth:`Cadence.decide`
+at every ``snapshot(step)`` and reports back with :meth:`Cadence.taken` and
+:meth:`Cadence.durable` (the latter from the thread that learns of durability, hence
+the lock).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Deque, Iterable, Optional, Sequence, Tuple
+
+from snapd.errors import InvalidOption
+
+__all__ = ["Cadence", "Decision", "DEFAULT_MTBF_S", "daly_interval", "mtbf_from_history"]
+
+DEFAULT_MTBF_S = 24 * 3600.0  # M when neither the run's history nor mtbf= gives one
+STEP_WINDOW = 16              # step-time samples whose median is the step time
+STALL_WINDOW = 5              # taken snapshots whose median stall is delta
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :meth:`Cadence.decide` made of one step.
+
+    ``interval_steps`` is always this rank's own estimate; after
+    :meth:`Cadence.set_interval_steps`, ``take`` follows the interval applied there.
+    """
+
+    take: bool                 # take a snapshot at this call
+    interval_s: float          # seconds of training between snapshots it aims at now
+    interval_steps: int        # the same in steps at the measured step time (>= 1)
+    bound: str                 # the rule that set it: "first" (no cost measured yet),
+                               # "young-daly", "overhead", "writer", "max_loss"
+    expected_loss_s: float     # expected training lost per failure at this interval
+    mtbf_s: float              # M used
+    mtbf_from: str             # "option", "history", "default"
+
+
+def daly_interval(delta: float, mtbf: float) -> float:
+    """Daly's higher-order optimum interval for a stall ``delta`` and an MTBF ``mtbf``.
+
+    Its first term is Young's sqrt(2 delta M); the corrections matter once delta is
+    no longer small against M. From delta >= 2M on, the series no longer holds and
+    the interval is M itself.
+    """
+    if delta >= 2 * mtbf:
+        return mtbf
+    ratio = delta / (2 * mtbf)
+    return math.sqrt(2 * delta * mtbf) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - delta
+
+
+def mtbf_from_history(history: Iterable[float]) -> Optional[float]:
+    """M learned from the wall times at which the run was interrupted and resumed: the
+    mean gap between the first and the last, None with fewer than two (or no gap).
+
+    Only the time between interruptions counts: a quiet stretch before the first or
+    after the last would need the run's start, which the log does not pin, and leaving
+    it out errs towards a shorter M, that is, towards snapshotting more often.
+    """
+    times = sorted(t for t in history if math.isfinite(t))
+    if len(times) < 2:
+        return None
+    gap = (times[-1] - times[0]) / (len(times) - 1)
+    return gap if gap > 0 else None
+
+
+def choose_mtbf(history: Sequence[float], mtbf: Optional[float]) -> Tuple[float, str]:
+    """(M, where it came from): the run's own history wins over the option, which wins
+    over the default."""
+    learned = mtbf_from_history(history)
+    if learned is not None:
+        return learned, "history"
+    if mtbf is not None:
+        return float(mtbf), "option"
+    return DEFAULT_MTBF_S, "default"
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """max_loss below a lower bound: the lower bound (``name``, ``floor``) won."""
+
+    name: str        # "overhead" or "writer"
+    floor: float     # the interval the lower bound needs, seconds
+    ceiling: float   # the interval max_loss allows, seconds (max_loss - D - delta)
+
+
+def bounded_interval(delta: float, durable: float, mtbf: float, overhead: float,
+                     max_loss: Optional[float]
+                     ) -> Tuple[float, str, Optional[Unreachable]]:
+    """(tau, the rule that set it, the conflict when max_loss could not be met)."""
+    tau, bound = daly_interval(delta, mtbf), "young-daly"
+    # The larger lower bound is the one that binds; on a tie, the overhead budget.
+    name, floor = max((("overhead", delta / overhead), ("writer", durable)),
+                      key=lambda b: b[1])
+    if floor > tau:
+        tau, bound = floor, name
+    if max_loss is None:
+        return tau, bound, None
+    # A failure just before the next snapshot is durable loses tau + its stall + D.
+    ceiling = max_loss - durable - delta
+    if tau <= ceiling:
+        return tau, bound, None
+    if ceiling >= floor:
+        return ceiling, "max_loss", None
+    return floor, name, Unreachable(name, floor, ceiling)
+
+
+def unreachable_sentence(max_loss: float, durable: float, conflict: Unreachable) -> str:
+    """The one warning: both figures, and what to change."""
+    fix = ("raise max_loss or overhead" if conflict.name == "overhead" else
+           "raise max_loss, or make snapshots durable sooner (a faster disk, "
+           "compression off)")
+    return (f"max_loss={max_loss:g} s cannot be met: the {conflict.name} bound needs "
+            f"at least {conflict.floor:.1f} s between snapshots, but max_loss allows at "
+            f"most {conflict.ceiling:.1f} s (max_loss less the {durable:.1f} s a "
+            f"snapshot takes to become durable and its stall), so snapshots are taken every "
+            f"{conflict.floor:.1f} s; {fix}.")
+
+
+class Cadence:
+    """Decides, at every step, whether this one takes a snapshot.
+
+    ``overhead``: the fraction of training time snapshots may stall; ``max_loss``:
+    the most seconds of training a failure may cost (None: no limit); ``mtbf``: M in
+    seconds, used when ``history`` (the wall times of this run's interruptions, two or
+    more) cannot give it; ``clock``: seconds, monotonic (injected by tests).
+    """
+
+    def __init__(self, *, overhead: float = 0.01, max_loss: Optional[float] = None,
+                 mtbf: Optional[float] = None, history: Sequence[float] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        _check_positive("overhead", overhead, below=1.0)
+        _check_positive("max_loss", max_loss)
+        _check_positive("mtbf", mtbf)
+        self.overhead = float(overhead)
+        self.max_loss = None if max_loss is None else float(max_loss)
+        self.mtbf_s, self.mtbf_from = choose_mtbf(history, mtbf)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._step_times: Deque[float] = deque(maxlen=STEP_WINDOW)
+        self._stalls: Deque[float] = deque(maxlen=STALL_WINDOW)
+        # The first snapshot's stall pays for one-time set-up (the staging arena, the
+        # daemon's first contact): several times a steady one, so it stands for delta
+        # only until a second snapshot is measured.
+        self._first_stall: Optional[float] = None
+        self._durable: Tuple[int, float] = (-1, 0.0)     # (step, seconds to durable)
+        self._previous_call: Optional[Tuple[int, float]] = None  # (step, clock)
+        self._stalled_since_call = 0.0   # stall inside the interval being timed
+        self._last_taken: Optional[int] = None
+        self._own_steps = 1              # this rank's interval in steps
+        self._applied_steps: Optional[int] = None  # rank 0's, once set
+        self._warning: Optional[str] = None
+        self._warned = False
+
+    @property
+    def step_s(self) -> Optional[float]:
+        """The measured step time (seconds of training per step); None until known."""
+        with self._lock:
+            return statistics.median(self._step_times) if self._step_times else None
+
+    @property
+    def stall_s(self) -> Optional[float]:
+        """delta: the median stall of the last taken snapshots; None before the first."""
+        with self._lock:
+            return self._delta()
+
+    def _delta(self) -> Optional[float]:
+        return statistics.median(self._stalls) if self._stalls else self._first_stall
+
+    def decide(self, step: int) -> Decision:
+        """Whether ``step`` takes a snapshot, and the interval as estimated now."""
+        with self._lock:
+            self._time_step(step)
+            delta = self._delta()
+            if delta is None:
+                return self._first()
+            durable = self._durable[1]
+            tau, bound, conflict = bounded_interval(
+                delta, durable, self.mtbf_s, self.overhead, self.max_loss)
+            if conflict is not None and not self._warned and self._warning is None:
+                self._warning = unreachable_sentence(self.max_loss, durable, conflict)
+            # Under max_loss the steps are rounded down: the bound is a promise.
+            self._own_steps = self._steps_for(tau, down=bound == "max_loss")
+            # Many ranks: every rank follows rank 0's interval, so they all take the
+            # same steps; this rank's own estimate is still what the decision reports
+            # (on rank 0 it is the value the client broadcasts).
+            acting = self._applied_steps or self._own_steps
+            take = self._last_taken is None or step - self._last_taken >= acting
+            return Decision(take, tau, self._own_steps, bound, tau / 2 + durable,
+                            self.mtbf_s, self.mtbf_from)
+
+    def taken(self, step: int, stall_s: float) -> None:
+        """A snapshot was taken at ``step`` and stalled training ``stall_s`` seconds."""
+        with self._lock:
+            stall = max(0.0, float(stall_s))
+            if self._first_stall is None:
+                self._first_stall = stall
+            else:
+                self._stalls.append(stall)
+            self._last_taken = step
+            # The stall lies inside the interval until the next decide(); it is not
+            # training time.
+            self._stalled_since_call += stall
+
+    def durable(self, step: int, durable_s: float) -> None:
+        """The snapshot taken at ``step`` became durable ``durable_s`` seconds after it
+        was taken. Reports may arrive out of order; the newest step's counts."""
+        with self._lock:
+            if step >= self._durable[0]:
+                self._durable = (step, max(0.0, float(durable_s)))
+
+    def set_interval_steps(self, n: int) -> None:
+        """Many ranks: take snapshots every ``n`` steps (rank 0's estimate) instead of
+        this rank's own, until the next call."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"set_interval_steps({n!r}): an interval of at least one "
+                             "step")
+        with self._lock:
+            self._applied_steps = n
+
+    def warning(self) -> Optional[str]:
+        """Once: the sentence saying max_loss cannot be met and why; else None."""
+        with self._lock:
+            sentence, self._warning = self._warning, None
+            if sentence is not None:
+                self._warned = True
+            return sentence
+
+    def _first(self) -> Decision:
+        # No stall measured yet: nothing to weigh, so the first call takes one (and,
+        # should it not be taken after all, the next call tries again).
+        return Decision(self._last_taken is None, 0.0, 1, "first", self._durable[1],
+                        self.mtbf_s, self.mtbf_from)
+
+    def _time_step(self, step: int) -> None:
+        """One step-time sample from the clock since the previous call, per step and
+        without the snapshot stall inside it. A step that does not move forward (a
+        repeated call, a restore to an earlier step) only restarts the timing."""
+        now = self._clock()
+        if self._previous_call is not None:
+            previous_step, previous_time = self._previous_call
+            if step > previous_step:
+                training = max(0.0, now - previous_time - self._stalled_since_call)
+                self._step_times.append(training / (step - previous_step))
+        self._previous_call = (step, now)
+        self._stalled_since_call = 0.0
+
+    def _steps_for(self, tau: float, down: bool = False) -> int:
+        """tau in steps at the measured step time (rounded down when ``down``); until a
+        step time is measured (or the clock has not moved), the previous estimate
+        stands."""
+        step_time = statistics.median(self._step_times) if self._step_times else 0.0
+        if step_time <= 0:
+            return self._own_steps
+        return max(1, math.floor(tau / step_time) if down else round(tau / step_time))
+
+
+def _check_positive(name: str, value: Optional[float], below: Optional[float] = None
+                    ) -> None:
+    """An option that is a positive number of seconds, or a fraction under ``below``
+    (the same ranges as snapd.options checks, for a Cadence made without Options)."""
+    if value is None and below is None:
+        return
+    number = (not isinstance(value, bool) and isinstance(value, (int, float))
+              and math.isfinite(value))
+    if number and value > 0 and (below is None or value < below):
+        return
+    what = (f"a fraction of training time between 0 and {below:g}, e.g. 0.01 for 1%"
+            if below is not None else "a positive number of seconds")
+    raise InvalidOption(f"{name}={value!r}: use {what} (Options({name}=...) or "
+                        f"SNAPD_{name.upper()})", field=name)

@@ -1,0 +1,271 @@
+"""Which snapshot() calls take a snapshot (snapd_client/schedule.py): every call, the
+multiples of ``every=N``, or the cadence under ``every="auto"``; a call that takes none
+returns a done handle at once and copies and logs nothing; the ``cadence`` record;
+the warning when max_loss cannot be met; the time between failures learned from the
+run's resumes; and many ranks following rank 0's interval. In-process clients
+(daemon=False) and injected clocks: nothing sleeps."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+
+from helpers import ThreadCollective, small_model_and_opt, small_train_step
+from snapd import statelog
+from snapd.errors import DistributedNotReady, InvalidOption
+from snapd.options import Options
+from snapd.store import RunStore
+from snapd_client import CadenceWarning, Client
+from snapd_client.handle import SnapshotHandle
+from snapd_client.journal import resume_times
+from snapd_client.schedule import Schedule
+
+CADENCE_FIELDS = {"kind", "time", "step", "interval_s", "interval_steps", "bound",
+                  "expected_loss_s", "mtbf_s", "mtbf_from", "stall_s", "step_s"}
+
+
+class Clock:
+    """Monotonic seconds that move only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+class Counted:
+    """Tracked state that counts how often a snapshot reads it (copies it)."""
+
+    def __init__(self) -> None:
+        self.value, self.reads = torch.arange(4.0), 0
+
+    def state_dict(self):
+        self.reads += 1
+        return {"value": self.value}
+
+    def load_state_dict(self, state) -> None:
+        self.value.copy_(state["value"])
+
+
+def logged(root: str, kind: str) -> list:
+    return [r for r in statelog.read_records(os.path.join(root, "r"), 0)
+            if r["kind"] == kind]
+
+
+def auto_client(root: str, clock: Clock, **options) -> Client:
+    """An in-process client under every="auto" whose cadence reads ``clock``."""
+    client = Client(root, "r", daemon=False, every="auto", **options)
+    client._schedule = Schedule(client.options, history=client._resume_times,
+                                clock=clock)
+    return client
+
+
+# --- every=None and every=N ----------------------------------------------------------
+
+def test_by_default_every_call_takes_a_snapshot(tmp_path):
+    client = Client(str(tmp_path), "r", daemon=False)
+    client.track(state=Counted())
+    assert [client.snapshot(step).taken for step in (1, 2)] == [True, True]
+    assert client.close().committed == (1, 2)
+
+
+def test_every_n_takes_the_multiples_of_n_and_other_calls_copy_and_log_nothing(tmp_path):
+    root = str(tmp_path)
+    client = Client(root, "r", daemon=False, every=3)
+    state = Counted()
+    client.track(state=state)
+    state.reads = 0
+    handles = {}
+    for step in range(1, 8):
+        client.log(step, loss=float(step))
+        handles[step] = client.snapshot(step, metric=torch.tensor(float(step)))
+    assert [s for s, h in handles.items() if h.taken] == [3, 6]
+    passed = handles[4]
+    assert passed.done() and not passed.failed and not passed.skipped
+    assert passed.wait() is None and passed.result is None
+    assert repr(passed) == "<SnapshotHandle step=4 not taken>"
+    assert state.reads == 2   # read (copied) at steps 3 and 6 only
+    assert client.close().committed == (3, 6)
+    assert [(r["event"], r["step"]) for r in logged(root, "snapshot")] == [
+        ("staged", 3), ("committed", 3), ("staged", 6), ("committed", 6)]
+    assert logged(root, "cadence") == []   # only "auto" logs its decisions
+    assert [sid.step for sid in RunStore(root, "r").committed()] == [3, 6]
+
+
+def test_a_call_that_takes_none_still_checks_its_step(tmp_path):
+    client = Client(str(tmp_path), "r", daemon=False, every=3)
+    with pytest.raises(InvalidOption) as caught:
+        client.snapshot(-1)
+    assert caught.value.field == "step"
+    client.close()
+
+
+# --- every="auto" ---------------------------------------------------------------------
+
+def test_auto_takes_the_first_call_then_every_interval_and_logs_each_decision(tmp_path):
+    root, clock = str(tmp_path), Clock()
+    # A failure may cost 1 s; each step takes 0.1 s; the snapshot's own stall (real
+    # time, a few ms) counts against max_loss too: a snapshot every 9 steps (rounded
+    # down). The overhead budget (half the time) stays below max_loss for any stall
+    # < 0.5 s.
+    client = auto_client(root, clock, max_loss=1.0, overhead=0.5)
+    client.track(state=Counted())
+    taken = []
+    for step in range(1, 26):
+        clock.advance(0.1)
+        client.log(step, loss=0.0)
+        if client.snapshot(step).taken:
+            taken.append(step)
+    assert taken == [1, 10, 19]
+    client.close()
+    records = logged(root, "cadence")
+    assert [r["step"] for r in records] == taken
+    assert all(set(r) == CADENCE_FIELDS for r in records)
+    first, later = records[0], records[1]
+    assert (first["bound"], first["interval_steps"], first["step_s"]) == ("first", 1, None)
+    assert (first["mtbf_s"], first["mtbf_from"]) == (24 * 3600, "default")
+    # In-process, a snapshot is durable when snapshot() returns: D is 0 on this clock.
+    # delta is the first snapshot's stall until a second one is measured.
+    assert (later["bound"], later["interval_steps"]) == ("max_loss", 9)
+    assert later["interval_s"] == pytest.approx(1.0 - first["stall_s"])
+    assert later["expected_loss_s"] == pytest.approx(later["interval_s"] / 2)
+    assert later["step_s"] == pytest.approx(0.1)
+    stalls = {r["step"]: r["stall"] for r in logged(root, "snapshot")
+              if r["event"] == "staged"}
+    assert {r["step"]: r["stall_s"] for r in records} == stalls
+    assert client.cadence.step_s == pytest.approx(0.1)
+
+
+def test_a_max_loss_below_the_overhead_floor_is_warned_once_at_the_callers_line(tmp_path):
+    clock = Clock()
+    client = auto_client(str(tmp_path), clock, max_loss=0.001)
+    client.track(state=Counted())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 8):
+            clock.advance(0.1)
+            client.snapshot(step)
+    client.close()
+    cadence = [w for w in caught if issubclass(w.category, CadenceWarning)]
+    assert len(cadence) == 1
+    assert cadence[0].filename == __file__
+    assert str(cadence[0].message).startswith("max_loss=0.001 s cannot be met: the "
+                                              "overhead bound needs at least")
+    assert client.cadence.decide(8).bound == "overhead"   # the lower bound won
+
+
+def train(root: str, steps: int, **options) -> Client:
+    """One life of a small run under every="auto": restore, ``steps`` steps, close."""
+    model, opt = small_model_and_opt()
+    client = Client(root, "r", daemon=False, every="auto", **options)
+    client.track(model=model, optimizer=opt)
+    start = client.restore()
+    for step in range(start + 1, start + steps + 1):
+        client.log(step, loss=small_train_step(model, opt, step))
+        client.snapshot(step)
+    client.close()
+    return client
+
+
+def test_the_time_between_failures_is_learned_from_the_runs_resumes(tmp_path):
+    root = str(tmp_path)
+    fresh = train(root, 3, mtbf=3600.0)
+    assert fresh.journal.resume_times == []
+    assert (fresh.cadence.mtbf_s, fresh.cadence.mtbf_from) == (3600.0, "option")
+    once = train(root, 3)   # one resume: no time between two failures yet
+    assert (once.cadence.mtbf_s, once.cadence.mtbf_from) == (24 * 3600, "default")
+    twice = train(root, 3, mtbf=3600.0)   # two: the run's own figure wins
+    resumes = [r["time"] for r in logged(root, "resume")]
+    assert twice.journal.resume_times == resumes and len(resumes) == 2
+    assert logged(root, "resume")[-1]["resumes"] == resumes
+    assert twice.cadence.mtbf_from == "history"
+    assert twice.cadence.mtbf_s == pytest.approx(resumes[1] - resumes[0])
+
+
+def test_resume_times_of_older_records_and_of_a_warm_start():
+    assert resume_times({"kind": "resume", "mode": "resume", "time": 5.0}) == [5.0]
+    assert resume_times({"kind": "resume", "mode": "resume", "time": 9.0,
+                         "resumes": [5.0, 9.0]}) == [5.0, 9.0]
+    assert resume_times({"kind": "resume", "mode": "warm_start", "time": 5.0}) == []
+    assert resume_times(None) == []
+
+
+# --- many ranks ----------------------------------------------------------------------
+
+def follow(schedule: Schedule, clock: Clock, step_s: float, taken: list) -> None:
+    """A rank's loop as snapshot() drives its schedule: 40 steps of ``step_s``."""
+    for step in range(1, 41):
+        clock.advance(step_s)
+        if schedule.decide(step):
+            schedule.agree()
+            schedule.taken(SnapshotHandle(step), 0.002, clock())
+            taken.append((step, schedule.decision.interval_steps))
+
+
+def test_every_rank_takes_the_steps_rank_0s_interval_gives():
+    options = Options(every="auto", max_loss=1.0, overhead=0.5)
+    threads = ThreadCollective(2)
+    # Rank 1 measures steps half as long: alone it would aim at 19 steps, not 9
+    # (max_loss less the 2 ms stall, rounded down).
+    speeds = {0: 0.1, 1: 0.05}
+    taken, clocks = {0: [], 1: []}, {0: Clock(), 1: Clock()}
+    workers = [threading.Thread(target=follow, args=(
+        Schedule(options, rank=rank, world_size=2, clock=clocks[rank],
+                 collective=lambda rank=rank: threads.member(rank)),
+        clocks[rank], speeds[rank], taken[rank])) for rank in (0, 1)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    # The first snapshot has no interval measured (1 step): the next call takes one.
+    # (At step 2 the one step timed so far is 0.098 s, the stall left out: 10 steps.)
+    assert taken[0] == taken[1] == [(1, 1), (2, 10), (12, 9), (21, 9), (30, 9), (39, 9)]
+    alone, clock = [], Clock()
+    follow(Schedule(options, clock=clock), clock, speeds[1], alone)
+    assert [step for step, _ in alone] != [step for step, _ in taken[1]]
+
+
+def test_many_ranks_under_auto_need_a_process_group():
+    schedule = Schedule(Options(every="auto"), rank=0, world_size=2)
+    assert schedule.decide(1)
+    with pytest.raises(DistributedNotReady) as caught:
+        schedule.agree()
+    assert caught.value.field == "every"
+    assert "call dist.init_process_group first, or give every=N" in str(caught.value)
+
+
+# --- the options -----------------------------------------------------------------------
+
+def test_the_cadence_options_come_from_the_environment():
+    got = Options.resolve(environ={"SNAPD_EVERY": "auto", "SNAPD_MAX_LOSS": "2.5",
+                                   "SNAPD_MTBF": "3600", "SNAPD_OVERHEAD": "0.02"})
+    assert (got.every, got.max_loss, got.mtbf, got.overhead) == ("auto", 2.5, 3600.0, 0.02)
+    assert Options.resolve(environ={"SNAPD_EVERY": "25"}).every == 25
+
+
+@pytest.mark.parametrize("given, field, text", [
+    ({"every": 0}, "every", "every=0: None (each snapshot() call takes one), a positive "
+     "step count N (the steps that are multiples of N) or 'auto' (as often as it pays)"),
+    ({"every": "often"}, "every", "every='often': None"),
+    ({"every": True}, "every", "every=True: None"),
+    ({"overhead": 1.0}, "overhead", "overhead=1.0: the share of training time snapshots "
+     "may stall it, between 0 and 1 (0.01: one percent)"),
+    ({"max_loss": 0}, "max_loss", "max_loss=0: the most seconds of training a failure "
+     "may lose, a positive number, or None"),
+    ({"mtbf": -5.0}, "mtbf", "mtbf=-5.0: the seconds between failures, a positive "
+     "number, or None"),
+])
+def test_a_cadence_option_out_of_range_is_refused_naming_the_field(given, field, text):
+    with pytest.raises(InvalidOption) as caught:
+        Options(**given)
+    assert caught.value.field == field
+    assert str(caught.value).startswith(text)
