@@ -260,6 +260,11 @@ class StoreRoot(Root):
         commits = self.commits(run) if which == "LATEST" else []
         return commits[-1] if commits else None
 
+    def latest(self, run: str) -> Optional[SnapshotId]:
+        """The newest remote commit: LATEST is that here, so one listing answers."""
+        commits = self.commits(run)
+        return commits[-1] if commits else None
+
     def snap(self, run: str, sid: SnapshotId) -> Snap:
         label = sid.name if sid.lineage else str(sid.step)
         return Snap(run, sid.name, self.snapshot_where(run, sid),
