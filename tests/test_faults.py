@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import time
@@ -10,7 +11,8 @@ import pytest
 import torch
 import zstandard
 
-from helpers import flip_byte, outside_listing, read_manifest, write_manifest_raw
+from helpers import (flip_byte, outside_listing, read_manifest, trained_root,
+                     write_manifest_raw)
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, IncompatibleState, SnapshotFailed
 from snapd.reader import SnapshotReader
@@ -34,6 +36,25 @@ def make_run(root, run="r", steps=(1, 2), data_version="v1", **options):
     return os.path.join(root, run, "snapshots")
 
 
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """make_run's runs that most tests here damage, steps 1 and 2 and step 1 alone: made
+    once (training and committing them was most of each test's time)."""
+    return {steps: trained_root(tmp_path_factory, f"faults-{len(steps)}",
+                                functools.partial(make_run, steps=steps))
+            for steps in ((1, 2), (1,))}
+
+
+@pytest.fixture
+def made(pristine, root):
+    """made(steps) -> make_run(root, steps=steps)'s snapshots folder: a private copy of
+    the pristine run, free to damage."""
+    def copy(steps=(1, 2)):
+        shutil.copytree(pristine[steps], root, dirs_exist_ok=True)
+        return os.path.join(root, "r", "snapshots")
+    return copy
+
+
 def fresh(root, run="r", data_version="v1", width=32):
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Linear(width, 4))
@@ -51,16 +72,16 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_restore_returns_latest_step_and_loads_it(root):
-    snaps = make_run(root)
+def test_restore_returns_latest_step_and_loads_it(root, made):
+    snaps = made()
     client, model = fresh(root)
     assert client.restore() == 2
     saved = SnapshotReader(os.path.join(snaps, "00000002")).load_object("model")
     assert same(weights(model), saved)
 
 
-def test_flipped_byte_in_tensor_chunk_falls_back_with_a_named_warning(root):
-    snaps = make_run(root)
+def test_flipped_byte_in_tensor_chunk_falls_back_with_a_named_warning(root, made):
+    snaps = made()
     flip_byte(os.path.join(snaps, "00000002", "model.tensors"), fmt.CHUNK_ALIGN + 100)
     client, _ = fresh(root)
     with pytest.warns(FallbackWarning, match=r"model\.tensors.*chunk 0"):
@@ -69,9 +90,9 @@ def test_flipped_byte_in_tensor_chunk_falls_back_with_a_named_warning(root):
     assert "00000002" in client.restored.refused
 
 
-def test_flipped_padding_byte_is_damage_too(root):
+def test_flipped_padding_byte_is_damage_too(root, made):
     """The zeros between chunks are in no chunk's digest; they must stay zero."""
-    snaps = make_run(root)
+    snaps = made()
     flip_byte(os.path.join(snaps, "00000002", "model.tensors"), fmt.HEADER_BYTES + 100)
     client, _ = fresh(root)
     with pytest.warns(FallbackWarning, match=r"model\.tensors: padding at bytes "
@@ -79,8 +100,8 @@ def test_flipped_padding_byte_is_damage_too(root):
         assert client.restore() == 1
 
 
-def test_only_snapshot_corrupt_raises_and_touches_nothing(root):
-    snaps = make_run(root, steps=(1,))
+def test_only_snapshot_corrupt_raises_and_touches_nothing(root, made):
+    snaps = made((1,))
     flip_byte(os.path.join(snaps, "00000001", "optimizer.tensors"), fmt.CHUNK_ALIGN + 3)
     client, model = fresh(root)
     before = weights(model)
@@ -91,8 +112,8 @@ def test_only_snapshot_corrupt_raises_and_touches_nothing(root):
     assert same(weights(model), before), "the model was modified before verification"
 
 
-def test_model_weights_read_without_reading_optimizer_state(root):
-    snaps = make_run(root, steps=(1,))
+def test_model_weights_read_without_reading_optimizer_state(root, made):
+    snaps = made((1,))
     path = os.path.join(snaps, "00000001")
     flip_byte(os.path.join(path, "optimizer.tensors"), fmt.CHUNK_ALIGN + 3)
     reader = SnapshotReader(path)
@@ -102,8 +123,8 @@ def test_model_weights_read_without_reading_optimizer_state(root):
 
 
 @pytest.mark.parametrize("keep", [0, 10, fmt.HEADER_BYTES + 5])
-def test_truncated_manifest_is_refused(root, keep):
-    snaps = make_run(root, steps=(1,))
+def test_truncated_manifest_is_refused(root, made, keep):
+    snaps = made((1,))
     manifest = os.path.join(snaps, "00000001", fmt.MANIFEST_NAME)
     with open(manifest, "r+b") as f:
         f.truncate(keep)
@@ -112,8 +133,8 @@ def test_truncated_manifest_is_refused(root, keep):
     assert info.value.path == manifest
 
 
-def test_missing_rng_field_is_refused_by_name(root):
-    snaps = make_run(root)
+def test_missing_rng_field_is_refused_by_name(root, made):
+    snaps = made()
     path = os.path.join(snaps, "00000002")
     manifest = read_manifest(path)
     del manifest["rng"]["numpy"]
@@ -123,8 +144,8 @@ def test_missing_rng_field_is_refused_by_name(root):
         assert client.restore() == 1
 
 
-def test_changed_data_version_is_refused_by_name(root):
-    make_run(root)
+def test_changed_data_version_is_refused_by_name(root, made):
+    made()
     client, model = fresh(root, data_version="v2")
     before = weights(model)
     with pytest.raises(IncompatibleState, match="data_version") as info:
@@ -134,23 +155,23 @@ def test_changed_data_version_is_refused_by_name(root):
     assert same(weights(model), before)
 
 
-def test_changed_shape_is_refused_naming_the_tensor(root):
-    make_run(root)
+def test_changed_shape_is_refused_naming_the_tensor(root, made):
+    made()
     client, _ = fresh(root, width=33)
     with pytest.raises(IncompatibleState, match=r"objects\.model\.0\.weight"):
         client.restore()
 
 
-def test_untracked_object_in_snapshot_is_refused(root):
-    make_run(root)
+def test_untracked_object_in_snapshot_is_refused(root, made):
+    made()
     client = Client(root, "r", data_version="v1")
     client.track(model=torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)))
     with pytest.raises(IncompatibleState, match="'optimizer'"):
         client.restore()
 
 
-def test_leftover_tmp_dir_never_shadows_the_last_good_snapshot(root):
-    snaps = make_run(root)
+def test_leftover_tmp_dir_never_shadows_the_last_good_snapshot(root, made):
+    snaps = made()
     shutil.copytree(os.path.join(snaps, "00000002"), os.path.join(snaps, ".tmp-00000009-dead"))
     os.makedirs(os.path.join(snaps, ".tmp-00000010-beef"))
     with open(os.path.join(root, "r", "LATEST"), "w") as f:
@@ -167,8 +188,8 @@ def test_latest_pointing_at_a_missing_snapshot_falls_back_to_newest(root):
 
 
 @pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/../../x", "..", "sub/x"])
-def test_manifest_naming_a_path_outside_is_refused(root, name):
-    snaps = make_run(root, steps=(1,))
+def test_manifest_naming_a_path_outside_is_refused(root, made, name):
+    snaps = made((1,))
     path = os.path.join(snaps, "00000001")
     manifest = read_manifest(path)
     entry = manifest["files"].pop("model.tensors")
@@ -184,8 +205,8 @@ def test_manifest_naming_a_path_outside_is_refused(root, name):
     assert outside_listing(root) == before
 
 
-def test_symlinked_tensor_file_is_refused(root, tmp_path):
-    snaps = make_run(root, steps=(1,))
+def test_symlinked_tensor_file_is_refused(root, made, tmp_path):
+    snaps = made((1,))
     target = os.path.join(snaps, "00000001", "model.tensors")
     os.rename(target, str(tmp_path / "outside" / "model.tensors"))
     os.symlink(str(tmp_path / "outside" / "model.tensors"), target)
@@ -193,8 +214,8 @@ def test_symlinked_tensor_file_is_refused(root, tmp_path):
         SnapshotReader(os.path.dirname(target))
 
 
-def test_declared_size_far_above_the_file_is_refused_without_allocating(root):
-    snaps = make_run(root, steps=(1,))
+def test_declared_size_far_above_the_file_is_refused_without_allocating(root, made):
+    snaps = made((1,))
     path = os.path.join(snaps, "00000001")
     manifest = read_manifest(path)
     tensor = manifest["objects"]["model"]["tensors"][0]
@@ -209,8 +230,8 @@ def test_declared_size_far_above_the_file_is_refused_without_allocating(root):
     assert time.perf_counter() - t0 < 30
 
 
-def test_file_size_differing_from_manifest_is_refused(root):
-    snaps = make_run(root, steps=(1,))
+def test_file_size_differing_from_manifest_is_refused(root, made):
+    snaps = made((1,))
     path = os.path.join(snaps, "00000001")
     manifest = read_manifest(path)
     manifest["files"]["model.tensors"]["size"] += 1 << 30
@@ -226,8 +247,8 @@ def test_zstd_frame_declaring_a_huge_size_is_refused(root):
         fmt.decode_chunk(bomb, chunk, path="p", field="f")
 
 
-def test_warm_start_loads_weights_across_data_version_and_starts_a_lineage(root):
-    snaps = make_run(root)
+def test_warm_start_loads_weights_across_data_version_and_starts_a_lineage(root, made):
+    snaps = made()
     client, model = fresh(root, data_version="v2")
     assert client.restore(mode="warm_start") == 0
     saved = SnapshotReader(os.path.join(snaps, "00000002")).load_object("model")
@@ -242,8 +263,8 @@ def test_warm_start_loads_weights_across_data_version_and_starts_a_lineage(root)
     assert again.lineage["mode"] == "warm_start" and again.restored.sid.name == "00000001.L1"
 
 
-def test_snapshot_of_a_committed_step_and_lineage_keeps_the_committed_one(root):
-    snaps = make_run(root, steps=(1, 2))
+def test_snapshot_of_a_committed_step_and_lineage_keeps_the_committed_one(root, made):
+    snaps = made()
     before = os.stat(os.path.join(snaps, "00000002", fmt.MANIFEST_NAME))
     client, _ = fresh(root)
     assert client.restore() == 2
@@ -256,8 +277,8 @@ def test_snapshot_of_a_committed_step_and_lineage_keeps_the_committed_one(root):
     assert sorted(os.listdir(snaps)) == ["00000001", "00000002"]
 
 
-def test_snapshot_of_a_step_another_rank_committed_fails_through_the_handle(root):
-    make_run(root, steps=(1,))
+def test_snapshot_of_a_step_another_rank_committed_fails_through_the_handle(root, made):
+    made((1,))
     torch.manual_seed(1)
     model = torch.nn.Linear(4, 4)
     client = Client(root, "r", data_version="v1", rank=1)
@@ -268,8 +289,8 @@ def test_snapshot_of_a_step_another_rank_committed_fails_through_the_handle(root
         client.close()
 
 
-def test_a_refused_snapshot_is_set_aside_not_deleted_when_its_step_is_saved_again(root):
-    snaps = make_run(root)
+def test_a_refused_snapshot_is_set_aside_not_deleted_when_its_step_is_saved_again(root, made):
+    snaps = made()
     flip_byte(os.path.join(snaps, "00000002", "model.tensors"), fmt.CHUNK_ALIGN + 7)
     client, _ = fresh(root)
     with pytest.warns(FallbackWarning):

@@ -22,15 +22,24 @@ CLIENT = PACKAGE.parent / "snapd_client"
 
 
 def import_nodes(path: Path) -> Tuple[ast.AST, ...]:
-    """Every import statement of ``path``, at any depth: walked once per content (three
-    checks read every module of snapd), the rest of the tree not kept."""
-    return _imports(str(path), path.read_text())
+    """Every import statement of ``path``, at any depth."""
+    return _imports(str(path), path.read_text())[0]
+
+
+def top_level_import_nodes(path: Path) -> Tuple[ast.AST, ...]:
+    """The import statements of ``path``'s module body (the import graph's edges)."""
+    return _imports(str(path), path.read_text())[1]
 
 
 @functools.lru_cache(maxsize=None)
-def _imports(name: str, source: str) -> Tuple[ast.AST, ...]:
-    return tuple(node for node in ast.walk(ast.parse(source, name))
-                 if isinstance(node, (ast.Import, ast.ImportFrom)))
+def _imports(name: str, source: str) -> Tuple[Tuple[ast.AST, ...], Tuple[ast.AST, ...]]:
+    """(every import, the module body's imports) of ``source``: parsed once per content
+    (four checks read every module of snapd, parsing is their cost), the rest of the
+    tree not kept."""
+    tree = ast.parse(source, name)
+    return (tuple(node for node in ast.walk(tree)
+                  if isinstance(node, (ast.Import, ast.ImportFrom))),
+            tuple(node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))))
 
 
 def imported_modules(path: Path, top: Path = PACKAGE.parent) -> Iterator[Tuple[int, str]]:
@@ -144,12 +153,9 @@ def import_graph(files: List[Path], top: Path = PACKAGE.parent) -> dict:
              for p in files}
     graph = {}
     for name, path in names.items():
-        tree = ast.parse(path.read_text(), str(path))
-        top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-        module = ast.Module(body=top_level, type_ignores=[])
         found = set()
         package = ".".join(path.relative_to(top).with_suffix("").parts[:-1])
-        for node in ast.walk(module):
+        for node in top_level_import_nodes(path):
             for target in _targets(node, package):
                 if target in names and not (name + ".").startswith(target + "."):
                     found.add(target)

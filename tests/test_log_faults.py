@@ -98,15 +98,19 @@ def flip_positions(segments: dict) -> list:
 
     Why these cover the ground of flipping every bit: the reader's verdict depends on
     the part a flip lands in, not on which bit of it. A header is checked field by
-    field and then by its xxh32, so the newest segment gets one flip in every header
-    byte (each bit position in turn) and each field is flipped once in an older
-    segment. A frame is checked by its length, its footer's copy of it and its
-    checksum: every segment gets a flip in each of those parts and in the payload, of
-    its first frame, a middle one or its last (the sync mark sealing it), in turn;
-    the newest all three. The length flips take bit 0 (a length one off), bit 12
-    (past a page) and bit 31 (over MAX_RECORD) in turn."""
+    field: its magic, its version, then its xxh32, which a flip anywhere else fails
+    first (the later fields are checked only in a header whose checksum holds). So
+    each field is flipped once in the newest segment (its last byte: the one the
+    writer reopens, and moves aside when its header is bad) and once in an older one
+    (its first or second byte: readers skip it); the bits taken vary. A frame is
+    checked by its length, its footer's copy of it and its checksum: every segment
+    gets a flip in each of those parts and in the payload, of its first frame, a
+    middle one or its last (the sync mark sealing it), in turn; the newest all three.
+    The length flips take bit 0 (a length one off), bit 12 (past a page) and bit 31
+    (over MAX_RECORD) in turn."""
     names = sorted(segments)
-    flips = [(names[-1], byte * 8 + byte % 8) for byte in range(HEADER_SIZE)]
+    field_ends = HEADER_FIELDS[1:] + (HEADER_SIZE,)
+    flips = [(names[-1], (end - 1) * 8 + (i + 3) % 8) for i, end in enumerate(field_ends)]
     older = names[:-1]
     flips += [(older[i % len(older)], (at + i % 2) * 8 + i % 8)
               for i, at in enumerate(HEADER_FIELDS)]

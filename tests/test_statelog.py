@@ -1,5 +1,5 @@
 """The state log: round trips, every torn tail, bit flips, bad headers, grouped fsync,
-and bounded reads on a million-record log (asserted in bytes read, not time)."""
+and bounded reads on a long log (asserted in bytes read, not time)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from snapd.statelog import (
     tail_report,
 )
 
-from helpers import logged_commit, logged_step, wait_for
+from helpers import LONG_LOG_STEPS, logged_commit, logged_step, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore::snapd.statelog.TornTailWarning")
 
@@ -370,39 +370,44 @@ def test_writer_rejects_bad_records(tmp_path):
     assert list(read_records(tmp_path, 0)) == []
 
 
-def test_recovery_planning_reads_a_bounded_number_of_bytes(million_log):
-    """The log: steps 1..1,000,000, a commit every 1000 but the last, over several
-    segments (tests/helpers.py, shared with test_recovery)."""
-    million = million_log.path
-    assert len(list_segments(million, 0)) >= 3
+def test_recovery_planning_reads_a_bounded_number_of_bytes(long_log):
+    """The log: steps 1..120,000, a commit every 1000 but the last, over three segments
+    of 4 MiB or more, each more than the bounds below (tests/helpers.py, shared with
+    test_recovery): no read here may read a whole segment, let alone the log."""
+    log = long_log.path
+    segments = list_segments(log, 0)
+    assert len(segments) >= 3 and min(p.stat().st_size for p in segments) > 4 << 20
+    last = LONG_LOG_STEPS
     stats = IOStats()
-    assert last_record(million, 0, stats=stats) == logged_step(1_000_000)
+    assert last_record(log, 0, stats=stats) == logged_step(last)
     assert stats.bytes_read < 64 << 10, stats
     stats = IOStats()
-    snap = find_last(million, 0, "snapshot", stats=stats)
-    assert snap == logged_commit(999_000)
+    snap = find_last(log, 0, "snapshot", stats=stats)
+    assert snap == logged_commit(last - 1000)
     stats2 = IOStats()
-    assert find_last(million, 0, "snapshot", stats=stats2)["step"] == 999_000
+    assert find_last(log, 0, "snapshot", stats=stats2)["step"] == last - 1000
     assert stats.bytes_read < 1 << 20, stats
-    for step in (1, 2, 4_095, 123_457, 500_000, 777_777, 999_998):
+    # The first steps; steps 1.7 to 5 MiB into each segment (a scan from a segment's
+    # start would break the bound), the ends of the first two among them; the last.
+    for step in (1, 2, 4_095, 14_815, 42_000, 60_000, 84_000, 100_000, last - 2):
         stats = IOStats()
-        assert find_step(million, 0, step, stats=stats) == logged_step(step)
+        assert find_step(log, 0, step, stats=stats) == logged_step(step)
         assert stats.bytes_read < 1 << 20, (step, stats)
     stats = IOStats()
-    tail = read_tail(million, 0, 1000, stats=stats)
-    assert [r["step"] for r in tail if r["kind"] == "step"][-1] == 1_000_000
+    tail = read_tail(log, 0, 1000, stats=stats)
+    assert [r["step"] for r in tail if r["kind"] == "step"][-1] == last
     assert len(tail) == 1000 and stats.bytes_read < 1 << 20
 
 
-def test_torn_million_record_log_is_still_read_from_the_tail(million_log, tmp_path):
-    last = list_segments(million_log.path, 0)[-1]
+def test_torn_long_log_is_still_read_from_the_tail(long_log, tmp_path):
+    last = list_segments(long_log.path, 0)[-1]
     torn = tmp_path / "log" / "rank-00000" / last.name
     torn.parent.mkdir(parents=True)
     shutil.copyfile(last, torn)
     with open(torn, "ab") as f:
         f.write(msgpack.packb({"kind": "step", "step": 1})[:5] + b"\x00" * 3000)
     stats = IOStats()
-    assert last_record(tmp_path, 0, stats=stats)["step"] == 1_000_000
+    assert last_record(tmp_path, 0, stats=stats)["step"] == LONG_LOG_STEPS
     assert stats.bytes_read < 64 << 10
     assert tail_report(tmp_path, 0).torn_at is not None
 

@@ -3,6 +3,8 @@
 ``env``: a root and run for a real Client, which starts its own daemon there.
 ``daemon_env``: the environment a daemon the test starts itself runs with.
 ``harness``: starts such daemons and makes arenas; all of it cleaned up.
+``warm``: two warm parents (warm.py) that fork trainers without an import of torch
+each, "first" for the runs a resume is compared with, "resumed" for the resumes.
 Everything under this folder is marked ``integration`` (tests/conftest.py).
 """
 
@@ -13,6 +15,7 @@ import os
 import pytest
 
 from harness import Env, Harness
+from warm import Warm
 
 
 @pytest.fixture
@@ -61,3 +64,14 @@ def s3_env(s3_server, monkeypatch):
     for key, value in s3_server.env.items():
         monkeypatch.setenv(key, value)
     return s3_server
+
+
+@pytest.fixture(scope="session")
+def warm():
+    """round -> a warm parent for the session: "first" forks the runs a resume is
+    compared with, "resumed" the resumes (a hash seed of their own). Both import torch
+    once, side by side, from the first test that asks."""
+    parents = {"first": Warm(), "resumed": Warm()}
+    yield parents
+    for parent in parents.values():
+        parent.close()

@@ -12,8 +12,6 @@ import glob
 import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -214,14 +212,13 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def test_trainer_killed_after_snapshot_returns_still_commits(env, tmp_path):
+def test_trainer_killed_after_snapshot_returns_still_commits(env, tmp_path, warm):
     script, out = tmp_path / "trainer.py", tmp_path / "out.json"
     script.write_text(TRAINER)
-    proc = subprocess.Popen([sys.executable, str(script), env.root, env.run, str(out)],
-                            stderr=subprocess.PIPE, text=True)
+    # a child of a warm parent (warm.py): a trainer without an import of torch of its own
+    proc = warm["first"].run(str(script), [env.root, env.run, str(out)], timeout=120)
     env.pids.add(proc.pid)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGKILL, stderr
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
     store = RunStore(env.root, env.run)
     wait_until(lambda: store.read_pointer("LATEST") is not None, 60, "LATEST")
     reader = SnapshotReader(store.snapshot_path(store.read_pointer("LATEST")))

@@ -187,16 +187,19 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def test_idle_connections_that_never_say_hello_do_not_lock_out_a_trainer(harness):
+def test_idle_connections_that_never_say_hello_do_not_lock_out_a_trainer(harness, tmp_path,
+                                                                        warm):
     root, run = harness.root(), harness.run
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
     # A hello_timeout longer than the test: the lobby, not the timeout, makes room.
     extra_env = {"SNAPD_HELLO_TIMEOUT": "300"}
     daemon = harness.start(root, extra_env=extra_env)
     idle = [idle_connection(root) for _ in range(200)]
     try:
-        trainer = subprocess.run([sys.executable, "-c", TRAINER, root, run],
-                                 env=job_env(**extra_env), timeout=120,
-                                 capture_output=True, text=True)
+        # a child of a warm parent (warm.py): no import of torch of its own
+        trainer = warm["first"].run(str(script), [root, run], env=job_env(**extra_env),
+                                    timeout=120)
         assert trainer.returncode == 0 and "committed" in trainer.stdout, \
             trainer.stderr[-3000:] + daemon.text()[-3000:]
         assert RunStore(root, run).read_pointer("LATEST") == SnapshotId(0, 1)

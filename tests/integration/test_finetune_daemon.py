@@ -1,15 +1,13 @@
 """Fine-tuning through the real daemon: a LoRA model snapshotted every step stages and
 writes only its trainable state after the first snapshot; a trainer SIGKILLed mid-run
 resumes bit for bit from snapshots that share the base's bytes, and every snapshot
-left verifies."""
+left verifies. The trainers are children forked by the warm parents (warm.py, the
+``warm`` fixture): the resume by another parent than the run it is compared with."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import torch
 
@@ -22,13 +20,12 @@ JOB = os.path.join(os.path.dirname(__file__), "finetune_job.py")
 STEPS, PAUSE = 8, 5
 
 
-def start(tmp_path, name, **cfg):
+def start(parent, tmp_path, name, **cfg):
+    """The job as a child of ``parent``, its output in ``<name>.log``."""
     out = tmp_path / name
     out.mkdir()
     cfg = {"root": str(tmp_path / "root"), "out": str(out), "steps": STEPS, **cfg}
-    log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen([sys.executable, JOB, json.dumps(cfg)], stdout=log,
-                            stderr=subprocess.STDOUT), out
+    return parent.start(JOB, [json.dumps(cfg)], None, str(tmp_path / f"{name}.log")), out
 
 
 def finish(proc, out, tmp_path, name):
@@ -45,20 +42,21 @@ def assert_only_trainable_after_the_first(report):
         assert snap["staged"] <= limit and snap["written"] <= limit, snap
 
 
-def test_lora_every_step_killed_and_resumed_bit_for_bit(tmp_path):
+def test_lora_every_step_killed_and_resumed_bit_for_bit(tmp_path, warm):
     procs = []
     try:
         # the uninterrupted run and the one killed side by side (two runs of one root)
-        whole, whole_out = start(tmp_path, "whole", run="whole")
-        killed, out = start(tmp_path, "killed", run="cut", pause_at=PAUSE)
+        whole, whole_out = start(warm["first"], tmp_path, "whole", run="whole")
+        killed, out = start(warm["first"], tmp_path, "killed", run="cut", pause_at=PAUSE)
         procs += [whole, killed]   # neither outlives a failure (killed waits forever)
         assert wait_for(lambda: os.path.exists(out / "paused"), timeout=60)
-        killed.send_signal(signal.SIGKILL)
+        killed.kill()   # SIGKILL
         killed.wait(timeout=30)
         report, reference = finish(whole, whole_out, tmp_path, "whole")
         assert_only_trainable_after_the_first(report)
 
-        resumed, out = start(tmp_path, "resumed", run="cut", seed=1)
+        resumed, out = start(warm["resumed"], tmp_path, "resumed", run="cut", seed=1)
+        procs.append(resumed)
         report, state = finish(resumed, out, tmp_path, "resumed")
         assert report["first_step"] == PAUSE + 1
         assert_only_trainable_after_the_first(report)   # the base once more, then shared

@@ -10,18 +10,18 @@ are the same run iff the lines they both print are equal.
 
 The module's eleven runs go in two rounds, each side by side (a root per script, the
 runs of one root share only its daemon): every uninterrupted run and every run killed
-mid-epoch, then every restart. The tests read the runs they name (``runs``).
+mid-epoch, then every restart. The tests read the runs they name (``runs``). Each
+run is a child forked by a warm parent that imported torch once (warm.py, the
+``warm`` fixture): the restarts by another parent than the runs they are compared
+with, so that the two differ in hash seed, as separate interpreters do.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -34,31 +34,35 @@ CASES = {"nanogpt_style.py": (25, 20), "word_lm_style.py": (45, 42),
          "mingpt_adder_style.py": (37, 30)}
 
 
-def start_script(path, **cfg):
+def start_script(parent, outputs, name, path, **cfg):
+    """``path`` run by a child of ``parent``; its stdout and stderr go to files in
+    ``outputs`` named after ``name``."""
     # the real daemon: the module fixture that starts these runs comes before the
     # function-scoped one that lifts the unit lane's SNAPD_DAEMON=0 (tests/conftest.py)
     env = {k: v for k, v in os.environ.items() if k != "SNAPD_DAEMON"}
-    return subprocess.Popen([sys.executable, path, json.dumps(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(path),
-                            env=env)
+    out, err = (os.path.join(outputs, f"{name}.{stream}") for stream in ("out", "err"))
+    proc = parent.start(path, [json.dumps(cfg)], env, out, err, cwd=os.path.dirname(path))
+    return proc, out, err
 
 
-def finish_script(proc):
+def finish_script(started):
+    proc, out, err = started
     try:
-        out, err = proc.communicate(timeout=240)
+        proc.wait(timeout=240)
     finally:
         proc.kill()
         proc.wait()
-    return proc.returncode, out.splitlines(), err
+    with open(out) as f_out, open(err) as f_err:
+        return proc.returncode, f_out.read().splitlines(), f_err.read()
 
 
 def finish_all(started: dict) -> dict:
     """name -> (returncode, stdout lines, stderr) of every run of ``started``; if one
     fails to finish, those still running are killed."""
     try:
-        return {name: finish_script(proc) for name, proc in started.items()}
+        return {name: finish_script(one) for name, one in started.items()}
     finally:
-        for proc in started.values():
+        for proc, _out, _err in started.values():
             proc.kill()
             proc.wait()
 
@@ -67,7 +71,7 @@ FORGETFUL = "nanogpt_forgets_xy.py"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, warm):
     """(script, run) -> (returncode, stdout lines, stderr): for each script of CASES the
     uninterrupted run ("whole"), the run killed mid-epoch ("first") and its restart
     ("second"); the same two of FORGETFUL, nanogpt_style.py with the prefetched batch
@@ -84,16 +88,22 @@ def runs(tmp_path_factory):
                FORGETFUL: CASES["nanogpt_style.py"][0]}
     base = tempfile.mkdtemp(prefix="sdrs-", dir="/tmp")   # daemon sockets: 107 bytes
     roots = {script: os.path.join(base, str(i)) for i, script in enumerate(paths)}
+    outputs = str(tmp / "outputs")
+    os.makedirs(outputs)
+    compared, restarts = warm["first"], warm["resumed"]
     try:
-        first = {(script, "first"): start_script(path, root=roots[script], run="cut",
+        first = {(script, "first"): start_script(compared, outputs, f"{i}-first", path,
+                                                 root=roots[script], run="cut",
                                                  kill_at=kill_at[script])
-                 for script, path in paths.items()}
-        first.update({(script, "whole"): start_script(paths[script], root=roots[script],
-                                                      run="whole") for script in CASES})
+                 for i, (script, path) in enumerate(paths.items())}
+        first.update({(script, "whole"): start_script(compared, outputs, f"{i}-whole",
+                                                      paths[script], root=roots[script],
+                                                      run="whole")
+                      for i, script in enumerate(CASES)})
         done = finish_all(first)
-        done.update(finish_all({(script, "second"): start_script(path, root=roots[script],
-                                                                 run="cut")
-                                for script, path in paths.items()}))
+        done.update(finish_all({(script, "second"): start_script(
+            restarts, outputs, f"{i}-second", path, root=roots[script], run="cut")
+            for i, (script, path) in enumerate(paths.items())}))
         yield done
     finally:
         stop_daemons_under(base)

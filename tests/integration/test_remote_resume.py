@@ -1,7 +1,9 @@
 """Losing the node (issue 16): a trainer with the remote tier on is SIGKILLed, its
 daemon too, and its node's root deleted; the job restarted on a new root resumes from
 the remote, bit for bit the uninterrupted run, and the replay check (on the replicated
-log) matches the steps it recomputes."""
+log) matches the steps it recomputes. The trainers are children forked by the warm
+parents (warm.py, the ``warm`` fixture): the resume by another parent than the runs
+it is compared with."""
 
 from __future__ import annotations
 
@@ -9,10 +11,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
-
-import pytest
 
 from helpers import stop_daemons_under, wait_until
 from snapd.remote.layout import RemoteRoot
@@ -23,30 +21,33 @@ TRAINER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS, CUT, DIED = 12, 5, 9   # snapshot at CUT, the first process is killed after DIED
 
 
-def start_trainer(base, name, **cfg):
+def start_trainer(parent, base, name, **cfg):
+    """The trainer as a child of ``parent``, in this process's environment now."""
     out = os.path.join(base, f"{name}.json")
     cfg = {"out": out, "steps": STEPS, "model": "momentum", "workers": 0,
            "loader_generator": True, **cfg}
-    proc = subprocess.Popen([sys.executable, TRAINER, json.dumps(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return proc, out, cfg.get("sigkill")
+    stdout, stderr = (os.path.join(base, f"{name}.{s}") for s in ("stdout", "stderr"))
+    proc = parent.start(TRAINER, [json.dumps(cfg)], None, stdout, stderr)
+    return proc, out, cfg.get("sigkill"), stderr
 
 
 def finish_trainer(started):
-    proc, out, sigkill = started
+    proc, out, sigkill, stderr_file = started
     try:
-        _, stderr = proc.communicate(timeout=300)
+        proc.wait(timeout=300)
     finally:
         proc.kill()
         proc.wait()
+    with open(stderr_file) as f:
+        stderr = f.read()
     killed = sigkill and proc.returncode == -signal.SIGKILL
     assert proc.returncode == 0 or killed, stderr[-3000:]
     with open(out) as f:
         return json.load(f), stderr
 
 
-def run_trainer(base, name, **cfg):
-    return finish_trainer(start_trainer(base, name, **cfg))
+def run_trainer(parent, base, name, **cfg):
+    return finish_trainer(start_trainer(parent, base, name, **cfg))
 
 
 def remote_log_caught_up(remote, root, run):
@@ -64,7 +65,8 @@ def remote_log_caught_up(remote, root, run):
     return True
 
 
-def test_a_job_that_lost_its_node_resumes_from_the_remote(tmp_path, s3_env, monkeypatch):
+def test_a_job_that_lost_its_node_resumes_from_the_remote(tmp_path, s3_env, monkeypatch,
+                                                         warm):
     monkeypatch.setenv("SNAPD_REMOTE_LOG_INTERVAL", "0.2")
     base = str(tmp_path)
     url = s3_env.url()
@@ -74,10 +76,10 @@ def test_a_job_that_lost_its_node_resumes_from_the_remote(tmp_path, s3_env, monk
     node_b = os.path.join("/tmp", f"snapd-b-{os.getpid()}-{tmp_path.name[-8:]}")
     try:
         # the uninterrupted run (no daemon, a root of its own) beside the first one
-        whole = start_trainer(base, "whole", root=os.path.join(base, "plain"), run="r",
-                              options={"daemon": False})
-        first = start_trainer(base, "first", root=node_a, run="r", stop=DIED,
-                              snapshot_at=[CUT], sigkill=True, options=options)
+        whole = start_trainer(warm["first"], base, "whole", root=os.path.join(base, "plain"),
+                              run="r", options={"daemon": False})
+        first = start_trainer(warm["first"], base, "first", root=node_a, run="r",
+                              stop=DIED, snapshot_at=[CUT], sigkill=True, options=options)
         (whole, _), (first, _) = finish_trainer(whole), finish_trainer(first)
         wait_until(lambda: SnapshotId(0, CUT) in remote.commits("r"), 60,
                    "the remote commit of the snapshot at CUT")
@@ -85,7 +87,8 @@ def test_a_job_that_lost_its_node_resumes_from_the_remote(tmp_path, s3_env, monk
                    "the replicated state log")
         stop_daemons_under(node_a)
         shutil.rmtree(node_a)   # the node is gone, with its disk
-        second, stderr = run_trainer(base, "second", root=node_b, run="r", options=options)
+        second, stderr = run_trainer(warm["resumed"], base, "second", root=node_b, run="r",
+                                     options=options)
     finally:
         for node in (node_a, node_b):
             stop_daemons_under(node)

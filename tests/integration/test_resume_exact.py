@@ -7,15 +7,18 @@ leaving a core idle: two module fixtures run every case's trainers side by side 
 rounds (separate runs or roots: nothing shared but a root's daemon), and the tests
 read their traces. ``exact_runs``: the continuous and the interrupted run of every
 case, then every resumed half; ``controls``: the runs the controls resume from, then
-the seven resumes, each from its own copy of the root."""
+the seven resumes, each from its own copy of the root.
+
+Each trainer is a child forked by a warm parent that has imported torch once
+(warm.py, the ``warm`` fixture), not a process paying that import itself. The runs a
+resume is compared with come from one parent, the resumes from another, so the two
+sides of every comparison differ in hash seed, as separate interpreters do."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -32,15 +35,14 @@ STEPS, CUT, DIED = 12, 5, 9   # snapshot at CUT, the first process dies after DI
 DAEMON_ENV = {k: v for k, v in os.environ.items() if k != "SNAPD_DAEMON"}
 
 
-def start_trainer(tmp_path, name, env=None, **cfg):
+def start_trainer(parent, tmp_path, name, env=None, **cfg):
     out = tmp_path / f"{name}.json"
     cfg = {"out": str(out), "steps": STEPS, **cfg}
     # Output to a file, not a pipe: the trainer's DataLoader workers, orphaned by its
     # os._exit, hold a pipe open until they notice (up to 5 s each run).
     log = tmp_path / f"{name}.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, TRAINER, json.dumps(cfg)], stdout=f,
-                                stderr=subprocess.STDOUT, env=env)
+    log.write_text("")
+    proc = parent.start(TRAINER, [json.dumps(cfg)], env, str(log))
     return proc, out, log
 
 
@@ -88,7 +90,7 @@ def case_settings() -> dict:
 
 
 @pytest.fixture(scope="module")
-def exact_runs(tmp_path_factory):
+def exact_runs(tmp_path_factory, warm):
     """case id -> (whole, first, second): each case's continuous run and interrupted
     run (separate runs of the case's own root), then its resumed half in a fresh
     process. Every case's first two runs side by side, then every resumed half."""
@@ -102,13 +104,15 @@ def exact_runs(tmp_path_factory):
         for case, cfg in cases.items():
             # the first round as a test's trainers ran: SNAPD_DAEMON lifted
             started[(case, "whole")] = start_trainer(
-                tmp, f"{case}-whole", DAEMON_ENV, root=roots[case], run="whole", **cfg)
+                warm["first"], tmp, f"{case}-whole", DAEMON_ENV, root=roots[case],
+                run="whole", **cfg)
             started[(case, "first")] = start_trainer(
-                tmp, f"{case}-first", DAEMON_ENV, root=roots[case], run="cut", stop=DIED,
-                snapshot_at=[CUT], **cfg)
+                warm["first"], tmp, f"{case}-first", DAEMON_ENV, root=roots[case],
+                run="cut", stop=DIED, snapshot_at=[CUT], **cfg)
         done = finish_all(started)
-        resumed = finish_all({case: start_trainer(tmp, f"{case}-second", DAEMON_ENV,
-                                                  root=roots[case], run="cut", **cfg)
+        resumed = finish_all({case: start_trainer(warm["resumed"], tmp, f"{case}-second",
+                                                  DAEMON_ENV, root=roots[case], run="cut",
+                                                  **cfg)
                               for case, cfg in cases.items()})
         yield {case: (done[(case, "whole")], done[(case, "first")], resumed[case])
                for case in cases}
@@ -149,7 +153,7 @@ CONTROLS = {  # name: (pieces left out, the cause the replay check must name)
 
 
 @pytest.fixture(scope="module")
-def controls(tmp_path_factory):
+def controls(tmp_path_factory, warm):
     """control -> its resumed run; and the continuous run to compare with. The
     interrupted run's root (its snapshot at CUT) is copied once per control, and the
     seven resumes run side by side, each from its own copy."""
@@ -158,8 +162,8 @@ def controls(tmp_path_factory):
     root = str(tmp / "root")
     try:
         # this first round inherits the session's SNAPD_DAEMON=0, as it always has
-        whole = start_trainer(tmp, "whole", root=root, run="whole", **cfg)
-        first = start_trainer(tmp, "first", root=root, run="cut", stop=DIED,
+        whole = start_trainer(warm["first"], tmp, "whole", root=root, run="whole", **cfg)
+        first = start_trainer(warm["first"], tmp, "first", root=root, run="cut", stop=DIED,
                               snapshot_at=[CUT], **cfg)
         whole, _ = finish_trainer(whole), finish_trainer(first)
         started = {}
@@ -167,7 +171,8 @@ def controls(tmp_path_factory):
             shutil.copytree(root, tmp / control / "root",
                             ignore=shutil.ignore_patterns(".snapd.*"))
             # each resume as a test's trainer ran: SNAPD_DAEMON lifted
-            started[control] = start_trainer(tmp / control, "second", DAEMON_ENV,
+            started[control] = start_trainer(warm["resumed"], tmp / control, "second",
+                                             DAEMON_ENV,
                                              root=str(tmp / control / "root"), run="cut",
                                              omit=list(omit), **cfg)
         yield whole, finish_all(started)

@@ -4,6 +4,9 @@ a kill that left a snapshot being written: real trainer processes, the real daem
 The three tests that need a live run (a trainer holding it, waiting on stdin) get
 theirs from one module fixture, which starts the three side by side (a root each)
 and waits until every one is ready: a trainer is slow to start (torch, the daemon).
+The trainers that read no stdin are children forked by the warm parents (warm.py, the
+``warm`` fixture), which have imported torch already: a restart by another parent
+than the run it restarts.
 """
 
 from __future__ import annotations
@@ -134,10 +137,24 @@ def script(tmp_path, name: str, text: str) -> str:
     return str(path)
 
 
-def run_script(env: Env, path: str, out, *extra: str, timeout: float = 120) -> dict:
-    proc = subprocess.run([sys.executable, path, env.root, env.run, str(out), *extra],
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr
+def run_warm(parent, env: Env, path: str, out, *extra: str, timeout: float = 120):
+    """``path`` run to its end by a child of ``parent``: (exit status, its stderr)."""
+    stderr = f"{out}.stderr"
+    proc = parent.start(path, [env.root, env.run, str(out), *extra], None, f"{out}.stdout",
+                        stderr)
+    try:
+        proc.wait(timeout)
+    finally:
+        proc.kill()
+        proc.wait()
+    with open(stderr) as f:
+        return proc.returncode, f.read()
+
+
+def run_script(parent, env: Env, path: str, out, *extra: str,
+               timeout: float = 120) -> dict:
+    returncode, stderr = run_warm(parent, env, path, out, *extra, timeout=timeout)
+    assert returncode == 0, stderr
     return json.loads(out.read_text())
 
 
@@ -211,9 +228,10 @@ def assert_log_intact(env: Env, reached: int) -> None:
     assert steps == list(range(1, reached + 1))      # one writer: in order, once each
 
 
-def test_a_second_trainer_on_a_live_run_is_refused_and_the_first_is_intact(lives, tmp_path):
+def test_a_second_trainer_on_a_live_run_is_refused_and_the_first_is_intact(lives, tmp_path,
+                                                                          warm):
     env, live = lives["refused"]
-    second = run_script(env, script(tmp_path, "second", SECOND_TRAINER),
+    second = run_script(warm["first"], env, script(tmp_path, "second", SECOND_TRAINER),
                         tmp_path / "second.json")
     assert second["kind"] == "RunInUse"
     assert second["holder"] == live.pid
@@ -236,10 +254,12 @@ def test_the_lock_dies_with_its_holder_so_a_restart_is_never_refused(lives):
         assert again.read_only is False
 
 
-def test_a_read_only_evaluator_restores_a_live_run_and_writes_nothing(lives, tmp_path):
+def test_a_read_only_evaluator_restores_a_live_run_and_writes_nothing(lives, tmp_path,
+                                                                      warm):
     env, live = lives["evaluator"]
     before, records = log_bytes(env), log_records(env)
-    seen = run_script(env, script(tmp_path, "eval", EVALUATOR), tmp_path / "eval.json")
+    seen = run_script(warm["first"], env, script(tmp_path, "eval", EVALUATOR),
+                      tmp_path / "eval.json")
     after = log_bytes(env)
     assert after.keys() == before.keys()
     for name, data in before.items():        # only appended to, by the live run's
@@ -254,15 +274,17 @@ def test_a_read_only_evaluator_restores_a_live_run_and_writes_nothing(lives, tmp
     assert RunStore(env.root, env.run).read_pointer("LATEST").name == "00000003"
 
 
-def test_kill_right_after_snapshot_returns_then_restart_resumes_at_that_step(env, tmp_path):
-    killed = subprocess.run([sys.executable, script(tmp_path, "killed", KILLED_TRAINER),
-                             env.root, env.run, str(tmp_path / "k.json"), str(SLOW)],
-                            capture_output=True, text=True, timeout=120)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+def test_kill_right_after_snapshot_returns_then_restart_resumes_at_that_step(env, tmp_path,
+                                                                           warm):
+    returncode, stderr = run_warm(warm["first"], env,
+                                  script(tmp_path, "killed", KILLED_TRAINER),
+                                  tmp_path / "k.json", str(SLOW))
+    assert returncode == -signal.SIGKILL, stderr
     env.daemons.add(env.lock_pid())
     store = RunStore(env.root, env.run)
     assert store.read_pointer("LATEST").name == "00000001"   # step 2 still being written
-    restarted = run_script(env, script(tmp_path, "restart", RESTARTED_TRAINER),
+    restarted = run_script(warm["resumed"], env,
+                           script(tmp_path, "restart", RESTARTED_TRAINER),
                            tmp_path / "r.json", str(SLOW))
     assert restarted["step"] == 2
     assert restarted["x"] == json.loads((tmp_path / "k.json").read_text())["x"]

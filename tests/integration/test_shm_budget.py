@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -62,14 +60,14 @@ TRAINER = textwrap.dedent("""
 
 @pytest.mark.parametrize("hot, bound, source", [(True, 2.05, "hot"), (False, 1.05, "disk")])
 def test_shared_memory_of_a_run_and_a_killed_trainers_restart(env, tmp_path, hot, bound,
-                                                               source):
+                                                               source, warm):
     script, out = tmp_path / "trainer.py", tmp_path / "out.json"
     script.write_text(TRAINER)
-    proc = subprocess.Popen([sys.executable, str(script), env.root, env.run, str(out),
-                             "1" if hot else "0"], stderr=subprocess.PIPE, text=True)
+    # a child of a warm parent (warm.py): a trainer without an import of torch of its own
+    proc = warm["first"].run(str(script), [env.root, env.run, str(out), "1" if hot else "0"],
+                             timeout=300)
     env.pids.add(proc.pid)
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL, stderr
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
     measured = json.loads(out.read_text())
     assert 0 < measured["shm"] <= bound * measured["state"], measured
 

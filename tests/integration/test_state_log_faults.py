@@ -95,7 +95,7 @@ print(json.dumps({"step": step, "reached": client.recovery.reached}))
 """
 
 
-def test_full_disk_in_a_training_loop_never_blocks_the_resume(small_disk):
+def test_full_disk_in_a_training_loop_never_blocks_the_resume(small_disk, tmp_path, warm):
     """log() on a full disk warns and counts; once space is back the run goes on, and a
     new process resumes from the newest committed snapshot; status exits 0."""
     root = str(small_disk / "root")
@@ -120,8 +120,10 @@ def test_full_disk_in_a_training_loop_never_blocks_the_resume(small_disk):
     client.snapshot(6).wait()
     with pytest.warns(RuntimeWarning, match=r"2 state-log record\(s\) were not written"):
         client.close()  # the total, said once more where the run ends
-    out = subprocess.run([sys.executable, "-c", RESTORE_SCRIPT, root], capture_output=True,
-                         text=True, timeout=120)
+    script = tmp_path / "restore.py"
+    script.write_text(RESTORE_SCRIPT)
+    # a child of a warm parent (warm.py): a new process without an import of torch
+    out = warm["resumed"].run(str(script), [root], timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == {"step": 6, "reached": 6}
     assert "Traceback" not in out.stderr

@@ -30,11 +30,12 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def test_status_counts_the_risk_from_the_snapshot_the_daemon_committed(env, tmp_path):
+def test_status_counts_the_risk_from_the_snapshot_the_daemon_committed(env, tmp_path,
+                                                                       warm):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
-    proc = subprocess.run([sys.executable, str(script), env.root, env.run],
-                          capture_output=True, text=True, timeout=180)
+    # a child of a warm parent (warm.py): a trainer without an import of torch of its own
+    proc = warm["first"].run(str(script), [env.root, env.run], timeout=180)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     store = RunStore(env.root, env.run)
     wait_until(lambda: store.read_pointer("LATEST") == SnapshotId(0, 20), 60,

@@ -7,15 +7,15 @@ when everything is tracked ends bit for bit on the uninterrupted run.
 
 The module's seven trainers run in two rounds, each side by side (runs of one root
 share only the daemon): the uninterrupted run and three runs SIGKILLed right after
-snapshot 8; then the resume of each killed run. Each test reads the runs it names."""
+snapshot 8; then the resume of each killed run. Each test reads the runs it names.
+Trainers are children forked by the warm parents (warm.py, the ``warm`` fixture): the
+resumes by another parent than the runs they are compared with."""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -65,21 +65,29 @@ KILLED = {"unverified": (False, {}), "forgotten": (False, {"verify_steps": 4}),
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory, warm):
     """name -> (returncode, stdout, stderr) of the uninterrupted run ("whole") and of
     each killed run's resume."""
     env = Env()
+    tmp = tmp_path_factory.mktemp("verify")
+    script = tmp / "trainer.py"
+    script.write_text(TRAINER)
     names = {name: f"{env.run}-{name}" for name in ["whole", *KILLED]}
+
+    def start(parent, name, output, **cfg):
+        return start_trainer(parent, env, str(script), str(tmp / output), names[name],
+                             **cfg)
     try:
-        whole = start(env, names["whole"], track_carry=True)
-        killed = [start(env, names[name], track_carry=carry, kill_at=8)
+        whole = start(warm["first"], "whole", "whole", track_carry=True)
+        killed = [start(warm["first"], name, f"{name}-killed", track_carry=carry, kill_at=8)
                   for name, (carry, _options) in KILLED.items()]
         done = {"whole": finish(whole)}
-        for proc in killed:
-            finish(proc, kill_at=8)
-        resumed = {name: start(env, names[name], track_carry=carry, options=options)
+        for started in killed:
+            finish(started, kill_at=8)
+        resumed = {name: start(warm["resumed"], name, name, track_carry=carry,
+                               options=options)
                    for name, (carry, options) in KILLED.items()}
-        done.update((name, finish(proc)) for name, proc in resumed.items())
+        done.update((name, finish(started)) for name, started in resumed.items())
         yield done
     finally:
         env.cleanup()
@@ -88,25 +96,30 @@ def runs():
                 os.unlink(path)
 
 
-def start(env, run, *, track_carry, options=None, kill_at=None) -> subprocess.Popen:
+def start_trainer(parent, env, script, output, run, *, track_carry, options=None,
+                  kill_at=None):
+    """The trainer on ``run``, a child of ``parent``; its stdout and stderr go to
+    ``output`` + ".out" / ".err"."""
     cfg = {"root": env.root, "run": run, "steps": 12, "kill_at": kill_at,
            "track_carry": track_carry, "options": options or {}}
     # the real daemon: this module-scoped fixture runs before the function-scoped one
     # that lifts the unit lane's SNAPD_DAEMON=0 (tests/conftest.py)
     env_vars = {k: v for k, v in os.environ.items() if k != "SNAPD_DAEMON"}
-    proc = subprocess.Popen([sys.executable, "-c", TRAINER, json.dumps(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env_vars)
+    proc = parent.start(script, [json.dumps(cfg)], env_vars, f"{output}.out",
+                        f"{output}.err")
     env.pids.add(proc.pid)  # a killed trainer leaves its arena: cleaned up after
-    return proc
+    return proc, output
 
 
-def finish(proc, kill_at=None):
+def finish(started, kill_at=None):
+    proc, output = started
     try:
-        out, err = proc.communicate(timeout=300)
+        proc.wait(timeout=300)
     finally:
         proc.kill()
         proc.wait()
+    with open(f"{output}.out") as f_out, open(f"{output}.err") as f_err:
+        out, err = f_out.read(), f_err.read()
     if kill_at is not None:
         assert proc.returncode == -9, err[-3000:]
     return proc.returncode, out, err

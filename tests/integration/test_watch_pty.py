@@ -5,6 +5,8 @@ every step and snapshots every 10 steps, slowly, for the whole module. The view 
 in a pty of 40x120 and must show the step advancing and a committed snapshot; piped,
 it must print a ``committed`` line for a snapshot committed after it started.
 Teardown kills the trainer, stops the daemon and removes the short root under /tmp.
+The trainer is a child forked by a warm parent (warm.py, the ``warm`` fixture), which
+has imported torch already.
 """
 
 from __future__ import annotations
@@ -60,16 +62,18 @@ def _env():
 
 
 @pytest.fixture(scope="module")
-def training(tmp_path_factory):
-    """(root, run): a trainer running for ~30 s (killed at teardown) under a short root."""
+def training(tmp_path_factory, warm):
+    """(root, run, trainer, its stderr's file): a trainer running for ~30 s (killed at
+    teardown) under a short root."""
     root = tempfile.mkdtemp(prefix="sd-", dir="/tmp")   # socket path < 107 bytes
     run = f"w{secrets.token_hex(3)}"
-    script = tmp_path_factory.mktemp("watch") / "train.py"
+    folder = tmp_path_factory.mktemp("watch")
+    script = folder / "train.py"
     script.write_text(TRAINER)
-    trainer = subprocess.Popen([sys.executable, str(script), root, run, "600"], env=_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stderr = str(folder / "train.stderr")
+    trainer = warm["first"].start(str(script), [root, run, "600"], _env(), os.devnull, stderr)
     try:
-        yield root, run, trainer
+        yield root, run, trainer, stderr
     finally:
         trainer.kill()
         trainer.wait(10)
@@ -82,7 +86,7 @@ def _watch(root: str) -> list:
 
 
 def test_live_view_in_a_pty_shows_steps_advancing_and_a_commit(training):
-    root, run, trainer = training
+    root, run, trainer, stderr = training
     argv = _watch(root)
     child = pexpect.spawn(argv[0], argv[1:], dimensions=(40, 120), env=_env(),
                           encoding="utf-8", timeout=30)
@@ -100,7 +104,7 @@ def test_live_view_in_a_pty_shows_steps_advancing_and_a_commit(training):
         child.expect(re.compile(r"(\d{8})\s+\d+(?:\.\d)?[smhd] ago"))   # last committed
         assert int(child.match.group(1)) % 10 == 0 and int(child.match.group(1)) >= 10
         child.expect("daemon pid")
-        assert trainer.poll() is None, trainer.stderr.read().decode()
+        assert trainer.poll() is None, read(stderr)
     finally:
         child.terminate(force=True)
         child.close()
@@ -113,9 +117,14 @@ def _lines(proc: subprocess.Popen) -> "queue.Queue[str]":
     return lines
 
 
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def test_piped_output_prints_a_line_per_event(training):
-    root, run, trainer = training
-    assert trainer.poll() is None, trainer.stderr.read().decode()
+    root, run, trainer, stderr = training
+    assert trainer.poll() is None, read(stderr)
     latest = RunStore(root, run).read_pointer("LATEST")
     before = latest.step if latest else 0
     argv = _watch(root)
