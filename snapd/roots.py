@@ -14,7 +14,9 @@ it verified, the runs' state logs, and what is there but never read. Two kinds:
   of the manifests fetches only the small files (the manifest, or a multi-rank
   snapshot's commit record and its parts' manifests) into a temporary directory; a
   view of every file pulls the snapshot there (snapd/remote/pull.py: every size and
-  checksum checked).
+  checksum checked). A client's restore with a remote tier reads it here too
+  (snapd_client/fromremote.py: the commits, a pull, the replicated log), its calls
+  bounded by ``remote_timeout`` (``open_root``'s ``timeout``).
 
 :func:`open_root` is the one place that tells a URL from a path.
 """
@@ -34,7 +36,8 @@ from snapd.errors import CorruptSnapshot, InvalidOption
 from snapd.globalcommit import incomplete
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.remote.layout import RemoteRoot, record_files
-from snapd.remote.pull import check_listing, pull, pull_log, reaching, refuse_credentials
+from snapd.remote.pull import (arrived, check_listing, pull, pull_log, reaching,
+                               refuse_credentials)
 from snapd.store import POINTERS, RunStore, SnapshotId, list_runs
 
 
@@ -313,6 +316,19 @@ class StoreRoot(Root):
     def pull(self, snap: Snap, store: RunStore, **how: Any) -> str:
         return pull(self.remote, store, snap.name, **how)
 
+    def pull_log(self, store: RunStore, **how: Any) -> List[int]:
+        """The run's replicated state log brought into ``store`` for each rank whose
+        local log has no segment (a new node's restore); returns those ranks. ``how``:
+        pull_log's ``deadline`` (snapd/remote/pull.py)."""
+        return pull_log(self.remote, store, **how)
+
+    @staticmethod
+    def arrived(store: RunStore) -> int:
+        """Bytes a pull into ``store`` has downloaded so far (its tmp names): a caller
+        waiting on the pull sees the store still answering (snapd/remote/deadline.py).
+        Local, so it is asked before the root is opened too."""
+        return arrived(store)
+
     @contextmanager
     def files(self, snap: Snap) -> Iterator[str]:
         with tempfile.TemporaryDirectory(prefix="snapd-pull-") as tmp:
@@ -369,7 +385,7 @@ class StoreRoot(Root):
                 for run in self.remote.runs():
                     store = RunStore(tmp, run)
                     store.ensure()
-                    pull_log(self.remote, store)
+                    self.pull_log(store)
             yield tmp
 
 

@@ -22,7 +22,12 @@ whose bytes keep arriving is not cut off: the bound is on silence.
 
 A job of many ranks (:func:`pull_from_remote`, before their agreement on one
 snapshot, snapd_client/distrestore.py) pulls on the lowest rank of each node-local
-root, and warns with FallbackWarning: every rank then agrees as with one root.
+root, and warns with FallbackWarning: every rank then agrees as with one root. There
+each S3 call is bounded by ``remote_timeout`` (connect and read, one attempt), not
+the whole of the work.
+
+The remote is read as the operator commands read a root behind a URL: through
+snapd/roots.py's ``open_root`` (a StoreRoot), never the remote layout directly.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from snapd_client.restore import FallbackWarning
 
 if TYPE_CHECKING:   # the remote modules are imported only when a remote is set
     from snapd.remote.deadline import Deadline
+    from snapd.roots import StoreRoot
 
 
 logger = logging.getLogger(__name__)
@@ -59,11 +65,12 @@ def pull_newer(store: RunStore, url: str, *, min_free_bytes: int, threads: int =
     the local disk; the pull left behind publishes nothing (snapd/remote/deadline.py)."""
     from snapd.remote.deadline import Deadline
     from snapd.remote.layout import redact
-    from snapd.remote.pull import arrived, refuse_credentials
+    from snapd.remote.pull import refuse_credentials
+    from snapd.roots import StoreRoot
     refuse_credentials(url, where="Client(remote=...)")
     job = _Pull(store, url, min_free_bytes, threads, Deadline(timeout, redact(url)))
-    outcome = job.deadline.run(job, name=f"snapd-remote-pull-{store.run}",
-                               progress=lambda: arrived(store))   # a slow pull goes on
+    outcome = job.deadline.run(job, name=f"snapd-remote-pull-{store.run}",   # a slow
+                               progress=lambda: StoreRoot.arrived(store))  # pull goes on
     if outcome.timed_out:
         _warn(f"the remote tier {redact(url)} did not answer within remote_timeout="
               f"{timeout:g} s ({job.doing}); restoring from the local disk only. Raise "
@@ -88,17 +95,15 @@ class _Pull:
         self.notes: List[str] = []
 
     def __call__(self) -> Optional[SnapshotId]:
-        from snapd.remote.layout import RemoteRoot
-        from snapd.remote.pull import pull_log, reaching
+        from snapd.roots import open_root   # opened here: opening may wait on the store
         store = self.store
         try:
-            remote = RemoteRoot(self.url, timeout=self.deadline.seconds)
+            root = open_root(self.url, timeout=self.deadline.seconds)
             self._next(f"listing the commits of {store.run}")
-            with reaching(remote, self.doing):
-                commits = remote.commits(store.run)
+            commits = root.commits(store.run)
             self._next(f"pulling the state log of {store.run}")
-            if pull_log(remote, store, self.deadline):
-                logger.info(f"run {store.run}: state log brought down from {remote.url}")
+            if root.pull_log(store, deadline=self.deadline):
+                logger.info(f"run {store.run}: state log brought down from {root.where}")
         except RemoteUnavailable as e:
             self.notes.append("the remote tier is not reachable, restoring from the "
                               f"local disk only: {e}")
@@ -107,7 +112,7 @@ class _Pull:
         newer = [sid for sid in reversed(commits) if not local or sid > local[-1]]
         for sid in newer:
             self._next(f"pulling {store.run}/{sid.name}")
-            verdict = self._pull(remote, sid)
+            verdict = self._pull(root, sid)
             if verdict == "pulled":
                 return sid
             if verdict == "failed":   # unreachable or no space: no older one either
@@ -119,15 +124,14 @@ class _Pull:
         self.deadline.check(doing)
         self.doing = doing
 
-    def _pull(self, remote, sid: SnapshotId) -> str:
+    def _pull(self, root: "StoreRoot", sid: SnapshotId) -> str:
         """One remote commit pulled: "pulled", "damaged" (an older one may do) or
         "failed"."""
-        from snapd.remote.pull import pull
         store = self.store
         try:
-            pull(remote, store, sid.name, threads=self.threads,
-                 min_free_bytes=self.min_free_bytes, deadline=self.deadline)
-            logger.info(f"run {store.run}: pulled {sid.name} from {remote.url}, verified")
+            root.pull(root.snap(store.run, sid), store, threads=self.threads,
+                      min_free_bytes=self.min_free_bytes, deadline=self.deadline)
+            logger.info(f"run {store.run}: pulled {sid.name} from {root.where}, verified")
             return "pulled"
         except CorruptSnapshot as e:
             self.notes.append(f"remote snapshot {store.run}/{sid.name} refused: {e}; "
@@ -171,16 +175,22 @@ def pull_from_remote(coll: Collective, client: Any) -> set:
 
 
 def _remote_listing(client: Any) -> bytes:
-    from snapd.remote.layout import RemoteRoot
     url = client.options.remote
     try:
-        remote = RemoteRoot(url)
-        names = [sid.name for sid in reversed(remote.commits(client.store.run))]
-        return json.dumps({"url": remote.url, "names": names}).encode()
+        root = _open_remote(client)
+        names = [sid.name for sid in reversed(root.commits(client.store.run))]
+        return json.dumps({"url": root.where, "names": names}).encode()
     except Exception as e:   # sent, so that the others go on from local too
         from snapd.remote.layout import redact
         return json.dumps({"url": redact(str(url)), "error": f"{type(e).__name__}: {e}",
                            "names": []}).encode()
+
+
+def _open_remote(client: Any) -> "StoreRoot":
+    """The client's remote, each S3 call bounded by ``remote_timeout`` (one attempt):
+    a silent store costs each rank that many seconds a call, not botocore's minute."""
+    from snapd.roots import open_root
+    return open_root(client.options.remote, timeout=client.options.remote_timeout)
 
 
 def _root_key(client: Any) -> str:
@@ -193,20 +203,19 @@ def _root_key(client: Any) -> str:
 def _pull_newest(client: Any, names: List[str]) -> Optional[str]:
     """The first of ``names`` (newest first) newer than this root's newest committed
     snapshot, pulled; None when the local one is as new, or none could be pulled."""
-    from snapd.remote.layout import RemoteRoot
-    from snapd.remote.pull import pull
     store = client.store
     local = store.committed()
-    remote = RemoteRoot(client.options.remote)
+    root = _open_remote(client)
     for name in names:
         sid = SnapshotId.parse(name)
         if sid is None or (local and sid <= local[-1]):
             return None
         try:
-            pull(remote, store, name,
-                 threads=client.options.remote_upload_threads)
+            root.pull(root.snap(store.run, sid), store,
+                      threads=client.options.remote_upload_threads,
+                      min_free_bytes=client.options.min_free_bytes)
             logger.info(f"run {client.run}: rank {client.rank}: pulled {name} from "
-                        f"{remote.url} into {store.root}")
+                        f"{root.where} into {store.root}")
             return name
         except CorruptSnapshot as e:
             warnings.warn(f"remote snapshot {name} is damaged ({e}); trying an older "
