@@ -12,6 +12,14 @@ overhead budget (never stall more than that fraction of training), the writer's 
 more than that many seconds of training). docs/operations.md "Snapshot cadence"
 states every rule, with the formula.
 
+What a snapshot costs is more than its stall: while the daemon writes it, it shares
+the machine with the trainer (CPU, memory bandwidth), and the steps taken meanwhile
+run slower. Each snapshot's cost, delta, is its stall plus that slowdown: the time the
+steps run while it was in flight took beyond the same steps at the step time measured
+with nothing in flight. The first snapshot of a process also pays one-time set-up (the
+staging arena, the daemon's first contact), so it stands for delta only until a
+second one, a probe taken as soon as the first is durable, is measured.
+
 Pure logic: no I/O, no torch, an injected clock. The client calls :meth:`Cadence.decide`
 at every ``snapshot(step)`` and reports back with :meth:`Cadence.taken` and
 :meth:`Cadence.durable` (the latter from the thread that learns of durability, hence
@@ -26,7 +34,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Iterable, Optional, Sequence, Tuple
 
 from snapd.errors import InvalidOption
 
@@ -34,7 +42,7 @@ __all__ = ["Cadence", "Decision", "DEFAULT_MTBF_S", "daly_interval", "mtbf_from_
 
 DEFAULT_MTBF_S = 24 * 3600.0  # M when neither the run's history nor mtbf= gives one
 STEP_WINDOW = 16              # step-time samples whose median is the step time
-STALL_WINDOW = 5              # taken snapshots whose median stall is delta
+COST_WINDOW = 5               # durable snapshots whose median cost is delta
 
 
 @dataclass(frozen=True)
@@ -49,10 +57,12 @@ class Decision:
     interval_s: float          # seconds of training between snapshots it aims at now
     interval_steps: int        # the same in steps at the measured step time (>= 1)
     bound: str                 # the rule that set it: "first" (no cost measured yet),
+                               # "probe" (the first is durable: measure a steady one),
                                # "young-daly", "overhead", "writer", "max_loss"
     expected_loss_s: float     # expected training lost per failure at this interval
     mtbf_s: float              # M used
     mtbf_from: str             # "option", "history", "default"
+    delta_s: Optional[float]   # the cost per snapshot weighed (None: none measured yet)
 
 
 def daly_interval(delta: float, mtbf: float) -> float:
@@ -139,7 +149,7 @@ def unreachable_sentence(max_loss: float, durable: float, conflict: Unreachable)
 class Cadence:
     """Decides, at every step, whether this one takes a snapshot.
 
-    ``overhead``: the fraction of training time snapshots may stall; ``max_loss``:
+    ``overhead``: the fraction of training time snapshots may cost; ``max_loss``:
     the most seconds of training a failure may cost (None: no limit); ``mtbf``: M in
     seconds, used when ``history`` (the wall times of this run's interruptions, two or
     more) cannot give it; ``clock``: seconds, monotonic (injected by tests).
@@ -157,11 +167,16 @@ class Cadence:
         self._clock = clock
         self._lock = threading.Lock()
         self._step_times: Deque[float] = deque(maxlen=STEP_WINDOW)
-        self._stalls: Deque[float] = deque(maxlen=STALL_WINDOW)
-        # The first snapshot's stall pays for one-time set-up (the staging arena, the
-        # daemon's first contact): several times a steady one, so it stands for delta
-        # only until a second snapshot is measured.
-        self._first_stall: Optional[float] = None
+        # Step times with no snapshot in flight: what a step costs undisturbed.
+        self._idle_times: Deque[float] = deque(maxlen=STEP_WINDOW)
+        self._costs: Deque[float] = deque(maxlen=COST_WINDOW)  # steady snapshots'
+        self._first_stall: Optional[float] = None   # the process's first snapshot's
+        self._first_step: Optional[int] = None
+        # Snapshots taken and not yet durable: step -> _InFlight; and those durable
+        # since the last call, whose cost waits for the step they became durable in.
+        self._in_flight: Dict[int, _InFlight] = {}
+        self._settled: Dict[int, _InFlight] = {}
+        self._busy_in_sample = False     # a snapshot was in flight in the timed gap
         self._durable: Tuple[int, float] = (-1, 0.0)     # (step, seconds to durable)
         self._previous_call: Optional[Tuple[int, float]] = None  # (step, clock)
         self._stalled_since_call = 0.0   # stall inside the interval being timed
@@ -179,12 +194,19 @@ class Cadence:
 
     @property
     def stall_s(self) -> Optional[float]:
-        """delta: the median stall of the last taken snapshots; None before the first."""
+        """delta: the median cost of the last durable snapshots (stall and slowdown);
+        before one is measured, the steady stalls, else the first's; None before any."""
         with self._lock:
             return self._delta()
 
     def _delta(self) -> Optional[float]:
-        return statistics.median(self._stalls) if self._stalls else self._first_stall
+        if self._costs:
+            return statistics.median(self._costs)
+        steady = [f.stall for s, f in {**self._settled, **self._in_flight}.items()
+                  if s != self._first_step]
+        if steady:
+            return statistics.median(steady)
+        return self._first_stall
 
     def decide(self, step: int) -> Decision:
         """Whether ``step`` takes a snapshot, and the interval as estimated now."""
@@ -193,6 +215,9 @@ class Cadence:
             delta = self._delta()
             if delta is None:
                 return self._first()
+            if self._probe_due():
+                return Decision(True, 0.0, 1, "probe", self._durable[1], self.mtbf_s,
+                                self.mtbf_from, delta)
             durable = self._durable[1]
             tau, bound, conflict = bounded_interval(
                 delta, durable, self.mtbf_s, self.overhead, self.max_loss)
@@ -206,16 +231,16 @@ class Cadence:
             acting = self._applied_steps or self._own_steps
             take = self._last_taken is None or step - self._last_taken >= acting
             return Decision(take, tau, self._own_steps, bound, tau / 2 + durable,
-                            self.mtbf_s, self.mtbf_from)
+                            self.mtbf_s, self.mtbf_from, delta)
 
     def taken(self, step: int, stall_s: float) -> None:
         """A snapshot was taken at ``step`` and stalled training ``stall_s`` seconds."""
         with self._lock:
             stall = max(0.0, float(stall_s))
             if self._first_stall is None:
-                self._first_stall = stall
-            else:
-                self._stalls.append(stall)
+                self._first_stall, self._first_step = stall, step
+            self._in_flight[step] = _InFlight(stall)
+            self._busy_in_sample = True
             self._last_taken = step
             # The stall lies inside the interval until the next decide(); it is not
             # training time.
@@ -223,10 +248,19 @@ class Cadence:
 
     def durable(self, step: int, durable_s: float) -> None:
         """The snapshot taken at ``step`` became durable ``durable_s`` seconds after it
-        was taken. Reports may arrive out of order; the newest step's counts."""
+        was taken. Reports may arrive out of order; the newest step's counts. Its cost
+        (stall and slowdown) joins delta at the next call, which times the step it
+        became durable in, unless it is the process's first."""
         with self._lock:
             if step >= self._durable[0]:
                 self._durable = (step, max(0.0, float(durable_s)))
+            done = self._in_flight.pop(step, None)
+            if done is not None:
+                self._settled[step] = done
+            # One durable means the writer is past every older one: a snapshot that
+            # failed or was skipped never reports, and must not count as in flight.
+            for older in [s for s in self._in_flight if s < step]:
+                del self._in_flight[older]
 
     def set_interval_steps(self, n: int) -> None:
         """Many ranks: take snapshots every ``n`` steps (rank 0's estimate) instead of
@@ -249,20 +283,45 @@ class Cadence:
         # No stall measured yet: nothing to weigh, so the first call takes one (and,
         # should it not be taken after all, the next call tries again).
         return Decision(self._last_taken is None, 0.0, 1, "first", self._durable[1],
-                        self.mtbf_s, self.mtbf_from)
+                        self.mtbf_s, self.mtbf_from, None)
+
+    def _probe_due(self) -> bool:
+        """Only the first snapshot is measured, it is durable, and a step has run
+        undisturbed since: take a second now, to measure what a steady one costs.
+        Many ranks follow rank 0's interval instead (one step after the first)."""
+        return (self._applied_steps is None and not self._costs
+                and self._last_taken == self._first_step
+                and self._durable[0] >= self._first_step and bool(self._idle_times))
+
+    def _idle_step(self) -> Optional[float]:
+        return statistics.median(self._idle_times) if self._idle_times else None
 
     def _time_step(self, step: int) -> None:
         """One step-time sample from the clock since the previous call, per step and
         without the snapshot stall inside it. A step that does not move forward (a
-        repeated call, a restore to an earlier step) only restarts the timing."""
+        repeated call, a restore to an earlier step) only restarts the timing. A
+        sample during which a snapshot was in flight is charged to the oldest one (its
+        slowdown), the one it became durable in included; one with none is an
+        undisturbed step. A snapshot durable since the last call has its cost now."""
         now = self._clock()
         if self._previous_call is not None:
             previous_step, previous_time = self._previous_call
             if step > previous_step:
+                steps = step - previous_step
                 training = max(0.0, now - previous_time - self._stalled_since_call)
-                self._step_times.append(training / (step - previous_step))
+                self._step_times.append(training / steps)
+                charged = {**self._settled, **self._in_flight}
+                if self._busy_in_sample and charged:
+                    charged[min(charged)].add(training, steps)
+                elif not self._busy_in_sample:
+                    self._idle_times.append(training / steps)
+        for settled_step, done in self._settled.items():
+            if settled_step != self._first_step:
+                self._costs.append(done.stall + done.slowdown(self._idle_step()))
+        self._settled.clear()
         self._previous_call = (step, now)
         self._stalled_since_call = 0.0
+        self._busy_in_sample = bool(self._in_flight)
 
     def _steps_for(self, tau: float, down: bool = False) -> int:
         """tau in steps at the measured step time (rounded down when ``down``); until a
@@ -272,6 +331,26 @@ class Cadence:
         if step_time <= 0:
             return self._own_steps
         return max(1, math.floor(tau / step_time) if down else round(tau / step_time))
+
+
+class _InFlight:
+    """One snapshot between taken and durable: its stall, and the training time and
+    steps of the samples timed while it was in flight."""
+
+    def __init__(self, stall: float) -> None:
+        self.stall, self.training, self.steps = stall, 0.0, 0
+
+    def add(self, training: float, steps: int) -> None:
+        self.training += training
+        self.steps += steps
+
+    def slowdown(self, idle_step: Optional[float]) -> float:
+        """The time those steps took beyond the same steps undisturbed: summed with
+        its sign before the clamp, so that noise either way cancels; 0 when no
+        undisturbed step has been measured to set it against."""
+        if idle_step is None or self.steps == 0:
+            return 0.0
+        return max(0.0, self.training - idle_step * self.steps)
 
 
 def _check_positive(name: str, value: Optional[float], below: Optional[float] = None

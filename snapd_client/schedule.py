@@ -7,7 +7,8 @@ loop may call ``snapshot(step)`` at every step and leave the choice here.
 
 Under "auto" each taken snapshot feeds the cadence back: the stall it cost the loop,
 and, once durable, the seconds from the call to durability (through the handle's done
-callback, on whichever thread learns of it). It also logs one ``cadence`` record
+callback, on whichever thread learns of it); the cadence times the steps run
+meanwhile itself (the slowdown the daemon's writing causes is part of the cost). It also logs one ``cadence`` record
 (docs/format.md, "Records"): the decision it was taken under, with the stall and the
 step time measured, which is what ``snapd status`` and ``snapd watch`` show.
 

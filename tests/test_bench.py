@@ -297,15 +297,38 @@ def test_overhead_is_against_the_loop_without_snapshots_and_loss_adds_d():
     assert bc.expected_loss(None, 0.5) is None and bc.expected_loss(4.0, None) is None
 
 
-def test_the_best_fixed_n_loses_least_at_no_more_overhead():
-    fixed = {"10": {"overhead": 0.050, "expected_loss_s": 1.0},
-             "40": {"overhead": 0.012, "expected_loss_s": 2.0},
-             "160": {"overhead": 0.003, "expected_loss_s": 5.0},
-             "640": {"overhead": 0.001, "expected_loss_s": None}}   # nothing durable
+def test_the_best_fixed_n_loses_least_at_no_more_overhead_in_its_loop():
+    # "overhead" (against the loops without snapshots) is shown, never compared.
+    fixed = {"10": {"in_loop": 0.050, "overhead": 0.0, "expected_loss_s": 1.0},
+             "40": {"in_loop": 0.012, "overhead": 0.0, "expected_loss_s": 2.0},
+             "160": {"in_loop": 0.003, "overhead": 0.0, "expected_loss_s": 5.0},
+             "320": {"in_loop": None, "overhead": 0.0, "expected_loss_s": 0.1},
+             "640": {"in_loop": 0.001, "overhead": 0.0, "expected_loss_s": None}}
     assert bc.best_fixed(fixed, 0.012) == "40"       # equal overhead still counts
     assert bc.best_fixed(fixed, 0.02) == "40"
     assert bc.best_fixed(fixed, 0.06) == "10"
     assert bc.best_fixed(fixed, 0.0009) is None
+    assert bc.best_fixed(fixed, None) is None        # auto's own not measured
+
+
+def test_in_loop_overhead_is_against_the_steps_no_snapshot_disturbed():
+    # Ten steps: 1.0 s each, except steps 3 and 4 (a snapshot called at 3.5, durable
+    # at 4.5) which took 1.5 s; a guard of 2 s after durable reaches into step 5.
+    durations = [1.0, 1.0, 1.0, 1.5, 1.5, 1.0, 1.0, 1.0, 1.0, 1.2]
+    marks = [0.0]
+    for d in durations:
+        marks.append(marks[-1] + d)
+    windows = bc.busy_windows([{"called_at": 3.5, "durable_s": 1.0}], marks[-1])
+    fig = bc.in_loop_overhead(marks, windows, guard_s=2.0)
+    calm = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.2]         # steps 0-2, 6-9; 5 in the guard
+    mean = sum(calm) / len(calm)
+    assert fig["calm_steps"] == len(calm)
+    assert fig["overhead"] == pytest.approx(sum(durations) / (10 * mean) - 1)
+    assert fig["drift"] == pytest.approx(abs(sum(calm[3:]) / 4 - 1.0) / mean)
+    # A snapshot never durable by the loop's end disturbs every step from its call.
+    late = bc.busy_windows([{"called_at": 2.0}], marks[-1])
+    assert bc.in_loop_overhead(marks, late, guard_s=0.0)["calm_steps"] == 2
+    assert bc.in_loop_overhead(marks, [(0.0, marks[-1])], 0.0)["overhead"] is None
 
 
 FIRST = {"kind": "cadence", "step": 0, "interval_steps": 1, "interval_s": 0.0,
@@ -313,8 +336,10 @@ FIRST = {"kind": "cadence", "step": 0, "interval_steps": 1, "interval_s": 0.0,
          "stall_s": 0.14}
 
 
-def cadence_run(every, base_index, loop_s, durable, records=(), step_s=0.05):
+def cadence_run(every, base_index, loop_s, durable, records=(), step_s=0.05,
+                in_loop=0.0):
     return {"every": every, "base_index": base_index, "loop_s": loop_s, "step_s": step_s,
+            "in_loop": {"overhead": in_loop, "drift": 0.004, "calm_steps": 150},
             "taken": [{"step": 40 * (i + 1), "call_s": 0.03, "waited_s": 0.0,
                        "durable_s": d} for i, d in enumerate(durable)],
             "cadence": list(records)}
@@ -327,12 +352,13 @@ def cadence_results():
             # the loops without snapshots, before the first configuration and after each
             "base": [{"loop_s": s, "step_s": 0.05} for s in (10.0, 10.2, 10.0, 10.0, 9.8)],
             "auto": {"0.01": cadence_run("auto", 0, 10.2, [0.4, 0.5, 0.6],
-                                         [FIRST, {**record, "step": 80}, record]),
+                                         [FIRST, {**record, "step": 80}, record],
+                                         in_loop=0.01),
                      "0.05": {"every": "auto", "budget": 0.05, "base_index": 1,
                               "error": "OSError: full"}},
-            "fixed": {"10": cadence_run(10, 1, 11.0, [0.4, 0.4]),
-                      "40": cadence_run(40, 2, 10.3, [0.5]),
-                      "160": cadence_run(160, 3, 9.8, [0.5])}}
+            "fixed": {"10": cadence_run(10, 1, 11.0, [0.4, 0.4], in_loop=0.08),
+                      "40": cadence_run(40, 2, 10.3, [0.5], in_loop=0.02),
+                      "160": cadence_run(160, 3, 9.8, [0.5], in_loop=0.004)}}
 
 
 def test_each_configuration_is_set_against_its_neighbours_and_its_best_fixed_n():
@@ -355,8 +381,10 @@ def test_each_configuration_is_set_against_its_neighbours_and_its_best_fixed_n()
     assert fixed["160"]["overhead"] == pytest.approx(9.8 / 9.9 - 1)   # 10.0 and 9.8
     assert fixed["10"]["interval_s"] == pytest.approx(0.5)
     assert fixed["10"]["expected_loss_s"] == pytest.approx(0.25 + 0.4)
-    # every=10 and every=40 (10.3 against 10.0) cost more than auto's +1.0%;
-    # every=160 costs less
+    assert (auto["in_loop"], auto["in_loop_drift"], auto["calm_steps"]) == (
+        0.01, 0.004, 150)
+    # In their loops every=10 and every=40 cost more than auto's +1.0%, every=160 less
+    # (against the loops without snapshots every=40 reads cheaper than auto: drift)
     assert fig["versus"]["0.01"]["best_fixed"] == "160"
     assert fig["versus"]["0.01"]["loss_ratio"] == pytest.approx(1.5 / (4.0 + 0.5))
 
@@ -372,14 +400,18 @@ def test_the_section_names_the_rule_the_bound_and_a_failed_configuration():
     text = bc.report(data)
     assert text.startswith(bc.SECTION)
     assert "| none (5 loops) | 10.00 s (mean) | | 4.0% (max − min) |" in text
-    assert "| `auto`, overhead=0.01 | 10.20 s | +1.0% | 2.0% | 3 | 40 steps, 2.00 s | " \
-           "young-daly | 500 ms | 1.50 s | 30 ms |" in text
-    assert "| `every=160` | 9.80 s | -1.0% | 2.0% | 1 | 160 steps, 8.00 s | fixed |" in text
+    assert "| `auto`, overhead=0.01 | 10.20 s | +1.0% | 2.0% | +1.0% | 0.4% | 3 | " \
+           "40 steps, 2.00 s | young-daly | 500 ms | 1.50 s | 30 ms |" in text
+    assert "| `every=160` | 9.80 s | -1.0% | 2.0% | +0.4% | 0.4% | 1 | 160 steps, " \
+           "8.00 s | fixed |" in text
     assert "| `auto`, overhead=0.05 | error: OSError: full |" in text
     assert "CheckFreq's published bound, FAST '21: 3.5%" in text
     assert "interval 40 steps, 2.00 s set by `young-daly`, step 0's stall 140 ms " \
-           "against 30 ms in the loop (M 600 s from option)" in text
-    assert "the best fixed N at no more overhead is `every=160`" in text
+           "against 30 ms in the loop, cost per snapshot weighed (stall and slowdown) " \
+           "– (M 600 s from option)" in text
+    assert "measured +1.0% in its loop, +1.0% against the loops without snapshots" in text
+    assert "the best fixed N at no more overhead is `every=160` (+0.4% in its loop)" \
+        in text
     assert "M = 600 s (`mtbf=`)" in text
 
 
@@ -391,8 +423,9 @@ def test_an_auto_run_that_took_none_after_step_0_says_so_and_names_no_rule():
     assert auto["taken"] == 0 and auto["bound"] is None     # not step 0's "first"
     assert auto["interval_s"] is None and auto["expected_loss_s"] is None
     table = "\n".join(bc.config_table(fig, per, 200))
-    assert "| `auto`, overhead=0.01 | 10.10 s | +0.0% | 2.0% | 0 | none taken in 200 " \
-           "steps | – | – | – |" in table
+    assert "| `auto`, overhead=0.01 | 10.10 s | +0.0% | 2.0% | +0.0% | 0.4% | 0 | " \
+           "none taken in 200 steps | – | – | – |" in table
     line = bc.versus_lines(fig, 200)[0]
     assert "no snapshot after step 0 in 200 steps, step 0's stall 140 ms against – in " \
-           "the loop (M 600 s from option)" in line
+           "the loop, cost per snapshot weighed (stall and slowdown) – (M 600 s from " \
+           "option)" in line

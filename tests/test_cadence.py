@@ -72,7 +72,7 @@ TABLE = [  # (delta: stall s, M: mtbf s, step time s)
 def test_the_interval_is_dalys_and_its_steps_follow_the_step_time(delta, m, step_s):
     clock = Clock()
     cadence = Cadence(overhead=0.99, mtbf=m, clock=clock)
-    _, decisions = train(cadence, clock, 3, step_s=step_s, stall_s=delta)
+    _, decisions = train(cadence, clock, 4, step_s=step_s, stall_s=delta)
     last = decisions[-1]
     expected = daly(delta, m)
     assert last.bound == "young-daly"
@@ -116,7 +116,7 @@ def test_the_first_call_takes_a_snapshot_before_any_cost_is_known():
     first = cadence.decide(0)
     assert first == Decision(take=True, interval_s=0.0, interval_steps=1, bound="first",
                              expected_loss_s=0.0, mtbf_s=DEFAULT_MTBF_S,
-                             mtbf_from="default")
+                             mtbf_from="default", delta_s=None)
     # Not taken after all (the daemon refused it): the next call tries again.
     clock.now += 1.0
     assert cadence.decide(1).take and cadence.decide(1).bound == "first"
@@ -128,8 +128,8 @@ def test_the_first_call_takes_a_snapshot_before_any_cost_is_known():
 
 def test_a_restarted_run_takes_at_its_first_call_too():
     clock = Clock()
-    taken, _ = train(Cadence(clock=clock), clock, 3, step_s=1.0, stall_s=1.0, start=5000)
-    assert taken == [5000]
+    taken, _ = train(Cadence(clock=clock), clock, 4, step_s=1.0, stall_s=1.0, start=5000)
+    assert taken == [5000, 5002]   # the first, then the probe
 
 
 # --- the bounds -------------------------------------------------------------------
@@ -137,13 +137,13 @@ def test_a_restarted_run_takes_at_its_first_call_too():
 def test_the_overhead_budget_takes_over_when_dalys_interval_stalls_too_much():
     clock = Clock()
     cadence = Cadence(overhead=0.005, mtbf=86400.0, clock=clock)
-    _, decisions = train(cadence, clock, 3, step_s=1.0, stall_s=10.0)
+    _, decisions = train(cadence, clock, 4, step_s=1.0, stall_s=10.0)
     assert daly(10.0, 86400.0) < 10.0 / 0.005
     assert (decisions[-1].bound, decisions[-1].interval_s) == ("overhead", 2000.0)
     assert decisions[-1].interval_steps == 2000
     # A budget the formula already meets leaves the formula in charge.
     clock = Clock()
-    _, decisions = train(Cadence(overhead=0.02, mtbf=86400.0, clock=clock), clock, 3,
+    _, decisions = train(Cadence(overhead=0.02, mtbf=86400.0, clock=clock), clock, 4,
                          step_s=1.0, stall_s=10.0)
     assert decisions[-1].bound == "young-daly"
 
@@ -151,7 +151,7 @@ def test_the_overhead_budget_takes_over_when_dalys_interval_stalls_too_much():
 def test_never_faster_than_snapshots_become_durable():
     clock = Clock()
     cadence = Cadence(mtbf=86400.0, clock=clock)
-    _, decisions = train(cadence, clock, 3, step_s=1.0, stall_s=1.0, durable_s=5000.0)
+    _, decisions = train(cadence, clock, 4, step_s=1.0, stall_s=1.0, durable_s=5000.0)
     last = decisions[-1]
     assert 1.0 / 0.01 < daly(1.0, 86400.0) < 5000.0   # overhead < formula < writer
     assert (last.bound, last.interval_s) == ("writer", 5000.0)
@@ -161,7 +161,7 @@ def test_never_faster_than_snapshots_become_durable():
 def test_max_loss_caps_the_interval_less_the_time_to_durable():
     clock = Clock()
     cadence = Cadence(max_loss=300.0, mtbf=86400.0, clock=clock)
-    _, decisions = train(cadence, clock, 3, step_s=1.0, stall_s=1.0, durable_s=50.0)
+    _, decisions = train(cadence, clock, 4, step_s=1.0, stall_s=1.0, durable_s=50.0)
     last = decisions[-1]
     assert daly(1.0, 86400.0) > 249.0 > 100.0    # formula > max_loss - D - delta > overhead
     assert (last.bound, last.interval_s, last.interval_steps) == ("max_loss", 249.0, 249)
@@ -175,7 +175,7 @@ def test_max_loss_caps_the_interval_less_the_time_to_durable():
 def test_an_unreachable_max_loss_yields_to_the_overhead_budget_with_one_warning():
     clock = Clock()
     cadence = Cadence(max_loss=600.0, mtbf=86400.0, clock=clock)
-    _, decisions = train(cadence, clock, 3, step_s=1.0, stall_s=10.0, durable_s=20.0)
+    _, decisions = train(cadence, clock, 4, step_s=1.0, stall_s=10.0, durable_s=20.0)
     assert (decisions[-1].bound, decisions[-1].interval_s) == ("overhead", 1000.0)
     assert cadence.warning() == (
         "max_loss=600 s cannot be met: the overhead bound needs at least 1000.0 s "
@@ -183,14 +183,14 @@ def test_an_unreachable_max_loss_yields_to_the_overhead_budget_with_one_warning(
         "20.0 s a snapshot takes to become durable and its stall), so snapshots are "
         "taken every "
         "1000.0 s; raise max_loss or overhead.")
-    train(cadence, clock, 3, step_s=1.0, stall_s=10.0, durable_s=20.0, start=3)
+    train(cadence, clock, 3, step_s=1.0, stall_s=10.0, durable_s=20.0, start=4)
     assert cadence.warning() is None
 
 
 def test_an_unreachable_max_loss_yields_to_the_writer_with_one_warning():
     clock = Clock()
     cadence = Cadence(max_loss=600.0, mtbf=86400.0, clock=clock)
-    _, decisions = train(cadence, clock, 3, step_s=1.0, stall_s=1.0, durable_s=900.0)
+    _, decisions = train(cadence, clock, 4, step_s=1.0, stall_s=1.0, durable_s=900.0)
     assert (decisions[-1].bound, decisions[-1].interval_s) == ("writer", 900.0)
     assert cadence.warning() == (
         "max_loss=600 s cannot be met: the writer bound needs at least 900.0 s "
@@ -285,11 +285,108 @@ def test_one_slow_step_or_one_slow_snapshot_does_not_move_the_interval():
 def test_an_older_snapshots_durability_arriving_late_does_not_count():
     clock = Clock()
     cadence = Cadence(mtbf=86400.0, clock=clock)
-    train(cadence, clock, 2, step_s=1.0, stall_s=1.0)
+    train(cadence, clock, 4, step_s=1.0, stall_s=1.0)   # the first and the probe
     cadence.durable(10, 3000.0)
     cadence.durable(4, 7000.0)
     clock.now += 1.0
-    assert (cadence.decide(3).bound, cadence.decide(3).interval_s) == ("writer", 3000.0)
+    assert (cadence.decide(4).bound, cadence.decide(4).interval_s) == ("writer", 3000.0)
+
+
+# --- what a snapshot costs: the probe, the slowdown while it is written ------------
+
+def train_writing(cadence, clock, steps, *, step_s, stalls, durable_s, slow=1.0,
+                  start=0):
+    """As :func:`train`, with a writer: a taken snapshot stalls ``stalls(n)`` (n: the
+    how-manieth taken) and is durable ``durable_s`` after its stall; every step that
+    runs while one is in flight takes ``slow`` times ``step_s`` (the daemon shares the
+    machine). Returns the steps taken, every decision, the slowdown each snapshot
+    caused (seconds beyond its steps at ``step_s``)."""
+    taken, decisions, in_flight, slowdown = [], [], [], {}
+    for step in range(start, start + steps):
+        decision = cadence.decide(step)
+        decisions.append(decision)
+        if decision.take:
+            stall = stalls(len(taken))
+            clock.now += stall
+            cadence.taken(step, stall)
+            in_flight.append((step, clock.now - stall, clock.now + durable_s))
+            taken.append(step)
+        if in_flight:
+            slowdown[in_flight[0][0]] = (slowdown.get(in_flight[0][0], 0.0)
+                                         + step_s * (slow - 1))
+        clock.now += step_s * (slow if in_flight else 1.0)
+        while in_flight and clock.now >= in_flight[0][2] - 1e-9:
+            done, called_at, _ = in_flight.pop(0)
+            cadence.durable(done, clock.now - called_at)
+    return taken, decisions, slowdown
+
+
+def test_a_probe_right_after_the_first_is_durable_measures_a_steady_stall():
+    # The first snapshot of a process pays its set-up: 5 s against 0.05 s later. At a
+    # 1 % budget that first stall alone would ask for 500 s between snapshots.
+    clock = Clock()
+    cadence = Cadence(overhead=0.01, mtbf=600.0, clock=clock)
+    taken, decisions, _ = train_writing(
+        cadence, clock, 400, step_s=0.05, stalls=lambda n: 5.0 if n == 0 else 0.05,
+        durable_s=0.5)
+    # Durable 0.5 s after its stall, during steps 0-9; step 10 runs undisturbed; the
+    # call after it takes the probe.
+    probe = taken[1]
+    assert probe == 11 and decisions[probe].bound == "probe"
+    assert decisions[probe].delta_s == 5.0     # what it knew when it took it
+    assert [d.bound for d in decisions[1:probe]] == ["overhead"] * (probe - 1)
+    assert decisions[1].interval_s == 5.0 / 0.01
+    # From then on the steady stall is delta: Daly's interval for 0.05 s, about
+    # sqrt(2 * 0.05 * 600) = 7.7 s (above the budget's 5 s), 154 steps.
+    after = decisions[probe + 1]
+    assert after.delta_s == 0.05
+    assert (after.bound, after.interval_s, after.interval_steps) == (
+        "young-daly", pytest.approx(daly(0.05, 600.0)), round(daly(0.05, 600.0) / 0.05))
+    assert taken[2] - taken[1] == after.interval_steps
+
+
+def test_the_slowdown_while_a_snapshot_is_written_counts_as_its_cost():
+    # Steps take 1.5x while the daemon writes (10 of them, 0.25 s beyond 0.5 s): the
+    # snapshot costs its 0.05 s stall plus that 0.25 s, and the budget is set by 0.3 s.
+    clock = Clock()
+    cadence = Cadence(overhead=0.01, mtbf=600.0, clock=clock)
+    taken, decisions, slowdown = train_writing(
+        cadence, clock, 2000, step_s=0.05, stalls=lambda n: 5.0 if n == 0 else 0.05,
+        durable_s=0.5, slow=1.5)
+    steady = [slowdown[t] for t in taken[1:-1]]
+    assert steady and all(s == pytest.approx(steady[0]) for s in steady)
+    last = decisions[-1]
+    assert last.delta_s == pytest.approx(0.05 + steady[0])
+    assert (last.bound, last.interval_s) == ("overhead", pytest.approx(last.delta_s / 0.01))
+    # The snapshots taken cost at most the budget of the training between them.
+    gaps = [b - a for a, b in zip(taken[2:], taken[3:])]
+    assert gaps and all(last.delta_s / (g * 0.05) <= 0.01 + 1e-9 for g in gaps)
+
+
+def test_a_snapshot_that_never_becomes_durable_stops_counting_as_written():
+    # The probe fails (never durable); the next one is: the failed one no longer
+    # counts as in flight, and delta is the one that completed.
+    clock = Clock()
+    cadence = Cadence(overhead=0.5, mtbf=600.0, clock=clock)
+    cadence.decide(0)
+    cadence.taken(0, 2.0)
+    clock.now += 1.0
+    cadence.durable(0, 1.0)
+    for step in (1, 2):
+        cadence.decide(step)
+        clock.now += 1.0
+    assert cadence.decide(3).bound == "probe"
+    clock.now += 0.1
+    cadence.taken(3, 0.1)          # never reports durable
+    clock.now += 1.0
+    cadence.decide(4)
+    clock.now += 0.2
+    cadence.taken(4, 0.2)
+    clock.now += 1.0               # a step as fast as an undisturbed one
+    cadence.durable(4, 1.2)
+    decision = cadence.decide(5)
+    assert decision.delta_s == pytest.approx(0.2)   # the durable one's stall only
+    assert cadence.stall_s == pytest.approx(0.2)
 
 
 # --- many ranks -------------------------------------------------------------------

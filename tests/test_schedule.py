@@ -25,7 +25,7 @@ from snapd_client.journal import resume_times
 from snapd_client.schedule import Schedule
 
 CADENCE_FIELDS = {"kind", "time", "step", "interval_s", "interval_steps", "bound",
-                  "expected_loss_s", "mtbf_s", "mtbf_from", "stall_s", "step_s"}
+                  "expected_loss_s", "mtbf_s", "mtbf_from", "delta_s", "stall_s", "step_s"}
 
 
 class Clock:
@@ -125,18 +125,23 @@ def test_auto_takes_the_first_call_then_every_interval_and_logs_each_decision(tm
         client.log(step, loss=0.0)
         if client.snapshot(step).taken:
             taken.append(step)
-    assert taken == [1, 10, 19]
+    # The first, the probe one undisturbed step after the first is durable, then
+    # every interval.
+    assert taken == [1, 3, 12, 21]
     client.close()
     records = logged(root, "cadence")
     assert [r["step"] for r in records] == taken
     assert all(set(r) == CADENCE_FIELDS for r in records)
-    first, later = records[0], records[1]
+    first, probe, later = records[0], records[1], records[2]
     assert (first["bound"], first["interval_steps"], first["step_s"]) == ("first", 1, None)
+    assert first["delta_s"] is None
     assert (first["mtbf_s"], first["mtbf_from"]) == (24 * 3600, "default")
-    # In-process, a snapshot is durable when snapshot() returns: D is 0 on this clock.
-    # delta is the first snapshot's stall until a second one is measured.
+    assert (probe["bound"], probe["delta_s"]) == ("probe", first["stall_s"])
+    # In-process, a snapshot is durable when snapshot() returns: D is 0 on this clock,
+    # and no step runs while one is in flight, so delta is the probe's stall.
     assert (later["bound"], later["interval_steps"]) == ("max_loss", 9)
-    assert later["interval_s"] == pytest.approx(1.0 - first["stall_s"])
+    assert later["delta_s"] == probe["stall_s"]
+    assert later["interval_s"] == pytest.approx(1.0 - probe["stall_s"])
     assert later["expected_loss_s"] == pytest.approx(later["interval_s"] / 2)
     assert later["step_s"] == pytest.approx(0.1)
     stalls = {r["step"]: r["stall"] for r in logged(root, "snapshot")
