@@ -175,6 +175,7 @@ def _progress(prog: RunProgress, committed: Optional[Dict[str, Any]], now: float
         "committed_age_s": now - last["time"] if last and last.get("time") else None,
         "last_resume": _pick(prog.last_resume, "snapshot", "step", "mode", "recompute",
                         "time"),
+        "resume_phases": prog.resume_phases,
         "last_replay": _pick(prog.last_replay, "verdict", "checked", "step", "cause")}
 
 
@@ -289,6 +290,21 @@ def at_risk_text(steps: Optional[int], seconds: Optional[float]) -> str:
     if steps is None:
         return "-"
     return str(steps) if seconds is None else f"{steps} ({span(seconds)})"
+
+
+def phases_text(phases: Optional[Dict[str, Any]]) -> str:
+    """A resume's phases from restore()'s call: ``ready 0.42s, optimizer state
+    1.30s``; with overlap, the state may be ``pending`` or ``FAILED (set aside)``;
+    empty when the log does not say (a resume logged before the phases were)."""
+    if not phases or phases.get("ready_s") is None:
+        return ""
+    text = f"ready {phases['ready_s']:.2f}s"
+    if not phases.get("overlap"):
+        return text
+    if phases.get("state") == "complete" and phases.get("complete_s") is not None:
+        return text + f", optimizer state {phases['complete_s']:.2f}s"
+    return text + (", optimizer state FAILED (set aside)" if phases.get("state") == "failed"
+                   else ", optimizer state pending")
 
 
 def cadence_text(cadence: Optional[Dict[str, Any]]) -> str:
@@ -441,8 +457,10 @@ def _history(runs: List[Dict[str, Any]]) -> List[Text]:
             lines.append(Text(cadence))
         if resume:
             verdict = replay and f"; replay {replay['verdict']} at step {replay['step']}"
+            phases = phases_text(r.get("resume_phases"))
             lines.append(Text(f"{who}resumed from {resume['snapshot']} ({resume['mode']}, "
-                              f"{resume['recompute']} to recompute){verdict or ''}"))
+                              f"{resume['recompute']} to recompute"
+                              f"{'; ' + phases if phases else ''}){verdict or ''}"))
     return lines
 
 

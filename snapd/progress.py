@@ -7,7 +7,9 @@ snapshot cadence aims at. The answers come from the tail of each
 rank's log (bounded reads, see statelog), from LATEST and from the names of the
 committed snapshot directories, so they cost milliseconds whatever the length of the
 run. What is committed is the directories' and LATEST's answer, not the log's: a
-client killed right after a commit never logged it.
+client killed right after a commit never logged it. Nor does the log's commit record
+count for a snapshot a later "set_aside" record names (its optimizer state failed
+verification after restore(overlap=True) returned: it is no longer committed).
 
 Why reading progress never fails on the log: resuming needs a snapshot, and the
 snapshot is chosen from the snapshot directories and LATEST. The log only adds how far
@@ -50,6 +52,11 @@ class RunProgress:
     last_scalars: Dict[str, Any] = field(default_factory=dict)
     at_risk_seconds: Optional[float] = None   # training since the committed step
     cadence: Optional[Dict[str, Any]] = None  # the newest cadence record's decision
+    # The "restored" record of the last resume (restore(overlap=True): its optimizer
+    # state applied), and the snapshots the log says were set aside since the newest
+    # commit record that counts: their commit records do not.
+    last_restored: Optional[Dict[str, Any]] = None
+    set_aside: List[str] = field(default_factory=list)
     bytes_read: int = 0
     log_damage: List[str] = field(default_factory=list)  # what the readers skipped
 
@@ -60,8 +67,9 @@ class RunProgress:
         damaged log may have lost it too); the log's record counts when retention has
         deleted the directory since. Ordered as snapshots are, by (lineage, step)."""
         logged = (self.last_committed or {}).get("name")
+        gone = self.refused | set(self.set_aside)
         found = [SnapshotId.parse(n) for n in (self.newest_dir, self.latest, logged)
-                 if isinstance(n, str) and n not in self.refused]
+                 if isinstance(n, str) and n not in gone]
         return max((sid for sid in found if sid is not None), default=None)
 
     @property
@@ -114,6 +122,28 @@ class RunProgress:
             return None
         return max(0, self.reached - (self.committed_step or 0))
 
+    @property
+    def resume_phases(self) -> Optional[Dict[str, Any]]:
+        """The last resume's phases (docs/operations.md, "Restore with overlap"):
+        ``started`` (restore() called), ``ready`` (it returned: training may run),
+        ``optimizer_state`` (every optimizer's state applied: at ``ready`` without
+        overlap), each a time, with ``state`` "complete", "pending" (not applied yet, or
+        the process ended before its first step) or "failed" (set aside)."""
+        resume = self.last_resume
+        if not resume or resume.get("mode") not in ("resume", "reshard"):
+            return None
+        overlap = resume.get("overlap") is True
+        started, ready = _number(resume.get("called")), _number(resume.get("time"))
+        complete = ready if not overlap else _number(resume.get("restored"))
+        restored = self.last_restored or {}
+        if complete is None and restored.get("snapshot") == resume.get("snapshot"):
+            complete = _number(restored.get("time"))
+        state = "complete" if complete is not None else \
+            "failed" if resume.get("snapshot") in self.set_aside else "pending"
+        return {"overlap": overlap, "started": started, "ready": ready,
+                "optimizer_state": complete, "state": state,
+                "ready_s": _since(started, ready), "complete_s": _since(started, complete)}
+
     def to_json(self) -> Dict[str, Any]:
         out = asdict(self)
         if out["last_committed"]:
@@ -122,8 +152,12 @@ class RunProgress:
         committed = self.committed
         out.update(committed=committed.name if committed else None,
                    committed_step=self.committed_step, committed_time=self.committed_time,
-                   at_risk=self.at_risk)
+                   at_risk=self.at_risk, resume_phases=self.resume_phases)
         return out
+
+
+def _since(start: Optional[float], end: Optional[float]) -> Optional[float]:
+    return None if start is None or end is None else max(0.0, end - start)
 
 
 def _rate(records: List[Dict[str, Any]]) -> Optional[float]:
@@ -173,8 +207,15 @@ class _Walk:
             progress.last_replay = record
         elif kind == "cadence" and progress.cadence is None:
             progress.cadence = _cadence(record)
+        elif kind == "restored" and progress.last_resume is None \
+                and progress.last_restored is None:   # after the resume it completes
+            progress.last_restored = record
+        elif kind == "set_aside" and progress.last_committed is None \
+                and isinstance(record.get("snapshot"), str):
+            progress.set_aside.append(record["snapshot"])
         elif kind == "snapshot" and record.get("event") == "committed" \
-                and progress.last_committed is None:
+                and progress.last_committed is None \
+                and record.get("name") not in progress.set_aside:
             progress.last_committed, self.committed_at = record, i
             progress.last_resume = progress.last_resume or _map(record.get("last_resume"))
             progress.last_replay = progress.last_replay or _map(record.get("last_replay"))
@@ -280,8 +321,9 @@ def _cadence(record: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _newest_dir(store: RunStore, progress: RunProgress) -> None:
-    """The newest committed directory the last resume did not refuse, and its mtime."""
-    refused = progress.refused
+    """The newest committed directory the last resume did not refuse (nor the log
+    say was set aside), and its mtime."""
+    refused = progress.refused | set(progress.set_aside)
     for sid in reversed(store.committed()):
         if sid.name in refused:
             continue

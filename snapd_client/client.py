@@ -32,7 +32,7 @@ import torch
 
 from snapd.commit import CommitService
 from snapd.diskguard import space_for
-from snapd.errors import InvalidOption
+from snapd.errors import InvalidOption, SnapdError
 from snapd.options import Options, given_daemon_options
 from snapd.progress import RunProgress, read_progress
 from snapd.retention import apply_retention
@@ -52,10 +52,11 @@ from snapd_client.hotrestore import hot_offer
 from snapd_client.staging import layout
 from snapd_client.lostdaemon import settle_writes
 from snapd_client.journal import Journal
+from snapd_client.overlaprestore import StepStateArrival, set_aside
 from snapd_client.snapshot_outcomes import Outcomes
 from snapd_client.ranks import default_session, detect
 from snapd_client.replicas import with_writers
-from snapd_client.restore import Loaded, load_for_resume, load_weights
+from snapd_client.restore import Loaded, load_for_resume, load_weights, overlappable
 from snapd_client.rng import RngStreams
 from snapd_client.schedule import CadenceWarning, Schedule
 from snapd_client.values import Values, track_names, track_objects, values_home
@@ -151,6 +152,9 @@ class Client:
         self._summary: Optional[CloseSummary] = None
         self.lineage: Dict[str, Any] = {"id": 0, "mode": "fresh", "parent": None}
         self.restored: Optional[Loaded] = None
+        self._restore_called: Optional[float] = None   # when restore() was last called
+        # restore(overlap=True): the optimizers' state still arriving (overlaprestore.py)
+        self._arrival: Optional[StepStateArrival] = None
         # "hot" (daemon memory), "disk", or "remote" (pulled from the remote tier)
         self.restored_from: Optional[str] = None
         # Why a restore that could have read the daemon's hot copy read the files
@@ -245,7 +249,7 @@ class Client:
         if self.read_only:   # no arena, no daemon started; one that serves is reached
             self._handoff.reach()   # now, as a writer's track() does, not in restore()
             return
-        if self._before_first_step():
+        if self._before_first_step() or self.optimizer_state_pending:
             self._handoff.warm_up(None)   # the daemon now, the arena after the step
             return
         try:
@@ -314,6 +318,7 @@ class Client:
         tensors, not copies: valid until the trainer next changes them). ``share``:
         frozen leaves unchanged since an earlier snapshot refer to it (not copied)."""
         _check_step(step)
+        self._finish_arrival()   # a capture reads the optimizers' state: all of it
         # Overlap mode defers the copies only optimizer.step() changes (capture.py).
         defer = stepped_tensors(self._tracked) \
             if self._handoff is not None and self.options.mode == "overlap" else None
@@ -455,24 +460,35 @@ class Client:
 
     # --- restore -------------------------------------------------------------------
 
-    def restore(self, mode: str = "resume", *, _omit: Iterable[str] = ()) -> int:
+    def restore(self, mode: str = "resume", *, overlap: bool = False,
+                _omit: Iterable[str] = ()) -> int:
         """Put back the newest good snapshot; returns the step to continue from.
 
         ``mode="resume"`` continues the same run exactly; ``"warm_start"`` loads module
         weights only and starts a new lineage at step 0. ``_omit`` (tests, diagnosis)
         leaves named pieces out: an object name, ``rng:<stream>`` or ``cursor``.
+
+        ``overlap=True`` (resume): return once everything the next forward and
+        backward read is in place and verified; each tracked optimizer's per-parameter
+        state is read and verified in the background, and its first ``step()`` (or
+        the next snapshot()) waits for it; on many ranks, every rank's, joined there
+        (docs/operations.md, "Restore with overlap"; snapd_client/overlaprestore.py).
+        Refused for a reshard, and on many ranks with ``remote``, for now.
         """
         self._check_open()
+        self._restore_called = time.time()   # the resume record's "called" (its phases)
         if mode not in MODES:
             raise InvalidOption(f"restore(mode={mode!r}): choose 'resume' or 'warm_start'",
                                 field="mode")
+        self._check_overlap(mode, overlap)
         if self._base is not None:   # digested again, as it is now, when a snapshot
             self._base.forget()      # names a base to compare with (or at the next capture)
         if mode == "warm_start":
+            self._drop_arrival()   # a resume's optimizer state, not wanted any more
             return self._warm_start()
         world = self.world_size
         if world > 1:  # every rank agrees on one snapshot (snapd_client/distrestore.py)
-            loaded = restore_ranks(self, set(_omit), world)
+            loaded = restore_ranks(self, set(_omit), world, self._deferred(overlap))
             if loaded is None:
                 return self._nothing_to_resume()
             self.restored = loaded   # restore_ranks set restored_from: disk or remote
@@ -495,10 +511,14 @@ class Client:
                                          tensor_source=hot, omit=set(_omit),
                                          reached=self.recovery.furthest,
                                          verify_steps=self.options.verify_steps,
-                                         base=self._base)
-            finally:
+                                         base=self._base,
+                                         defer=self._deferred(overlap))
+            except BaseException:
                 if hot is not None:
                     hot.close()
+                raise
+            if hot is not None and not (loaded is not None and loaded.deferred):
+                hot.close()   # else the background read closes it when it ends
             if loaded is None:
                 return self._nothing_to_resume()
             self.restored_from = "remote" if loaded.sid == pulled else \
@@ -507,13 +527,89 @@ class Client:
                 self.not_hot = hot.why_not_used(loaded.sid.name)
             if self.restored_from != "disk":
                 self.not_hot = None
-            self._apply(loaded, set(_omit))
+            self._start_arrival(loaded, hot)   # read from now, applied at the first step
+            try:
+                self._apply(loaded, set(_omit))
+            except BaseException:
+                self._drop_arrival()
+                raise
             if hot is not None and not self.read_only:   # the old arena may go now,
                 self._handoff.release_hot()              # before this one's is made
         self._warm_up()   # sized for the restored state (an optimizer's moments)
         self.restored = loaded
         self.lineage = dict(loaded.manifest["lineage"])
         return self._begin_resume(loaded, sorted(_omit))
+
+    def _check_overlap(self, mode: str, overlap: Any) -> None:
+        if not isinstance(overlap, bool):
+            raise InvalidOption(f"restore(overlap={overlap!r}): True or False",
+                                field="overlap")
+        if overlap and mode != "resume":
+            raise InvalidOption(f"restore(mode={mode!r}, overlap=True): a warm start reads "
+                                "module weights only, there is nothing to overlap; drop "
+                                "overlap=True", field="overlap")
+        if overlap and self.world_size > 1 and self.options.remote:
+            raise InvalidOption(f"restore(overlap=True) at world size {self.world_size} "
+                                f"(rank {self.rank}) with remote={self.options.remote!r}: "
+                                "overlap with a pull from the remote tier on many ranks "
+                                "is not supported for now; drop overlap=True",
+                                field="overlap")
+
+    def _deferred(self, overlap: bool) -> List[str]:
+        """The optimizers whose state a restore with overlap leaves to the background."""
+        if not overlap:
+            return []
+        return [n for n, o in self._tracked.items() if overlappable(o)]
+
+    @property
+    def optimizer_state_pending(self) -> bool:
+        """After restore(overlap=True): a tracked optimizer's per-parameter state is not
+        applied yet (its first step(), or the next snapshot(), waits for it)."""
+        return self._arrival is not None and not self._arrival.complete
+
+    def _start_arrival(self, loaded: Loaded, hot: Any, **many: Any) -> None:
+        """The background read of ``loaded``'s deferred state (from the daemon's copy
+        ``hot`` where it serves, which the read closes, else the files), in place of an
+        earlier restore's (kept until now: its hooks guard the optimizers while a
+        restore that then fails leaves them as they were). ``many``: on many ranks,
+        the read of this rank's part and the ranks' join (distrestore.py)."""
+        self._drop_arrival()
+        if not loaded.deferred:
+            return
+        mark, journal = (None, None) if self.read_only else (self._set_aside, self.journal)
+        self._arrival = StepStateArrival(loaded, self._tracked, mark, source=hot,
+                                         journal=journal, **many)
+
+    def _set_aside(self, sid: SnapshotId) -> str:
+        """A snapshot whose optimizer state failed verification after restore returned:
+        set aside, and the log says so (status stops counting its commit record)."""
+        said = set_aside(self.store, sid)
+        self.journal.set_aside(snapshot=sid.name, by=self.rank, said=said)
+        return said
+
+    def _finish_arrival(self) -> None:
+        """Wait for the optimizers' state and apply it; raises, before anything reads
+        the optimizers, when it failed (overlaprestore.py). Once applied, the no-op
+        hook a step left behind goes."""
+        if self._arrival is not None:
+            self._arrival.finish()
+
+    def _settle_arrival(self) -> None:
+        """At close: the optimizers' state applied, so that they are whole after the
+        client is gone. A failure is not raised here: the hooks stay, and each step
+        raises it, where an update would have used the state."""
+        if self._arrival is not None:
+            try:
+                self._arrival.finish()   # applied already: the no-op hook left goes
+            except SnapdError:
+                logger.info(f"run {self.run}: closed with the optimizer state of the "
+                            "overlapped restore not applied; optimizer.step() refuses "
+                            "to run")
+
+    def _drop_arrival(self) -> None:
+        if self._arrival is not None:
+            self._arrival.discard()
+            self._arrival = None
 
     def _pull_from_remote(self) -> Optional[SnapshotId]:
         """With ``remote`` set, a newer remote commit (and an empty log's replica)
@@ -560,6 +656,9 @@ class Client:
         # recompute logged less than the run had reached (RunProgress.furthest).
         step, reached = loaded.manifest["step"], self.recovery.furthest
         source = self.restored_from + (f"; not hot: {self.not_hot}" if self.not_hot else "")
+        if loaded.deferred:   # restore(overlap=True): read meanwhile
+            source += f"; the state of {', '.join(loaded.deferred)} arrives before the " \
+                      "first step"
         if self.read_only:
             logger.info(f"run {self.run}: restored step {step} ({source}), "
                         "read-only: nothing is written to the run")
@@ -570,7 +669,8 @@ class Client:
                             step=step, snapshot=loaded.sid.name, mode="resume",
                             lineage=self.lineage, reached=reached, recompute=recompute,
                             restored_from=self.restored_from, refused=loaded.refused,
-                            omitted=omitted,
+                            omitted=omitted, called=self._restore_called,
+                            **({"overlap": True} if loaded.deferred else {}),
                             **({"passed_over": loaded.passed_over}
                                if loaded.passed_over else {}),
                             **({"not_hot": self.not_hot} if self.not_hot else {}))
@@ -661,6 +761,7 @@ class Client:
         newest = self._outcomes.newest
         incomplete = None
         try:
+            self._settle_arrival()
             self._outcomes.settle()
             if newest is not None and newest.failed:
                 newest.warned = True   # raised below instead

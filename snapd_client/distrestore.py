@@ -19,6 +19,11 @@ a private gloo group (snapd_client/ranks.py), as bytes. In order:
    that does not fit on some rank stops every rank with the same error.
 5. None left after refusals: every rank raises the same CorruptSnapshot.
 
+With overlap (same world size only; a reshard refuses it), step 4 leaves each
+tracked optimizer's per-parameter state unread; after the agreement each rank reads
+its own in the background, and the ranks join once before the first update
+(:func:`_start_overlap`, snapd_client/overlaprestore.py).
+
 Same world size: exact (RNG streams and cursor of the rank's own part). Another
 world size: tensors exact, RNG streams left as they are (fresh), the cursor from the
 global count of consumed samples, the resume logged as mode "reshard".
@@ -33,13 +38,13 @@ import os
 import secrets
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from snapd import format as fmt
 from snapd.errors import (CorruptSnapshot, DistributedNotReady, IncompatibleState,
-                          SnapdError)
+                          InvalidOption, SnapdError)
 from snapd.globalcommit import shard_offset
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.reader import SnapshotReader, check_name_matches
@@ -48,9 +53,11 @@ from snapd.store import RunStore, SnapshotId
 from snapd_client import reshard
 from snapd_client.cursor import reshard_cursor
 from snapd_client.fromremote import pull_from_remote
+from snapd_client.overlaprestore import RankJoin
 from snapd_client.ranks import Collective, GlooGroup
 from snapd_client.restore import (FallbackWarning, Loaded, apply, check_candidate,
-                                  live_tensors, resume_order, saved_cursor)
+                                  groups_only, live_tensors, resume_order, saved_cursor,
+                                  step_only_names)
 
 logger = logging.getLogger(__name__)
 
@@ -148,12 +155,16 @@ class Prepared:
     old_world: int
     cursor: Optional[Dict[str, Any]] = None
     rng: Dict[str, bytes] = field(default_factory=dict)
+    deferred: Tuple[str, ...] = ()   # optimizers holding param_groups only (overlap)
 
 
 def prepare(parts: Parts, rank: int, world_size: int, tracked: Dict[str, Any], rng: Any, *,
-            data_version: Optional[str], stream: Any, omit: set) -> Prepared:
+            data_version: Optional[str], stream: Any, omit: set,
+            defer: Iterable[str] = ()) -> Prepared:
     """Check and read what this rank needs of ``parts`` (CorruptSnapshot when a byte
-    fails verification, IncompatibleState when it does not fit)."""
+    fails verification, IncompatibleState when it does not fit). Optimizers in
+    ``defer`` (same world size only) are checked like every object, but their
+    per-parameter state is not read: their states hold the param_groups only."""
     same = parts.world_size == world_size
     own_rank = rank if same else rank % parts.world_size
     own = parts.part(own_rank)
@@ -164,11 +175,13 @@ def prepare(parts: Parts, rank: int, world_size: int, tracked: Dict[str, Any], r
     check_omit = omit if same else omit | {f"rng:{n}" for n in rng.names()}
     check_candidate(view, tracked, rng, data_version=data_version,
                     need_cursor=same and stream is not None, omit=check_omit)
-    states = {name: _read_object(parts, own_rank, name, obj)
+    deferred = step_only_names(own, set(defer) - omit) if same else ()
+    states = {name: groups_only(own, name) if name in deferred else
+              _read_object(parts, own_rank, name, obj)
               for name, obj in tracked.items() if name not in omit}
     if same:
         return Prepared("resume", own.manifest, states, parts.world_size,
-                        own.manifest.get("cursor"), dict(own.manifest["rng"]))
+                        own.manifest.get("cursor"), dict(own.manifest["rng"]), deferred)
     cursor = None
     if stream is not None and "cursor" not in omit:
         cursor = _reshard_cursor(own, world_size, stream)
@@ -301,9 +314,13 @@ def _stop_if_not_damage(verdicts: List[Dict[str, Any]], mine: Optional[Exception
 
 # --- the client's side ----------------------------------------------------------------
 
-def restore_ranks(client: Any, omit: set, world_size: int) -> Optional[Loaded]:
+def restore_ranks(client: Any, omit: set, world_size: int,
+                  defer: Iterable[str] = ()) -> Optional[Loaded]:
     """Client.restore() when ``world_size`` > 1: the agreed snapshot, applied on this
-    rank (None when the run has none). Sets ``client.session`` to this attempt's."""
+    rank (None when the run has none). Sets ``client.session`` to this attempt's.
+    ``defer`` (restore(overlap=True)): optimizers whose per-parameter state each rank
+    reads in the background, all ranks joined before the first update (see
+    :func:`_start_overlap`)."""
     require_process_group(world_size)
     from snapd.progress import read_progress
     client._settle_daemon_writes()
@@ -315,7 +332,8 @@ def restore_ranks(client: Any, omit: set, world_size: int) -> Optional[Loaded]:
     agreed = agree(coll,
                    lambda: plan(client.store, client.recovery.furthest,
                                 client.options.verify_steps),
-                   lambda name: _read_candidate(client, name, omit, world_size),
+                   lambda name: _read_candidate(client, name, omit, world_size,
+                                                set(defer)),
                    client.store.snapshots_path)
     client.session = agreed.session
     if not client.read_only:   # each rank checks its own recompute; a divergence names it
@@ -323,23 +341,54 @@ def restore_ranks(client: Any, omit: set, world_size: int) -> Optional[Loaded]:
     if agreed.name is None:
         return None
     client.restored_from = "remote" if agreed.name in pulled else "disk"
-    loaded = agreed.prepared
+    loaded, parts = agreed.prepared
     loaded.refused, loaded.passed_over = agreed.refused, agreed.passed_over
-    apply(loaded, client._tracked, client.rng, client._stream,
-          omit | ({"cursor"} if loaded.manifest["cursor"] is None else set()))
+    _start_overlap(client, loaded, parts, coll)
+    try:
+        apply(loaded, client._tracked, client.rng, client._stream,
+              omit | ({"cursor"} if loaded.manifest["cursor"] is None else set()))
+    except BaseException:
+        client._drop_arrival()
+        raise
     return loaded
 
 
-def _read_candidate(client: Any, name: str, omit: set, world_size: int) -> Loaded:
+def _start_overlap(client: Any, loaded: Loaded, parts: Parts, coll: Collective) -> None:
+    """Restore with overlap on many ranks: this rank reads its part of the deferred
+    optimizers' state in the background, through ``parts`` (a tensor another rank's
+    part stores is read there, as at restore), verified; the first update on each
+    rank waits for it, then every rank exchanges one verdict over ``coll``
+    (overlaprestore.RankJoin): a rank whose part failed makes every rank raise at that
+    step, and sets the whole snapshot aside (one directory for all ranks: the next
+    start of every rank falls back past it together)."""
+    if not loaded.deferred:
+        client._drop_arrival()
+        return
+    tracked, names = client._tracked, loaded.deferred
+    parts._stored.clear()   # what restore read is in ``loaded``: not kept twice
+    client._start_arrival(loaded, None, read=lambda: {
+        name: _read_object(parts, client.rank, name, tracked[name]) for name in names},
+        join=RankJoin(coll))
+
+
+def _read_candidate(client: Any, name: str, omit: set, world_size: int,
+                    defer: set) -> Tuple[Loaded, Parts]:
     sid = SnapshotId.parse(name)
     path = client.store.snapshot_path(sid)
-    prepared = prepare(Parts(path), client.rank, world_size, client._tracked, client.rng,
-                       data_version=client.data_version, stream=client._stream, omit=omit)
+    parts = Parts(path)
+    if defer and parts.world_size != world_size:
+        raise InvalidOption(
+            f"restore(overlap=True): snapshot {name} was saved on {parts.world_size} "
+            f"rank(s), this job has {world_size}; overlap with a reshard is not "
+            "supported for now: drop overlap=True to reshard", field="overlap")
+    prepared = prepare(parts, client.rank, world_size, client._tracked, client.rng,
+                       data_version=client.data_version, stream=client._stream, omit=omit,
+                       defer=defer)
     # restore.apply() takes the RNG streams and cursor from the manifest it is given:
     # resharded, none of the first (fresh) and the cursor recomputed.
     manifest = {**prepared.manifest, "rng": prepared.rng, "cursor": prepared.cursor}
     return Loaded(sid, path, manifest, prepared.states, mode=prepared.mode,
-                  old_world_size=prepared.old_world)
+                  old_world_size=prepared.old_world, deferred=prepared.deferred), parts
 
 
 def begin_reshard(client: Any, loaded: Loaded, omitted: List[str], world_size: int) -> int:

@@ -36,6 +36,7 @@ first snapshot, hours later, would cost those hours.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from typing import Any, Dict, List, Optional
@@ -65,6 +66,11 @@ def resume_times(record: Optional[Dict[str, Any]]) -> List[float]:
     if isinstance(carried, list):
         return [float(t) for t in carried if _seconds(t)]
     return [float(record["time"])] if _seconds(record.get("time")) else []
+
+
+def _resumed(record: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The snapshot and step a record that follows a resume refers to."""
+    return {k: record[k] for k in ("snapshot", "step") if record and k in record}
 
 
 def _seconds(value: Any) -> bool:
@@ -114,6 +120,9 @@ class Journal:
     def __init__(self, store: RunStore, rank: int, rng: RngStreams, opts: Options) -> None:
         self.store, self.rank, self.rng, self.opts = store, rank, rng, opts
         self.writer: Optional[LogWriter] = None  # opened at the first record, retried
+        # Opened once: a restore with overlap may log from its background read
+        # ("set_aside") while restore() logs the resume.
+        self._opening = threading.Lock()
         self.dropped = 0  # records not written because the log's disk failed
         self.last_error: Optional[OSError] = None
         self._warned = False
@@ -157,11 +166,12 @@ class Journal:
             pass
 
     def _writer(self) -> LogWriter:
-        if self.writer is None:
-            self.writer = LogWriter(self.store.path, self.rank,
-                                    segment_bytes=self.opts.log_segment_bytes,
-                                    flush_interval=self.opts.log_flush_interval)
-        return self.writer
+        with self._opening:
+            if self.writer is None:
+                self.writer = LogWriter(self.store.path, self.rank,
+                                        segment_bytes=self.opts.log_segment_bytes,
+                                        flush_interval=self.opts.log_flush_interval)
+            return self.writer
 
     def _append(self, record: Dict[str, Any], at_start: bool = False) -> bool:
         """Write one record; a disk error drops it (counted, warned once), never raises,
@@ -258,6 +268,23 @@ class Journal:
         self._append(record, at_start=True)
         self.last_resume = record
         return record
+
+    def restored(self, *, objects: List[str], waited_s: float) -> None:
+        """The "restored" record: the state a restore with overlap left to the
+        background (``objects``, optimizers) is applied, before their first update;
+        ``waited_s``: how long that update waited for it. The resume record kept for
+        later commit records gets its time as ``restored``, so that status finds the
+        phase in the commit record it stops at (snapd/progress.py)."""
+        record = self.event("restored", objects=objects, waited_s=round(waited_s, 6),
+                            **_resumed(self.last_resume))
+        if self.last_resume is not None:
+            self.last_resume = {**self.last_resume, "restored": record["time"]}
+
+    def set_aside(self, *, snapshot: str, by: int, said: str) -> None:
+        """The "set_aside" record: snapshot ``snapshot`` failed verification after
+        restore(overlap=True) returned (on rank ``by``) and is out of the committed
+        namespace; status no longer counts the log's commit record of it."""
+        self.event("set_aside", snapshot=snapshot, by=by, said=said)
 
     @property
     def resume_times(self) -> List[float]:

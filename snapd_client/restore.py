@@ -26,6 +26,18 @@ with no fallback the files are read into new memory. A daemon's copy reads in pl
 regardless; with no fallback a copy of every tracked object's state, the RNG streams
 and the cursor is taken first and put back if no snapshot verifies. Apply copies the
 state of what was not read in place, and puts it back if an object raises half way.
+
+Restore with overlap (``defer``, one process) moves step 4 for one
+part of the state, an optimizer's per-parameter ``state``, to after restore returns;
+nothing else changes. Checks 1-3 still cover the deferred optimizers (type, groups,
+their file's size and tiling, the skeleton), so what a later read can find wrong is
+bytes only, and a chunk failing its checksum there is a damaged snapshot as
+at any step 4. What is applied now (5) holds the optimizer's param_groups and an
+empty ``state``, all or nothing with the rest. The deferred read goes into new memory,
+never into live tensors (nothing can undo a read in place once training runs), and
+its result is applied on the trainer's thread before the first update, or never
+(snapd_client/overlaprestore.py: a failure is sticky and sets the snapshot aside,
+since no fallback can be read into a process that has trained on).
 """
 
 from __future__ import annotations
@@ -79,6 +91,11 @@ class Loaded:
     passed_over: Optional[str] = None  # the newer snapshot verify_steps resumed before
     mode: str = "resume"   # "reshard": saved at another world size (distrestore.py)
     old_world_size: int = 1
+    # restore(overlap=True): optimizers whose per-parameter state is not read yet (their
+    # ``states`` hold the param_groups and an empty ``state``), and the reader that
+    # reads it in the background (snapd_client/overlaprestore.py).
+    deferred: Tuple[str, ...] = ()
+    reader: Optional[SnapshotReader] = None
 
 
 def _copy_tree(value: Any, tensors: bool = True) -> Any:
@@ -405,13 +422,15 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                     data_version: Optional[str], need_cursor: bool,
                     tensor_source: Optional[TensorProvider] = None,
                     omit: Iterable[str] = (), reached: Optional[int] = None,
-                    verify_steps: int = 0, base: Optional[LiveBase] = None
-                    ) -> Optional[Loaded]:
+                    verify_steps: int = 0, base: Optional[LiveBase] = None,
+                    defer: Iterable[str] = ()) -> Optional[Loaded]:
     """The newest snapshot that verifies and fits, fully read; None if the run is new.
     Objects named in ``omit`` are checked but not read (their states are absent);
     ``rng:<stream>`` in it is neither checked nor (by :func:`apply`) restored.
     With ``verify_steps`` (see :func:`verify_pick`) an older snapshot is tried first;
-    if it is refused, the usual order follows.
+    if it is refused, the usual order follows. Optimizers named in ``defer``
+    (``restore(overlap=True)``) are checked like every object, but their per-parameter
+    state is left to :func:`read_step_state` (:func:`step_only_names`, ``Loaded.deferred``).
 
     Live tensors are read into only when something can undo it (the module
     docstring): a fallback, the next candidate, passes every check that needs no
@@ -435,10 +454,13 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
             if not undo and before is None and tensor_source is not None:
                 # a hot read lands in live tensors
                 before = Before(tracked, rng, reads_in_place=True)
+            deferred = step_only_names(reader, set(defer) - set(omit))
             states = _read_states(reader, {n: o for n, o in tracked.items()
-                                           if n not in omit}, tensor_source,
+                                           if n not in omit and n not in deferred},
+                                  tensor_source,
                                   in_place=in_place if undo or before is not None else None,
                                   files_in_place=undo)
+            states.update((n, groups_only(reader, n)) for n in deferred)
         except CorruptSnapshot as e:
             written |= in_place
             refused[sid.name] = str(e)
@@ -454,7 +476,8 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
             raise
         return Loaded(sid, path, reader.manifest, states, refused, before,
                       in_place=set() if before else in_place | written,
-                      passed_over=order[1].name if sid == pick else None)
+                      passed_over=order[1].name if sid == pick else None,
+                      deferred=deferred, reader=reader if deferred else None)
     if refused:
         raise CorruptSnapshot(f"{store.path}: no snapshot verifies; refused: "
                               + "; ".join(f"{n}: {why}" for n, why in refused.items())
@@ -463,6 +486,45 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                               + _untouched(before, tracked, rng, tensor_source, written),
                               path=store.snapshots_path, field="snapshots")
     return None
+
+
+STATE_PREFIX = ".state."   # an optimizer's per-parameter state, flattened (state.py)
+
+
+def step_only_names(reader: SnapshotReader, names: Iterable[str]) -> Tuple[str, ...]:
+    """Of the optimizers ``names``, those whose tensors are all per-parameter state
+    (``state`` of the state dict), which only ``optimizer.step()`` reads: the ones a
+    restore with overlap may leave to the background. An optimizer with a tensor in
+    its param_groups (a tensor learning rate) or with no tensor at all is read now."""
+    return tuple(n for n in sorted(names) if reader.objects[n]["tensors"] and all(
+        t["path"].startswith(STATE_PREFIX) for t in reader.objects[n]["tensors"]))
+
+
+def overlappable(obj: Any) -> bool:
+    """An optimizer whose state may arrive after restore returns: torch's own
+    ``load_state_dict`` (which may be called again with the rest, and keeps the
+    tensors it is given); a subclass that overrides it is read with everything."""
+    return isinstance(obj, torch.optim.Optimizer) and _replaces_its_tensors(obj)
+
+
+def groups_only(reader: SnapshotReader, name: str) -> Dict[str, Any]:
+    """An optimizer's saved state dict without its per-parameter state: its
+    param_groups (they hold no tensor: :func:`step_only_names`), any other entry, and
+    an empty ``state``, decoded from the skeleton alone."""
+    source = os.path.join(reader.path, "manifest.snapd")
+    saved = unflatten(reader.objects[name]["skeleton"], None, source=source)
+    return dict(saved, state={})
+
+
+def read_step_state(reader: SnapshotReader, names: Iterable[str],
+                    tracked: Dict[str, Any],
+                    tensor_source: Optional[TensorProvider] = None) -> Dict[str, Any]:
+    """The deferred optimizers' full states (step 4 for them): read into new memory,
+    never into live tensors, from ``tensor_source`` (the daemon's copy) where it
+    serves, else from the files, and verified like any object's. Raises
+    CorruptSnapshot naming the file. Runs on a background thread: it touches nothing
+    live (snapd_client/overlaprestore.py applies the result on the trainer's)."""
+    return _read_states(reader, {n: tracked[n] for n in names}, tensor_source)
 
 
 class _Fallbacks:

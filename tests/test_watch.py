@@ -193,6 +193,12 @@ def test_format_record_lines():
     assert "resume step=1200 snapshot=00001200 mode=resume" in format_record(
         "gpt", 0, {"kind": "resume", "step": 1200, "snapshot": "00001200",
                    "mode": "resume", "time": T0})
+    assert format_record("gpt", 0, {"kind": "restored", "objects": ["optimizer"],
+                                    "waited_s": 0.25, "time": T0}).endswith(
+        "restored objects=optimizer waited_s=0.25")
+    assert format_record("gpt", 1, {"kind": "set_aside", "snapshot": "00000006", "by": 1,
+                                    "said": "...", "time": T0}).endswith(
+        "rank=1 set_aside snapshot=00000006 by=1")
     assert format_record("gpt", 0, {"kind": "mystery"}) is None
 
 

@@ -5,7 +5,9 @@ whichever is newest; snapd.progress.RunProgress.committed): a client killed righ
 a commit never logged it, and "at risk" counts from that snapshot, in updates and in
 seconds of training (``at_risk_seconds``). A run snapshotting with ``every="auto"``
 also shows its newest ``cadence`` record: the interval, the bound that sets it, the
-expected loss per failure and the MTBF used, with where it came from.
+expected loss per failure and the MTBF used, with where it came from. The last
+resume shows its phases (snapd.progress.RunProgress.resume_phases): ready to train
+and, after restore(overlap=True), when the optimizer state was complete.
 
 A multi-rank run is also shown as a job (snapd.liveview.job_model): its world size,
 each rank's last logged step, the last global commit and the incomplete snapshots
@@ -36,7 +38,7 @@ from snapd.commands.common import console, emit_json
 from snapd.commands.locate import root_of
 from snapd.daemons import LiveDaemon, find_daemons
 from snapd.liveview import (DaemonProbe, at_risk_text, cadence_line, cadence_text,
-                            job_lines, jobs_of, remote_lines)
+                            job_lines, jobs_of, phases_text, remote_lines)
 from snapd.progress import RunProgress, at_risk_seconds, read_progress
 from snapd.roots import Root
 from snapd.store import RunStore, list_runs
@@ -100,6 +102,16 @@ def _verdict(row: Dict[str, Any]) -> str:
     return f"DIVERGED at {replay.get('step')}: {replay.get('cause')}"
 
 
+def _resume_text(resume: Dict[str, Any], phases: Optional[Dict[str, Any]]) -> str:
+    """``from 00000004 (resume; ready 0.42s, optimizer state 1.30s)``: the last
+    resume and its phases, timed from restore()'s call (liveview.phases_text)."""
+    if not resume:
+        return "-"
+    said = phases_text(phases)
+    return f"from {resume.get('snapshot')} ({resume.get('mode')}" + \
+        (f"; {said})" if said else ")")
+
+
 def render(rows: List[Dict[str, Any]]) -> Table:
     table = Table(title="snapd status", title_justify="left")
     for column in ("run", "rank", "step", "steps/s", "last snapshot", "age", "at risk",
@@ -114,7 +126,7 @@ def render(rows: List[Dict[str, Any]]) -> Table:
             r["committed"] or "-", age(r["committed_age_s"]),
             at_risk_text(r["at_risk"], r.get("at_risk_seconds")),
             cadence_text(r.get("cadence")),
-            f"from {resume.get('snapshot')} ({resume.get('mode')})" if resume else "-",
+            _resume_text(resume, r.get("resume_phases")),
             _verdict(r))
     return table
 
@@ -129,7 +141,8 @@ def status(root: str | None, as_json: bool, daemons: bool) -> None:
     """Runs, last step, steps/s, last committed snapshot and its age, updates and
     seconds of training at risk, the snapshot cadence (interval in steps and seconds,
     the bound that sets it, expected loss per failure, MTBF and its source), last
-    resume and its replay verdict; for a multi-rank run, its world size, each
+    resume (its phases: ready to train, optimizer state complete) and its replay
+    verdict; for a multi-rank run, its world size, each
     rank's last step, the last global commit and incomplete snapshots (ranks
     missing). Reads only logs, manifests and commit records; with a daemon serving
     ROOT with a remote tier, also each run's remote lag (last remote commit, steps and

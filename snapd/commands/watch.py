@@ -79,6 +79,13 @@ def format_record(run: str, rank: int, record: Dict[str, Any]) -> Optional[str]:
                                            "step", "cause")
     if kind == "cadence":
         return f"{head} cadence " + _fields(record, "step", *CADENCE_FIELDS)
+    if kind == "restored":   # restore(overlap=True): the optimizer state applied
+        objects = record.get("objects")
+        named = ",".join(map(str, objects)) if isinstance(objects, list) else objects
+        return f"{head} restored " + _fields({**record, "objects": named}, "objects",
+                                             "waited_s")
+    if kind == "set_aside":
+        return f"{head} set_aside " + _fields(record, "snapshot", "by")
     return None
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import flip_byte, private_copy, read_manifest, trained_root
+from helpers import assert_equal, flip_byte, private_copy, read_manifest, trained_root
 
 JOB = os.path.join(os.path.dirname(__file__), "restore_job.py")
 
@@ -29,21 +29,6 @@ def torchrun(root, out, phase, nproc):
 
 def result(out, phase, rank):
     return torch.load(os.path.join(out, f"{phase}-rank{rank}.pt"), weights_only=False)
-
-
-def assert_equal(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for k in a:
-            assert_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 @pytest.fixture(scope="module")
