@@ -31,8 +31,10 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if text[-1:] in "KMG" else text) * mult)
 
 
-def build_state(target: int, threads: int, device: str = "cpu"):
-    """An MLP + AdamW whose params, exp_avg and exp_avg_sq add up to ~target bytes."""
+def build_state(target: int, threads: int, device: str = "cpu", step: bool = True):
+    """An MLP + AdamW whose params, exp_avg and exp_avg_sq add up to ~target bytes,
+    after one optimizer step; ``step=False``: as a restarted trainer builds it, before
+    its restore (the optimizer holds no state yet)."""
     import torch
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -41,6 +43,8 @@ def build_state(target: int, threads: int, device: str = "cpu"):
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH)
                                   for _ in range(layers)]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if not step:
+        return model, opt
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3   # kept: a training process holds grads
     opt.step()
