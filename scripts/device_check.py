@@ -11,8 +11,10 @@ Each check prints PASS or FAIL and what it compared; the exit code is 1 if any f
    (as BatchNorm's running statistics are) is saved with its value at snapshot().
    The buffer is large, so that an unordered device-to-host copy would still be
    running when the forward's kernel writes it.
-3. restore on the device, hot and from the files, into a freshly initialised model:
-   weights, optimizer state and the CUDA random stream equal bit for bit.
+3. restore on the device, hot and from the files, and from the files with
+   ``restore(overlap=True)`` (the moments read on a thread, moved to the device before
+   the first update), into a freshly initialised model: weights, optimizer state and
+   the CUDA random stream equal bit for bit.
 4. the demo on the device: a reference run and a SIGKILLed, resumed run end equal.
 5. figures: the snapshot() stall of a ~1 GiB CUDA state (wait, overlap) against a
    ``non_blocking`` copy of the same bytes into pinned memory, and torch.save + fsync.
@@ -40,6 +42,7 @@ from snapd_client import Client
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import build_state, state_tensors  # noqa: E402  (scripts/bench.py's state)
+from benchlib import close_as_if_killed  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUN = "device-check"
@@ -114,27 +117,32 @@ def check_snapshot_and_restore(device: str, mode: str, root: str, sizes: dict,
         pinned = arena is not None and arena._u8.is_pinned()
         report(f"{mode}: staging arena page-locked", pinned,
                f"arena {arena.name if arena else None} is_pinned() = {pinned}")
-    ckpt.close()
+    # As a killed trainer: a clean close releases the daemon's hot copy.
+    close_as_if_killed(ckpt)
 
-    for source, use_daemon in (("hot", True), ("disk", False)):
+    # restore(overlap=True): the moments arrive on a thread and are loaded (and moved
+    # to the device) before the first update; close() waits for them too.
+    for source, use_daemon, overlap in (("hot", True, False), ("disk", False, False),
+                                        ("disk", False, True)):
         torch.manual_seed(1)  # other weights than the snapshot's
         fresh = Net(**sizes).to(device)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
         train_step(fresh, fresh_opt, device)
         c = Client(root, RUN, daemon=use_daemon)
         c.track(model=fresh, optimizer=fresh_opt)
-        step = c.restore()
+        step = c.restore(overlap=overlap)
         restored_draw = torch.rand(8, device=device).cpu()
-        got = cpu_state(fresh, fresh_opt)
         c.close()
+        got = cpu_state(fresh, fresh_opt)
         bad = bitwise_differences(expected, got)
-        report(f"{mode}: restore ({c.restored_from}) equals the state at snapshot()",
+        how = ", overlap" if overlap else ""
+        report(f"{mode}: restore ({c.restored_from}{how}) equals the state at snapshot()",
                step == 2 and not bad and c.restored_from == source,
                f"step {step}, {len(expected)} tensors, differing: {bad[:5]}, restored "
                f"from {c.restored_from} (want {source}); buffer 'seen' saved as "
                f"{got.get('model.seen', torch.zeros(1))[0].item()}, "
                f"{expected['model.seen'][0].item()} at snapshot()")
-        report(f"{mode}: {device} random stream restored ({source})",
+        report(f"{mode}: {device} random stream restored ({source}{how})",
                torch.equal(draw, restored_draw), f"{draw[:3].tolist()} vs "
                f"{restored_draw[:3].tolist()}")
 
