@@ -334,3 +334,20 @@ def assert_equal(a, b, where: str = "") -> None:
             assert_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
+
+
+def file_remote_of(root: str, run: str, remote_dir: str) -> str:
+    """Every committed snapshot of ``run`` under ``root`` uploaded to a file:// remote
+    at ``remote_dir`` by the uploader's own ``upload_snapshot``, and rank 0's state log
+    replicated beside them, as LogSync does; the remote's URL."""
+    from snapd.remote.layout import RemoteRoot
+    from snapd.remote.upload import upload_snapshot
+    url = f"file://{remote_dir}"
+    remote, store = RemoteRoot(url), RunStore(root, run)
+    for sid in store.committed():
+        upload_snapshot(remote, store, sid.name)
+    log_dir = os.path.join(store.log_path, "rank-00000")
+    for segment in os.listdir(log_dir):
+        remote.fs.put_file(os.path.join(log_dir, segment),
+                           f"{remote.log_path(run)}/rank-00000/{segment}")
+    return url

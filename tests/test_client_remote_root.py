@@ -20,11 +20,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import ThreadCollective, small_model_and_opt, small_train_step
+from helpers import ThreadCollective, file_remote_of, small_model_and_opt, small_train_step
 from snapd import roots
 from snapd.options import Options
-from snapd.remote.layout import RemoteRoot
-from snapd.remote.upload import upload_snapshot
 from snapd.store import RunStore, SnapshotId
 from snapd_client import Client
 from snapd_client.fromremote import RemoteWarning, pull_from_remote
@@ -48,15 +46,7 @@ def remote_url(tmp_path_factory):
         if step % 2 == 0:
             client.snapshot(step).wait()
     client.close()
-    url = f"file://{base}/remote"
-    remote, store = RemoteRoot(url), RunStore(root, RUN)
-    for name in ("00000002", "00000004"):
-        upload_snapshot(remote, store, name)
-    log_dir = os.path.join(store.log_path, "rank-00000")   # replicated, as LogSync does
-    for segment in os.listdir(log_dir):
-        remote.fs.put_file(os.path.join(log_dir, segment),
-                           f"{remote.log_path(RUN)}/rank-00000/{segment}")
-    return url
+    return file_remote_of(root, RUN, str(base / "remote"))
 
 
 class RecordingRoot(roots.StoreRoot):

@@ -17,12 +17,12 @@ import fsspec
 import pytest
 import torch
 
+from helpers import file_remote_of
 from snapd.errors import InvalidOption, RemoteUnavailable
 from snapd.options import Options
 from snapd.remote.deadline import Deadline
 from snapd.remote.layout import RemoteRoot
 from snapd.remote.pull import arrived, pull, pull_log
-from snapd.remote.upload import upload_snapshot
 from snapd.store import RunStore, SnapshotId
 from snapd_client import Client
 
@@ -82,13 +82,7 @@ def remote_dir(tmp_path_factory):
         if step % 2 == 0:
             client.snapshot(step).wait()
     client.close()
-    remote, store = RemoteRoot(f"file://{base}/remote"), RunStore(root, RUN)
-    for name in ("00000002", "00000004"):
-        upload_snapshot(remote, store, name)
-    log_dir = os.path.join(store.log_path, "rank-00000")   # replicated, as LogSync does
-    for segment in os.listdir(log_dir):
-        remote.fs.put_file(os.path.join(log_dir, segment),
-                           f"{remote.log_path(RUN)}/rank-00000/{segment}")
+    file_remote_of(root, RUN, str(base / "remote"))
     return str(base / "remote")
 
 
