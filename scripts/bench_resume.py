@@ -42,6 +42,9 @@ arrive behind: a larger one favours overlap. The figures of one process:
 - ``paired_direct_s`` (cold only): after the update, the files the method read, read
   raw by O_DIRECT with scripts/bench.py's ``DirectReader``: that worker's own floor of
   a cold read, at the disk speed of that minute;
+- ``faults``: the process's minor page faults (first touches of memory) during the
+  restore, the forward and backward, and the step: where each method pays for its
+  new memory (the first backward allocates the gradients, a third of the state);
 - ``digest``: every tensor of the state after the update; every process of a size
   should end with the save process's.
 
@@ -200,6 +203,13 @@ def dcp_restore(path: str, model, opt) -> None:
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
+def minor_faults() -> int:
+    """This process's page faults so far that read no disk: first touches of memory,
+    which cost this VM far more than a copy into touched pages (snapd_client/prefault.py)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def w_restore(args) -> Dict[str, Any]:
     """One restore and the first update, in this fresh process; its figures."""
     with open(args.saved) as f:
@@ -215,15 +225,15 @@ def w_restore(args) -> Dict[str, Any]:
         res["warmed_bytes"] = benchlib.warm_cache(dropped)
     restore, client = restorer(args.worker, args.temp, args.root, saved, model, opt)
     benchlib.train_briefly()
-    t0 = time.perf_counter()
+    f0, t0 = minor_faults(), time.perf_counter()
     restore()
-    ready = time.perf_counter()
+    ready, f1 = time.perf_counter(), minor_faults()
     model(x).square().mean().backward()   # first_update's, timed in its two parts
-    fb = time.perf_counter()
+    fb, f2 = time.perf_counter(), minor_faults()
     opt.step()
-    done = time.perf_counter()
+    done, f3 = time.perf_counter(), minor_faults()
     res.update(ready_s=ready - t0, first_update_s=done - t0, forward_backward_s=fb - ready,
-               step_s=done - fb)
+               step_s=done - fb, faults=[f1 - f0, f2 - f1, f3 - f2])
     if client is not None:
         res["restored_from"] = client.restored_from
         benchlib.close_as_if_killed(client)   # the daemon keeps its copy
@@ -361,6 +371,14 @@ def cold_raw(runs: Dict[str, Dict[str, List[Dict[str, Any]]]]) -> Dict[str, Any]
             for name, (c, raw) in bench_render.cold_against_own_raw(per).items()}
 
 
+def fault_medians(runs: Dict[str, Dict[str, List[Dict[str, Any]]]]) -> Dict[str, Any]:
+    """temp -> method -> the median page faults of [restore, forward+backward, step]."""
+    return {temp: {method: [median([r["faults"][i] for r in rs if "faults" in r])
+                            for i in range(3)]
+                   for method, rs in per.items()}
+            for temp, per in runs.items()}
+
+
 def figures(size_run: Dict[str, Any]) -> Dict[str, Any]:
     runs = size_run["runs"]
     med = medians_of(runs)
@@ -370,6 +388,7 @@ def figures(size_run: Dict[str, Any]) -> Dict[str, Any]:
     compared = sum(1 for per in runs.values() for rs in per.values() for r in rs
                    if "digest" in r)
     return {"medians": med, "ratios": resume_ratios(med), "cold_raw": cold_raw(runs),
+            "faults": fault_medians(runs),
             "digest_differs": differs, "digest_compared": compared,
             "save_error": size_run.get("saved", {}).get("error"),
             "hot_from_disk": sorted({m for m, rs in runs.get("hot", {}).items() for r in rs
@@ -456,6 +475,12 @@ def notes(data: Dict[str, Any]) -> List[str]:
                    f"{fr_(r['hot']['vs_plain'])}, cold {fr_(r['cold']['vs_plain'])}; "
                    f"ready over the full restore: hot {fr_(r['hot']['ready'])}, cold "
                    f"{fr_(r['cold']['ready'])}.")
+        hot = fig.get("faults", {}).get("hot", {})
+        if all(None not in hot.get(m, [None]) for m in METHODS):
+            out.append(f"- {size}: page faults (restore / forward and backward / step), hot: "
+                       + "; ".join(f"{LABEL[m]} " + " / ".join(f"{n / 1e3:.0f} k"
+                                                                for n in hot[m])
+                                   for m in METHODS) + ".")
         if fig.get("save_error"):
             out.append(f"- {size}: **the save process failed**, nothing was restored: "
                        f"{fig['save_error'][-300:]}")

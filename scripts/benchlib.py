@@ -12,6 +12,7 @@ import platform
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -128,14 +129,26 @@ def drop_cache(path: str) -> int:
     return before - cached_bytes()
 
 
+_WARM = """import sys
+total = 0
+for p in sys.argv[1:]:
+    with open(p, "rb", buffering=0) as fh:
+        while block := fh.read(16 << 20):
+            total += len(block)
+print(total)"""
+
+
 def warm_cache(path: str) -> int:
-    """Read every file under ``path`` once, buffered, into the page cache; its bytes."""
-    total = 0
-    for p in files_under(path):
-        with open(p, "rb", buffering=0) as fh:
-            while block := fh.read(16 << 20):
-                total += len(block)
-    return total
+    """Read every file under ``path`` once into the page cache; its bytes.
+
+    Read by a child process: reading here would leave the caller's malloc changed
+    (freeing a 16 MiB block raises glibc's mmap threshold), and a restore timed
+    after it would then fault its memory in at other moments than a restarted
+    trainer's does (measured: 4.6 k instead of 93 k page faults in the first
+    backward after torch.load at 1G, and 171 k instead of 49 k in the step)."""
+    out = subprocess.run([sys.executable, "-c", _WARM, *files_under(path)], check=True,
+                         capture_output=True, text=True).stdout
+    return int(out)
 
 
 # --- the daemon ---------------------------------------------------------------------
