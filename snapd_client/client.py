@@ -25,8 +25,8 @@ import sys
 import time
 import warnings
 import weakref
-from contextlib import nullcontext
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from contextlib import contextmanager, nullcontext
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -483,9 +483,9 @@ class Client:
         self._check_overlap(mode, overlap)
         if self._base is not None:   # digested again, as it is now, when a snapshot
             self._base.forget()      # names a base to compare with (or at the next capture)
-        if mode == "warm_start":
-            self._drop_arrival()   # a resume's optimizer state, not wanted any more
-            return self._warm_start()
+        if mode == "warm_start":   # a resume's optimizer state not wanted any more
+            with self._replacing_arrival():
+                return self._warm_start()
         world = self.world_size
         if world > 1:  # every rank agrees on one snapshot (snapd_client/distrestore.py)
             loaded = restore_ranks(self, set(_omit), world, self._deferred(overlap))
@@ -527,12 +527,9 @@ class Client:
                 self.not_hot = hot.why_not_used(loaded.sid.name)
             if self.restored_from != "disk":
                 self.not_hot = None
-            self._start_arrival(loaded, hot)   # read from now, applied at the first step
-            try:
+            with self._replacing_arrival():
+                self._start_arrival(loaded, hot)   # read from now, applied at the first step
                 self._apply(loaded, set(_omit))
-            except BaseException:
-                self._drop_arrival()
-                raise
             if hot is not None and not self.read_only:   # the old arena may go now,
                 self._handoff.release_hot()              # before this one's is made
         self._warm_up()   # sized for the restored state (an optimizer's moments)
@@ -569,10 +566,9 @@ class Client:
 
     def _start_arrival(self, loaded: Loaded, hot: Any, **many: Any) -> None:
         """The background read of ``loaded``'s deferred state (from the daemon's copy
-        ``hot`` where it serves, which the read closes, else the files), in place of an
-        earlier restore's (kept until now: its hooks guard the optimizers while a
-        restore that then fails leaves them as they were). ``many``: on many ranks,
-        the read of this rank's part and the ranks' join (distrestore.py)."""
+        ``hot`` where it serves, which the read closes, else the files); called
+        inside :meth:`_replacing_arrival`. ``many``: on many ranks, the read of this
+        rank's part and the ranks' join (distrestore.py)."""
         self._drop_arrival()
         if not loaded.deferred:
             return
@@ -605,6 +601,23 @@ class Client:
                 logger.info(f"run {self.run}: closed with the optimizer state of the "
                             "overlapped restore not applied; optimizer.step() refuses "
                             "to run")
+
+    @contextmanager
+    def _replacing_arrival(self) -> Iterator[None]:
+        """An earlier restore(overlap=True)'s state, still arriving, stays in force
+        (its hooks guard the optimizers) until the restore in this block has put
+        everything in place: restore is all or nothing, and one that fails leaves the
+        optimizers as they were, the earlier state still to be applied at their first
+        step; not empty, where a step would start the moments from zero."""
+        previous, self._arrival = self._arrival, None
+        try:
+            yield
+        except BaseException:
+            self._drop_arrival()   # this restore's own background read, if it began one
+            self._arrival = previous
+            raise
+        if previous is not None:
+            previous.discard()
 
     def _drop_arrival(self) -> None:
         if self._arrival is not None:

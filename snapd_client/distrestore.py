@@ -343,13 +343,10 @@ def restore_ranks(client: Any, omit: set, world_size: int,
     client.restored_from = "remote" if agreed.name in pulled else "disk"
     loaded, parts = agreed.prepared
     loaded.refused, loaded.passed_over = agreed.refused, agreed.passed_over
-    _start_overlap(client, loaded, parts, coll)
-    try:
+    with client._replacing_arrival():
+        _start_overlap(client, loaded, parts, coll)
         apply(loaded, client._tracked, client.rng, client._stream,
               omit | ({"cursor"} if loaded.manifest["cursor"] is None else set()))
-    except BaseException:
-        client._drop_arrival()
-        raise
     return loaded
 
 
@@ -362,7 +359,6 @@ def _start_overlap(client: Any, loaded: Loaded, parts: Parts, coll: Collective) 
     step, and sets the whole snapshot aside (one directory for all ranks: the next
     start of every rank falls back past it together)."""
     if not loaded.deferred:
-        client._drop_arrival()
         return
     tracked, names = client._tracked, loaded.deferred
     parts._stored.clear()   # what restore read is in ``loaded``: not kept twice
