@@ -30,6 +30,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from snapd import pins
 from snapd.commit import CommitService
 from snapd.diskguard import space_for
 from snapd.errors import InvalidOption, SnapdError
@@ -39,6 +40,7 @@ from snapd.retention import apply_retention
 from snapd.runlock import RunLock
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import write_snapshot
+from snapd_client.anomaly import Anomaly, AnomalyDetector, AnomalyWarning
 from snapd_client.basemodel import Base, LiveBase
 from snapd_client.cadence import Cadence
 from snapd_client.capture import Capture, capture_object, stepped_tensors
@@ -173,6 +175,10 @@ class Client:
         self._stepped: set = set()   # optimizers whose first step has been seen
         self._journal: Optional[Journal] = None
         self.recovery: Optional[RunProgress] = None
+        # Anomalies in the logged loss pin the newest snapshot before them (anomaly.py).
+        self._anomalies = AnomalyDetector(self.options.anomaly_z,
+                                          self.options.anomaly_window)
+        self._handed: Optional[SnapshotId] = None   # the newest snapshot handed off
         self._closed = False
         self._lock: Optional[RunLock] = None
         if not self.read_only:
@@ -392,6 +398,8 @@ class Client:
             self.journal.event("cadence", **cadence)
         self.journal.sync_soon()  # flushed now by the log's thread: no fsync here
         self._outcomes.add(handle)
+        if handle.sid is not None and not handle.failed:
+            self._handed = handle.sid
         return handle
 
     def _hand_over(self, step: int, metric: Optional[float]) -> SnapshotHandle:
@@ -457,6 +465,46 @@ class Client:
         self.journal.step(step, cursor, scalars,
                           None if samples is None else [int(i) for i in samples],
                           unchecked)
+        found = self._anomalies.observe(step, scalars)
+        if found is not None:
+            self._anomaly(found)
+
+    def _anomaly(self, found: Anomaly) -> None:
+        """Pin the newest snapshot before ``found``, log the anomaly, and warn once, at
+        the caller's line of log(). A pin that cannot be written (a full disk) is said
+        in the record and the warning; training goes on."""
+        sid = self._snapshot_before(found.step)
+        record = found.record()
+        pin_error = None
+        if sid is not None:
+            try:
+                pins.pin(self.store.path, sid, {"kind": "anomaly", **record})
+            except OSError as e:
+                pin_error = f"{type(e).__name__}: {e}"
+        self.journal.event("anomaly", **record, pinned=None if sid is None or pin_error
+                           else sid.name, **({"pin_error": pin_error} if pin_error else {}))
+        self.journal.sync_soon()
+        if sid is None:
+            kept = "no snapshot before it to pin"
+        elif pin_error:
+            kept = f"pinning snapshot {sid.name} failed ({pin_error})"
+        else:
+            kept = (f"snapshot {sid.name} pinned: retention keeps it until snapd unpin "
+                    f"{self.store.root} {self.run}@{sid.step}")
+        warnings.warn(AnomalyWarning(
+            f"run {self.run}: step {found.step}: {found.describe()}; {kept}. Reproduce "
+            f"the step: snapd repro {self.store.root} {self.run}@anomaly -- <the training "
+            "command>"), stacklevel=3)
+
+    def _snapshot_before(self, step: int) -> Optional[SnapshotId]:
+        """The newest snapshot of this lineage before ``step``: committed, or handed
+        off and still being written (a pin holds from its commit on)."""
+        lineage = int(self.lineage.get("id", 0))
+        known = list(self.store.committed()) + [self._handed] + \
+            [self.restored.sid if self.restored is not None else None]
+        before = [sid for sid in known if sid is not None and sid.lineage == lineage
+                  and sid.step < step]
+        return max(before, default=None)
 
     # --- restore -------------------------------------------------------------------
 
