@@ -58,6 +58,7 @@ from snapd_client.overlaprestore import StepStateArrival, set_aside
 from snapd_client.snapshot_outcomes import Outcomes
 from snapd_client.ranks import default_session, detect
 from snapd_client.replicas import with_writers
+from snapd_client.repro import requested
 from snapd_client.restore import Loaded, load_for_resume, load_weights, overlappable
 from snapd_client.rng import RngStreams
 from snapd_client.schedule import CadenceWarning, Schedule
@@ -124,6 +125,10 @@ class Client:
         Options.check_names(option_overrides, where="Client",
                             also=("data_version", "rank", "world_size", "options", "daemon",
                                   "read_only", "base"))
+        # Under snapd repro: this run read-only, its STEP recomputed (repro.py).
+        self._repro = requested(root, run)
+        if self._repro is not None:
+            read_only, daemon = True, False
         self.store = RunStore(root, run)
         self.read_only = bool(read_only)
         if not self.read_only:   # a full disk: InsufficientSpace naming the mount
@@ -374,6 +379,9 @@ class Client:
         ``max_loss`` cannot be met.
         """
         self._check_open()
+        if self._repro is not None:   # snapd repro writes nothing to the run
+            _check_step(step)
+            return SnapshotHandle.not_taken(step)
         self._check_writable("snapshot()")
         _check_step(step)
         self._outcomes.report()
@@ -459,9 +467,14 @@ class Client:
         time, throughput).
         """
         self._check_open()
+        cursor = [self._stream.epoch, self._stream.index] if self._stream else None
+        if self._repro is not None:   # checked against the run's log, not written
+            self._repro.log(self, Journal.record(
+                self.rng, step, cursor, scalars,
+                None if samples is None else [int(i) for i in samples], unchecked))
+            return
         self._check_writable("log()")
         self._outcomes.report()
-        cursor = [self._stream.epoch, self._stream.index] if self._stream else None
         self.journal.step(step, cursor, scalars,
                           None if samples is None else [int(i) for i in samples],
                           unchecked)
@@ -545,7 +558,8 @@ class Client:
                 return begin_reshard(self, loaded, sorted(_omit), world)
             return self._begin_resume(loaded, sorted(_omit))
         with self._paused_warm_up():   # the restore has the machine to itself
-            self._settle_daemon_writes()
+            if self._repro is None:   # a repro reads what is committed, at or before STEP
+                self._settle_daemon_writes()
             pulled = self._pull_from_remote()
             hot, self.not_hot = None, None
             if self._handoff is not None and self.options.hot_restore:
@@ -560,7 +574,8 @@ class Client:
                                          reached=self.recovery.furthest,
                                          verify_steps=self.options.verify_steps,
                                          base=self._base,
-                                         defer=self._deferred(overlap))
+                                         defer=self._deferred(overlap),
+                                         at_most=self._repro and self._repro.step)
             except BaseException:
                 if hot is not None:
                     hot.close()
@@ -673,6 +688,8 @@ class Client:
         return self._handoff.paused() if self._handoff is not None else nullcontext()
 
     def _nothing_to_resume(self) -> int:
+        if self._repro is not None:   # no snapshot at or before STEP: from the start
+            return self._begin_repro(None, 0)
         if not self.read_only:
             # A fresh run's log segment, made now (after any pull of a replicated log)
             # rather than at the loop's first record: its fsyncs are not a step's.
@@ -707,6 +724,8 @@ class Client:
         if loaded.deferred:   # restore(overlap=True): read meanwhile
             source += f"; the state of {', '.join(loaded.deferred)} arrives before the " \
                       "first step"
+        if self._repro is not None:
+            return self._begin_repro(loaded.sid.name, step)
         if self.read_only:
             logger.info(f"run {self.run}: restored step {step} ({source}), "
                         "read-only: nothing is written to the run")
@@ -724,6 +743,16 @@ class Client:
                             **({"not_hot": self.not_hot} if self.not_hot else {}))
         logger.info(f"run {self.run}: resuming from step {step} ({source})"
                     + self._resume_outlook(loaded, step, reached, recompute))
+        return step
+
+    def _begin_repro(self, snapshot: Optional[str], step: int) -> int:
+        """snapd repro: the steps to recompute armed, or, at STEP already, the end."""
+        self._repro.begin(snapshot, step, self.rank)
+        logger.info(f"run {self.run}: repro of step {self._repro.step} from "
+                    f"{snapshot or 'the start (no snapshot at or before it)'}, read-only: "
+                    f"{self._repro.step - step} steps to recompute and check")
+        if step == self._repro.step:
+            self._repro.finish(self)
         return step
 
     def _resume_outlook(self, loaded: Loaded, step: int, reached: Optional[int],
