@@ -4,12 +4,13 @@ episodes, and the options that set it."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from snapd.errors import InvalidOption
 from snapd.options import Options
-from snapd_client.anomaly import MIN_WINDOW, AnomalyDetector, robust_z
+from snapd_client.anomaly import MIN_WINDOW, AnomalyDetector, SortedWindow, robust_z
 
 # 20 losses around 1.0: median 1.0, MAD 0.1 (12 of them 0.9 or 1.1).
 WINDOW = [1.0] * 8 + [0.9] * 6 + [1.1] * 6
@@ -95,3 +96,19 @@ def test_bad_anomaly_options_are_refused_by_name(field, value):
 def test_anomaly_options_from_the_environment():
     opts = Options.resolve(environ={"SNAPD_ANOMALY_Z": "4.5", "SNAPD_ANOMALY_WINDOW": "40"})
     assert (opts.anomaly_z, opts.anomaly_window) == (4.5, 40)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_detectors_sorted_window_gives_robust_z(seed):
+    """What the detector computes per step, incrementally, is robust_z's value."""
+    rng = random.Random(seed)
+    size = rng.choice([20, 21, 50])
+    values = [round(rng.gauss(1.0, 0.1), rng.choice([1, 2, 6])) for _ in range(size * 3)]
+    window = SortedWindow(size)
+    for i, v in enumerate(values):
+        window.add(v)
+        probe = rng.choice([v, 1.0, 1.3, 5.0])
+        z = robust_z(probe, values[max(0, i + 1 - size):i + 1])
+        expected = z if z is not None and z > 0 else None
+        got = window.z(probe)
+        assert (got is None and expected is None) or got == pytest.approx(expected), i
