@@ -80,6 +80,15 @@ def test_nan_at_45_pins_40_until_unpinned(tmp_path):
     assert f"run {RUN}: pinned 00000040 before the anomaly at step 45 (nonfinite:loss)" \
         in out
 
+    code, out = cli("watch", root, "--once")
+    assert code == 0, out
+    assert f"{RUN} r0: anomaly at step 45 (nonfinite:loss, value nan); pinned 00000040" \
+        in out
+    code, out = cli("watch", root, "--once", "--json")
+    assert code == 0, out
+    run_row, = [r for r in json.loads(out)["runs"] if r["run"] == RUN]
+    assert run_row["retention"]["pinned"] == ["00000040"]
+
     # gc keeps it, and says why
     code, out = cli("gc", "--root", root, "--keep-last", "1")
     assert code == 0, out
