@@ -8,7 +8,9 @@ JSON trace. ``dump_at``: after that step, the tracked state's tensors go to ``du
 .npz, no pickle: a side channel to compare a reproduced state with); ``perturb_from``:
 from that step the loss is scaled by 1.001 (a script changed since the run);
 ``nan_at``: at that step the weights turn NaN before the forward (a bad batch's work),
-so every loss from there on is NaN. The (with ``sigkill``, only the trace, and then it SIGKILLs itself at ``stop``): per step the loss and a digest of the batch, then digests of the final
+so every loss from there on is NaN; ``gate_at``: after that step (and its snapshot)
+the trainer writes ``<gate>.reached`` and waits until the file ``gate`` exists, so that
+a test can act while the run is live. The (with ``sigkill``, only the trace, and then it SIGKILLs itself at ``stop``): per step the loss and a digest of the batch, then digests of the final
 state. Two runs are the same run iff their traces are equal.
 """
 
@@ -20,6 +22,7 @@ import random
 import signal
 import socket
 import sys
+import time
 
 import numpy as np
 import torch
@@ -132,6 +135,10 @@ def main(cfg) -> None:
             dump_state(cfg["dump"], model=model, optimizer=opt, scheduler=sched)
         if step in cfg.get("snapshot_at", ()):
             client.snapshot(step).wait()
+        if step == cfg.get("gate_at"):
+            open(cfg["gate"] + ".reached", "w").close()
+            while not os.path.exists(cfg["gate"]):   # the test opens the gate
+                time.sleep(0.01)
     if cfg.get("sigkill"):   # dies as a killed node does: the trace first, then SIGKILL
         with open(cfg["out"], "w") as f:
             json.dump({"trace": trace}, f)
