@@ -63,3 +63,14 @@ def test_the_client_takes_the_request_for_its_own_root_and_run_only(tmp_path):
     with pytest.raises(InvalidOption) as e:
         requested(str(tmp_path), "r", {"SNAPD_REPRO": "{"})
     assert e.value.field == "SNAPD_REPRO"
+
+
+def test_a_client_of_many_ranks_refuses_a_reproduction(tmp_path, monkeypatch):
+    from snapd_client import Client
+    monkeypatch.setenv("SNAPD_REPRO", json.dumps({"root": str(tmp_path), "run": "r",
+                                                  "step": 7, "out": "r.repro-7",
+                                                  "report": str(tmp_path / "o")}))
+    with pytest.raises(InvalidOption, match="many ranks is not supported yet") as e:
+        Client(str(tmp_path), "r", rank=1, world_size=2)
+    assert e.value.field == "world_size"
+    assert not os.path.exists(tmp_path / "r")   # read-only: nothing created
