@@ -10,11 +10,13 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from test_anomaly_pin import RUN, train_to_nan
+from helpers import train_to_nan
 
 from snapd.cli import main
 from snapd.errors import InvalidOption
 from snapd_client.repro import requested
+
+RUN = "r"   # the run train_to_nan trains
 
 
 @pytest.fixture(scope="module")
