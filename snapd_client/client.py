@@ -752,12 +752,10 @@ class Client:
 
     def _begin_repro(self, snapshot: Optional[str], step: int) -> int:
         """snapd repro: the steps to recompute armed, or, at STEP already, the end."""
-        self._repro.begin(snapshot, step, self.rank)
         logger.info(f"run {self.run}: repro of step {self._repro.step} from "
                     f"{snapshot or 'the start (no snapshot at or before it)'}, read-only: "
-                    f"{self._repro.step - step} steps to recompute and check")
-        if step == self._repro.step:
-            self._repro.finish(self)
+                    f"{self._repro.last - step} steps to recompute and check")
+        self._repro.begin(self, snapshot, step)
         return step
 
     def _resume_outlook(self, loaded: Loaded, step: int, reached: Optional[int],

@@ -5,8 +5,9 @@ after it as a snapshot of a new run.
 ``snapd repro ROOT RUN@STEP -- <command>`` (snapd/commands/repro.py) runs the user's
 own command with ``SNAPD_REPRO`` in its environment: a JSON map with ``root``, ``run``,
 ``step`` (the step after which the state is written: STEP, or STEP - 1 with
-``--before``), ``out`` (the run written to) and ``report`` (a file outside the root
-for the outcome). The
+``--before``), ``count`` (``--steps K``: the states after K steps from there),
+``out`` (the run written to) and ``report`` (a file outside the root for the
+outcome). The
 :class:`~snapd_client.client.Client` of that root and run then
 
 1. opens the run read-only (``read_only=True``, ``daemon=False``): no writer lock, no
@@ -21,13 +22,13 @@ for the outcome). The
    nothing is written;
 4. at log(STEP), once it matched, the full tracked state (objects, every RNG stream,
    the cursor) is written as a snapshot of run ``out`` (``RUN.repro-STEP``), lineage mode
-   "repro" with the start snapshot as parent; the outcome goes to the report file and
-   the process ends at once (``os._exit(0)``): the command's own code after the loop
-   (its saves, its exports) never runs, so it writes nothing either. Recomputing
-   stops at STEP whether or not the run had gone on.
+   "repro" with the start snapshot as parent (with ``count`` K, at each of the K steps
+   from STEP, each checked first); after the last, the outcome goes to the report file
+   and the process ends at once (``os._exit(0)``): the command's own code after the
+   loop (its saves, its exports) never runs, so it writes nothing either.
 
 A STEP that is the start snapshot's own step needs no recompute: restore() writes the
-state and ends the process.
+state (and, with nothing after it to write, ends the process).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from snapd.commit import CommitService
 from snapd.errors import InvalidOption, ReplayDivergence
@@ -61,7 +62,7 @@ def requested(root: str, run: str, environ=None) -> Optional["Repro"]:
     try:
         asked = json.loads(raw)
         target = (os.path.realpath(asked["root"]), asked["run"], int(asked["step"]),
-                  str(asked["out"]), asked["report"])
+                  str(asked["out"]), asked["report"], int(asked.get("count", 1)))
     except (ValueError, KeyError, TypeError) as e:
         raise InvalidOption(f"environment variable {VARIABLE}={raw!r}: not the map snapd "
                             f"repro sets ({e}); unset it to train", field=VARIABLE) from e
@@ -73,32 +74,41 @@ def requested(root: str, run: str, environ=None) -> Optional["Repro"]:
 class Repro:
     """One reproduction: where it started, what it checked, and its end."""
 
-    def __init__(self, root: str, run: str, step: int, out: str, report: str) -> None:
+    def __init__(self, root: str, run: str, step: int, out: str, report: str,
+                 count: int = 1) -> None:
         self.root, self.run, self.step, self.out, self.report = root, run, step, out, report
+        self.last = step + count - 1   # --steps K: every step from STEP to STEP+K-1
         self.store = RunStore(root, run)
         self.start: Optional[Dict[str, Any]] = None   # {snapshot, step} or None: fresh
         self.start_step = 0
         self._expected: Dict[int, Dict[str, Any]] = {}
         self.checked = 0
         self.missing = 0
+        self.written: List[str] = []   # the snapshots of the new run, in order
+        self._commits: Optional[CommitService] = None
 
-    def begin(self, snapshot: Optional[str], step: int, rank: int) -> None:
+    def begin(self, client: Any, snapshot: Optional[str], step: int) -> None:
         """Restore chose ``snapshot`` (of ``step``; None: nothing, step 0): load the
-        run's records of the steps to recompute."""
+        run's records of the steps to recompute; at STEP already, write (and, with
+        nothing after it to write, end)."""
         self.start = {"snapshot": snapshot, "step": step} if snapshot else None
         self.start_step = step
-        self._expected = expected_steps(self.store, rank, step, self.step)
-        if self.step not in self._expected and step != self.step:
+        self._expected = expected_steps(self.store, client.rank, step, self.last)
+        if self.last not in self._expected and step != self.last:
             self._fail(f"{self.store.path}/log: the run's log holds no record of step "
-                       f"{self.step} (rank {rank}) to check it against; choose a logged "
-                       "step (snapd batch RUN STEP tells)", step=self.step, cause="log")
+                       f"{self.last} (rank {client.rank}) to check it against; choose a "
+                       "logged step (snapd batch RUN STEP tells)", step=self.last,
+                       cause="log")
+        if step == self.step:
+            self._reached(client, step)
 
     def log(self, client: Any, record: Dict[str, Any]) -> None:
-        """A recomputed step's record: checked, and at STEP the end."""
+        """A recomputed step's record: checked; from STEP on, its state written."""
         step = record["step"]
-        if step > self.step:
+        if step > self.last or (step > self.step and not self.written):
             self._fail(f"repro of run {self.run}: the command logged step {step} without "
-                       f"logging step {self.step}", step=step, cause="step")
+                       f"logging step {self.step if not self.written else self.last}",
+                       step=step, cause="step")
         old = self._expected.pop(step, None)
         if old is None:
             self.missing += 1   # logged now, but the run's record of it is damaged
@@ -107,34 +117,49 @@ class Repro:
             found = compare(old, record)
             if found is not None:
                 self._fail(f"repro of run {self.run}: step {step} differs from the run's "
-                           f"log: {found[1]} (cause {found[0]}); nothing was written. "
+                           f"log: {found[1]} (cause {found[0]}); {self._kept()}. "
                            "The command, its data or its environment is not the one "
                            "that ran (docs/operations.md, 'Reproducing a step')",
                            step=step, cause=found[0])
-        if step == self.step:
-            self.finish(client)
+        if step >= self.step:
+            self._reached(client, step)
 
-    def finish(self, client: Any) -> None:
-        """Write the state as it is now (after STEP) to the new run, report, and end
-        the process."""
-        run = self.out
+    def _kept(self) -> str:
+        if not self.written:
+            return "nothing was written"
+        return (f"the states of the steps before it matched and are in run {self.out}: "
+                + ", ".join(os.path.basename(p) for p in self.written))
+
+    def _reached(self, client: Any, step: int) -> None:
+        self.write(client, step)
+        if step >= self.last:
+            self.finish()
+
+    def write(self, client: Any, step: int) -> None:
+        """The state as it is now (after ``step``), committed as a snapshot of the new
+        run, lineage mode "repro", parent the start snapshot."""
         parent = None if self.start is None else {"run": self.run, **self.start}
         capture = dataclasses.replace(
-            client.capture(self.step), run=run,
+            client.capture(step), run=self.out,
             lineage={"id": 0, "mode": "repro", "parent": parent})
-        store = RunStore(self.root, run)
+        store = RunStore(self.root, self.out)
         store.ensure()
         options = Options.resolve({"daemon": False}).replace(
             keep_last=None, keep_every=None, keep_best=0)
-        commits = CommitService(self.root, options.min_free_bytes, writer=write_snapshot,
-                                retain=apply_retention)
-        done = commits.commit(store, capture.plan_in_memory(), options)
+        if self._commits is None:
+            self._commits = CommitService(self.root, options.min_free_bytes,
+                                          writer=write_snapshot, retain=apply_retention)
+        done = self._commits.commit(store, capture.plan_in_memory(), options)
         done.purge()
-        self._report({"ok": True, "run": self.run, "step": self.step, "start": self.start,
-                      "recomputed": self.checked + self.missing,
+        self.written.append(store.snapshot_path(capture.sid))
+
+    def finish(self) -> None:
+        """Report and end the process: the command's code after the loop never runs."""
+        self._report({"ok": True, "run": self.run, "step": self.step, "last": self.last,
+                      "start": self.start, "recomputed": self.checked + self.missing,
                       "checked": self.checked, "missing": self.missing,
-                      "repro_run": run,
-                      "snapshot": store.snapshot_path(capture.sid)})
+                      "repro_run": self.out, "snapshot": self.written[0],
+                      "snapshots": self.written})
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -38,13 +38,19 @@ def out_run(run: str, step: int, before: bool) -> str:
     return f"{run}.repro-{step}" + ("-before" if before else "")
 
 
-def check_target(root: str, run: str, step: int, before: bool) -> None:
+def check_target(root: str, run: str, step: int, before: bool, steps: int = 1) -> None:
     """Exit before running anything when STEP cannot be reproduced: the log has no
-    record of it, or the reproduction's run is there already."""
+    record of it (or of the last of ``steps``), or the reproduction's run is there
+    already."""
     path = os.path.join(root, run)
-    if statelog.find_step(path, 0, step) is None:
-        fail(f"{path}/log: the run's log holds no record of step {step}, so a recompute "
-             "could not be checked; choose a logged step (snapd batch RUN STEP tells)", 1)
+    if steps < 1:
+        fail(f"--steps {steps}: the number of steps to write from STEP, 1 or more", 2)
+    last = step + steps - 1 - (1 if before else 0)
+    for wanted in sorted({step, last}):
+        if statelog.find_step(path, 0, wanted) is None:
+            fail(f"{path}/log: the run's log holds no record of step {wanted}, so a "
+                 "recompute could not be checked; choose a logged step (snapd batch RUN "
+                 "STEP tells)", 1)
     if before and step < 1:
         fail(f"{run}@{step} --before: step {step} has no state before it (steps count "
              "updates from 1)", 2)
@@ -90,9 +96,15 @@ def report_lines(outcome: Dict[str, Any], step: int, batches: Dict[str, Any],
     lines.append(f"  step {step} consumed: " + (", ".join(where) or "no batch logged")
                  + (f"; samples {batches['samples']}" if batches.get("samples") is not None
                     else ""))
-    lines.append((f"  state before step {step}'s update (after step {step - 1})" if before
-                  else f"  state after step {step}") + f": run {outcome['repro_run']}, "
-                 f"{outcome['snapshot']}")
+    written = outcome.get("snapshots") or [outcome["snapshot"]]
+    if len(written) == 1:
+        lines.append((f"  state before step {step}'s update (after step {step - 1})"
+                      if before else f"  state after step {step}")
+                     + f": run {outcome['repro_run']}, {written[0]}")
+    else:
+        lines.append(f"  states after steps {outcome['step']} to {outcome['last']}: run "
+                     f"{outcome['repro_run']}, {os.path.dirname(written[0])}/ "
+                     f"({', '.join(os.path.basename(p) for p in written)})")
     return lines
 
 
@@ -103,7 +115,11 @@ def report_lines(outcome: Dict[str, Any], step: int, batches: Dict[str, Any],
 @click.option("--before", is_flag=True,
               help="Stop just before STEP's update: write the state STEP's batch met "
                    "(after STEP - 1), to run RUN.repro-STEP-before.")
-def repro(root: str, target: str, command: Tuple[str, ...], before: bool) -> None:
+@click.option("--steps", "count", type=int, default=1, show_default=True,
+              help="Write the state after each of K steps from STEP (each checked "
+                   "first), all to the one run.")
+def repro(root: str, target: str, command: Tuple[str, ...], before: bool,
+          count: int) -> None:
     """Recompute STEP of RUN (TARGET is RUN@STEP, or RUN@anomaly: the newest anomaly
     the run logged) by running COMMAND, the run's own training command, unchanged.
 
@@ -113,15 +129,17 @@ def repro(root: str, target: str, command: Tuple[str, ...], before: bool) -> Non
     field that differ, and nothing is written), writes the state after STEP as a
     snapshot of the new run RUN.repro-STEP, and ends the command. Exit 0 once the
     state is written. With --before, the state before STEP's update instead (after
-    STEP - 1, checked up to there), to run RUN.repro-STEP-before.
+    STEP - 1, checked up to there), to run RUN.repro-STEP-before. With --steps K,
+    the states after each of K steps from there, each checked first.
 
     Example: snapd repro checkpoints gpt-small@48211 -- python train.py --config c.yaml
     """
     base = resolve_root(root)
     run, step, anomaly = resolve_step(base, target)
-    check_target(base, run, step, before)
+    check_target(base, run, step, before, count)
     write_at = step - 1 if before else step
     code, outcome = run_command(command, {"root": base, "run": run, "step": write_at,
+                                          "count": count,
                                           "out": out_run(run, step, before)})
     if outcome is None:
         fail(f"repro of {run}@{step}: the command exited with code {code} before "

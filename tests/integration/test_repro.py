@@ -127,7 +127,7 @@ def repros(trained):
     started = {"r@37": start_repro(root, "r@37", cfg=cfgs["r"]),   # the run's own command
                "changed": start_repro(root, "r@38", cfg=changed),
                "anomaly": start_repro(root, "nan@anomaly", "--before", cfg=cfgs["nan"]),
-               "live@37": start_repro(root, "live@37", cfg=cfgs["live"])}
+               "live@37": start_repro(root, "live@37", "--steps", "2", cfg=cfgs["live"])}
     done = {}
     try:
         for name, proc in started.items():
@@ -216,16 +216,21 @@ def step_records(root, run):
 
 def test_a_live_run_reproduced_meanwhile_is_untouched_and_trains_on_exactly(trained,
                                                                            repros):
-    """live@37 while the live run waited after step 40 (its snapshots 20 and 40
-    committed): the same state as r@37, the live run's files unchanged by it, and the
-    live run, let go, ends as its twin r did, its log holding its own records only."""
+    """live@37 --steps 2 while the live run waited after step 40 (its snapshots 20
+    and 40 committed): the states after 37 (the same as r@37's) and 38, the live run's
+    files unchanged by it, and the live run, let go, ends as its twin r did, its log
+    holding its own records only."""
     root, cfgs, _live = trained
     code, out, err = repros[0]["live@37"]
     assert code == 0, err[-3000:]
-    assert "  recomputed: 17 steps, 17 checked against the log, all matched" in out
-    _reader, tensors = snapshot_tensors(
-        os.path.join(root, "live.repro-37", "snapshots", "00000037"))
+    written = os.path.join(root, "live.repro-37", "snapshots")
+    assert out.splitlines()[2:] == [
+        "  recomputed: 18 steps, 18 checked against the log, all matched",
+        "  step 37 consumed: epoch 9 batch 0",
+        f"  states after steps 37 to 38: run live.repro-37, {written}/ (00000037, 00000038)"]
+    _reader, tensors = snapshot_tensors(os.path.join(written, "00000037"))
     assert tensors == dumped(cfgs["r"]["dump"])
+    assert SnapshotReader(os.path.join(written, "00000038")).manifest["step"] == 38
     with open(cfgs["live"]["out"]) as f_live, open(cfgs["r"]["out"]) as f_r:
         live, twin = json.load(f_live), json.load(f_r)
     assert live["trace"] == twin["trace"] and live["final"] == twin["final"]
