@@ -24,6 +24,8 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "verify": ("verify", "Read every file and check every checksum (exit 1 on damage)."),
     "diff": ("diff", "Compare two snapshots by part (exit 1 if weights or optimizer differ)."),
     "gc": ("gc", "Apply retention; never deletes the last verified snapshot."),
+    "unpin": ("unpin", "Let retention delete a snapshot pinned before an anomaly."),
+    "repro": ("repro", "Recompute a logged step from the snapshot before it, checked, read-only."),
     "export": ("export", "Model weights only, as safetensors, with lineage metadata."),
     "plot": ("plot", "Loss over steps from the log, snapshots and resumes marked."),
     "pull": ("pull", "Bring one remotely committed snapshot down into a root, verified."),

@@ -30,7 +30,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from snapd import protocol as proto, statelog
+from snapd import pins, protocol as proto, statelog
 from snapd.errors import CorruptSnapshot
 from snapd.globalcommit import incomplete
 from snapd.peer import Peer
@@ -154,7 +154,8 @@ def _scan_tail(run_dir: str, rank: int) -> Dict[str, Any]:
 def _retention(store: RunStore) -> Dict[str, Any]:
     latest, best = store.read_pointer("LATEST"), store.read_pointer("BEST")
     return {"committed": len(store.committed()), "tmp": len(store.tmp_dirs()),
-            "latest": latest.name if latest else None, "best": best.name if best else None}
+            "latest": latest.name if latest else None, "best": best.name if best else None,
+            "pinned": [sid.name for sid in pins.pinned(store.path)]}
 
 
 def _progress(prog: RunProgress, committed: Optional[Dict[str, Any]], now: float
@@ -176,7 +177,8 @@ def _progress(prog: RunProgress, committed: Optional[Dict[str, Any]], now: float
         "last_resume": _pick(prog.last_resume, "snapshot", "step", "mode", "recompute",
                         "time"),
         "resume_phases": prog.resume_phases,
-        "last_replay": _pick(prog.last_replay, "verdict", "checked", "step", "cause")}
+        "last_replay": _pick(prog.last_replay, "verdict", "checked", "step", "cause"),
+        "last_anomaly": _pick(prog.last_anomaly, "step", "cause", "value", "pinned")}
 
 
 def rank_model(store: RunStore, rank: int, now: float) -> Dict[str, Any]:
@@ -455,6 +457,11 @@ def _history(runs: List[Dict[str, Any]]) -> List[Text]:
         cadence = cadence_line(r["run"], r["rank"], r.get("cadence"))
         if cadence:
             lines.append(Text(cadence))
+        anomaly = r.get("last_anomaly")
+        if anomaly:   # the newest in the log's tail; `snapd status` lists every pin
+            lines.append(Text(f"{who}anomaly at step {anomaly['step']} ({anomaly['cause']}, "
+                              f"value {anomaly['value']!r}); pinned "
+                              f"{anomaly['pinned'] or 'nothing'}", style="yellow"))
         if resume:
             verdict = replay and f"; replay {replay['verdict']} at step {replay['step']}"
             phases = phases_text(r.get("resume_phases"))

@@ -35,7 +35,7 @@ SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep
 CLIENT_OPTIONS = ("mode", "on_busy", "slots", "copy_threads", "daemon",
                   "log_flush_interval", "log_segment_bytes", "replay_check",
                   "verify_steps", "timeout", "global_commit_timeout", "remote_timeout",
-                  "every", "overhead", "max_loss", "mtbf")
+                  "every", "overhead", "max_loss", "mtbf", "anomaly_z", "anomaly_window")
 # The options of the daemon as a whole: one value for every client of the root. A
 # daemon a client starts gets the client's values (daemon_environment); a client that
 # joins a running daemon is refused where its values differ (check_shared).
@@ -103,6 +103,11 @@ class Options:
     replay_check: str = "raise"   # "raise", "warn" or "off"
     verify_steps: int = 0         # k > 0: a resume with nothing to recompute starts from
     #                               a snapshot at most k steps older, to check the steps
+    # Anomalies in the logged loss (snapd_client/anomaly.py): a loss whose robust
+    # z-score against the last anomaly_window losses exceeds anomaly_z is a spike, and
+    # pins the newest snapshot before it (as a NaN loss or grad norm does); 0: no spikes.
+    anomaly_z: float = 6.0
+    anomaly_window: int = 100
     # Daemon liveness.
     timeout: float = 120.0        # longest wait for any daemon reply
     global_commit_timeout: float = 30.0  # close(): longest wait for the other ranks'
@@ -161,6 +166,7 @@ class Options:
                 raise InvalidOption(f"{name}={getattr(self, name)}: zero or more",
                                     field=name)
         _check_verify_steps(self.verify_steps, self.keep_last)
+        _check_anomaly(self)
         _check_cadence(self)
         _check_remote(self)
         if self.slots not in (1, 2):
@@ -220,6 +226,18 @@ def _check_verify_steps(k: int, keep_last: Optional[int]) -> None:
                             field="verify_steps")
 
 
+def _check_anomaly(o: "Options") -> None:
+    if not _number(o.anomaly_z) or not (o.anomaly_z >= 0 and o.anomaly_z < float("inf")):
+        raise InvalidOption(f"anomaly_z={o.anomaly_z!r}: the robust z-score above which a "
+                            "logged loss is a spike, a number > 0 (6 by default), or 0 to "
+                            "notice non-finite values only", field="anomaly_z")
+    if isinstance(o.anomaly_window, bool) or not isinstance(o.anomaly_window, int) \
+            or o.anomaly_window < 20:
+        raise InvalidOption(f"anomaly_window={o.anomaly_window!r}: how many past losses a "
+                            "spike is judged against, an int of at least 20",
+                            field="anomaly_window")
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -270,7 +288,7 @@ def _check_remote(o: "Options") -> None:
 
 
 # SNAPD_* variables that are not options (scripts and tests read them).
-_OTHER_VARIABLES = {"SNAPD_ROOT", "SNAPD_FUZZ_SEED", "SNAPD_SESSION"}
+_OTHER_VARIABLES = {"SNAPD_ROOT", "SNAPD_FUZZ_SEED", "SNAPD_SESSION", "SNAPD_REPRO"}
 
 
 def _warn_env_typos(environ: Mapping[str, str], known: list[str]) -> None:

@@ -49,6 +49,9 @@ class RunProgress:
     newest_dir_time: Optional[float] = None   # (not refused at the last resume), its mtime
     last_resume: Optional[Dict[str, Any]] = None
     last_replay: Optional[Dict[str, Any]] = None
+    # The newest "anomaly" record among those read (snapd_client/anomaly.py); the
+    # pins (snapd/pins.py) keep every anomaly that pinned a snapshot.
+    last_anomaly: Optional[Dict[str, Any]] = None
     last_scalars: Dict[str, Any] = field(default_factory=dict)
     at_risk_seconds: Optional[float] = None   # training since the committed step
     cadence: Optional[Dict[str, Any]] = None  # the newest cadence record's decision
@@ -205,6 +208,8 @@ class _Walk:
             progress.last_resume = record
         elif kind == "replay" and progress.last_replay is None:
             progress.last_replay = record
+        elif kind == "anomaly" and progress.last_anomaly is None:
+            progress.last_anomaly = record
         elif kind == "cadence" and progress.cadence is None:
             progress.cadence = _cadence(record)
         elif kind == "restored" and progress.last_resume is None \

@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from snapd import keepshared, sharing
+from snapd import keepshared, pins, sharing
 # purge: the slow part of a delete, the commit service's (snapd/remote/parts.py
 # imports it from here too).
 from snapd.commit import purge, uncommit
@@ -191,6 +191,8 @@ class RetentionResult:
     kept: List[str] = field(default_factory=list)      # what the rules keep
     # kept only because LATEST names it (or, after a commit, it is the one committed)
     protected: List[str] = field(default_factory=list)
+    # kept only because it is pinned (snapd/pins.py)
+    pinned: List[str] = field(default_factory=list)
     bytes: int = 0                      # freed by the deletes (gc measures it)
     incomplete: List[str] = field(default_factory=list)  # .parts- dirs removed
     # Files of the deleted snapshots that kept ones read: kept in shared/ ("S/file").
@@ -218,12 +220,16 @@ def apply_retention(store: RunStore, opts: Options, *, purge_now: bool = True,
     infos, refused = scan(store)
     latest = store.read_pointer("LATEST")
     done = committed if committed is not None else latest
+    held = set(pins.pinned(store.path))
     plan = plan_retention(infos, keep_last=opts.keep_last, keep_every=opts.keep_every,
                           keep_best=opts.keep_best, best_mode=opts.best_mode,
-                          protect={sid for sid in (latest, committed) if sid is not None})
+                          protect=held | {sid for sid in (latest, committed)
+                                          if sid is not None})
     result = RetentionResult(deleted=[i.sid.name for i in plan.delete], refused=refused,
                              kept=[i.sid.name for i in plan.keep],
-                             protected=[i.sid.name for i in plan.protected])
+                             protected=[i.sid.name for i in plan.protected
+                                        if i.sid not in held],
+                             pinned=[i.sid.name for i in plan.protected if i.sid in held])
     marks = keepshared.mark(store) if plan.delete or sweep else {}
     if dry_run:
         result.incomplete = [sid.name for sid, _ in stale_parts(store, done)]

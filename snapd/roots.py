@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from snapd import format as fmt
+from snapd import pins
 from snapd.errors import CorruptSnapshot, InvalidOption
 from snapd.globalcommit import incomplete
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
@@ -127,6 +128,11 @@ class Root(ABC):
     def run_where(self, run: str) -> str:
         """Where run ``run`` is or would be."""
 
+    def pinned(self, run: str) -> List[SnapshotId]:
+        """The snapshots pinned in ``run`` (snapd/pins.py); pins live in the local run
+        only, so a remote root has none."""
+        return []
+
     def latest(self, run: str) -> Optional[SnapshotId]:
         """LATEST when it names a committed snapshot, else the newest committed one."""
         commits = self.commits(run)
@@ -187,6 +193,9 @@ class DiskRoot(Root):
 
     def commits(self, run: str) -> List[SnapshotId]:
         return self.store(run).committed()
+
+    def pinned(self, run: str) -> List[SnapshotId]:
+        return pins.pinned(self.run_where(run))
 
     def pointer(self, run: str, which: str) -> Optional[SnapshotId]:
         assert which in POINTERS

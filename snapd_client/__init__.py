@@ -25,6 +25,7 @@ from snapd.errors import (
 )
 from snapd.options import Options
 from snapd.outputcheck import compare_outputs
+from snapd_client.anomaly import AnomalyWarning
 from snapd_client.basemodel import Base
 from snapd_client.client import Client
 from snapd_client.cursor import BatchStream
@@ -34,6 +35,7 @@ from snapd_client.restore import FallbackWarning
 from snapd_client.schedule import CadenceWarning
 
 __all__ = [
+    "AnomalyWarning",
     "Base",
     "BatchStream",
     "CadenceWarning",

@@ -30,6 +30,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from snapd import pins
 from snapd.commit import CommitService
 from snapd.diskguard import space_for
 from snapd.errors import InvalidOption, SnapdError
@@ -39,6 +40,7 @@ from snapd.retention import apply_retention
 from snapd.runlock import RunLock
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import write_snapshot
+from snapd_client.anomaly import Anomaly, AnomalyDetector, AnomalyWarning
 from snapd_client.basemodel import Base, LiveBase
 from snapd_client.cadence import Cadence
 from snapd_client.capture import Capture, capture_object, stepped_tensors
@@ -56,6 +58,7 @@ from snapd_client.overlaprestore import StepStateArrival, set_aside
 from snapd_client.snapshot_outcomes import Outcomes
 from snapd_client.ranks import default_session, detect
 from snapd_client.replicas import with_writers
+from snapd_client.repro import requested
 from snapd_client.restore import Loaded, load_for_resume, load_weights, overlappable
 from snapd_client.rng import RngStreams
 from snapd_client.schedule import CadenceWarning, Schedule
@@ -122,6 +125,10 @@ class Client:
         Options.check_names(option_overrides, where="Client",
                             also=("data_version", "rank", "world_size", "options", "daemon",
                                   "read_only", "base"))
+        # Under snapd repro: this run read-only, its STEP recomputed (repro.py).
+        self._repro = requested(root, run)
+        if self._repro is not None:
+            read_only, daemon = True, False
         self.store = RunStore(root, run)
         self.read_only = bool(read_only)
         if not self.read_only:   # a full disk: InsufficientSpace naming the mount
@@ -132,6 +139,11 @@ class Client:
         ranks = detect(rank, world_size)
         self.rank, self.world_size, self.local_rank = \
             ranks.rank, ranks.world_size, ranks.local_rank
+        if self._repro is not None and self.world_size > 1:
+            raise InvalidOption(f"snapd repro of run {run!r} at world size "
+                                f"{self.world_size} (rank {self.rank}): reproducing a "
+                                "step of many ranks is not supported yet; run the "
+                                "command on one rank (a one-rank run)", field="world_size")
         # The attempt this client's parts belong to; restore() may replace it, and every
         # later capture takes the value current then.
         self.session = default_session()
@@ -173,6 +185,10 @@ class Client:
         self._stepped: set = set()   # optimizers whose first step has been seen
         self._journal: Optional[Journal] = None
         self.recovery: Optional[RunProgress] = None
+        # Anomalies in the logged loss pin the newest snapshot before them (anomaly.py).
+        self._anomalies = AnomalyDetector(self.options.anomaly_z,
+                                          self.options.anomaly_window)
+        self._handed: Optional[SnapshotId] = None   # the newest snapshot handed off
         self._closed = False
         self._lock: Optional[RunLock] = None
         if not self.read_only:
@@ -368,6 +384,9 @@ class Client:
         ``max_loss`` cannot be met.
         """
         self._check_open()
+        if self._repro is not None:   # snapd repro writes nothing to the run
+            _check_step(step)
+            return SnapshotHandle.not_taken(step)
         self._check_writable("snapshot()")
         _check_step(step)
         self._outcomes.report()
@@ -392,6 +411,8 @@ class Client:
             self.journal.event("cadence", **cadence)
         self.journal.sync_soon()  # flushed now by the log's thread: no fsync here
         self._outcomes.add(handle)
+        if handle.sid is not None and not handle.failed:
+            self._handed = handle.sid
         return handle
 
     def _hand_over(self, step: int, metric: Optional[float]) -> SnapshotHandle:
@@ -451,12 +472,57 @@ class Client:
         time, throughput).
         """
         self._check_open()
+        cursor = [self._stream.epoch, self._stream.index] if self._stream else None
+        if self._repro is not None:   # checked against the run's log, not written
+            self._repro.log(self, Journal.record(
+                self.rng, step, cursor, scalars,
+                None if samples is None else [int(i) for i in samples], unchecked))
+            return
         self._check_writable("log()")
         self._outcomes.report()
-        cursor = [self._stream.epoch, self._stream.index] if self._stream else None
         self.journal.step(step, cursor, scalars,
                           None if samples is None else [int(i) for i in samples],
                           unchecked)
+        found = self._anomalies.observe(step, scalars)
+        if found is not None:
+            self._anomaly(found)
+
+    def _anomaly(self, found: Anomaly) -> None:
+        """Pin the newest snapshot before ``found``, log the anomaly, and warn once, at
+        the caller's line of log(). A pin that cannot be written (a full disk) is said
+        in the record and the warning; training goes on."""
+        sid = self._snapshot_before(found.step)
+        record = found.record()
+        pin_error = None
+        if sid is not None:
+            try:
+                pins.pin(self.store.path, sid, {"kind": "anomaly", **record})
+            except OSError as e:
+                pin_error = f"{type(e).__name__}: {e}"
+        self.journal.event("anomaly", **record, pinned=None if sid is None or pin_error
+                           else sid.name, **({"pin_error": pin_error} if pin_error else {}))
+        self.journal.sync_soon()
+        if sid is None:
+            kept = "no snapshot before it to pin"
+        elif pin_error:
+            kept = f"pinning snapshot {sid.name} failed ({pin_error})"
+        else:
+            kept = (f"snapshot {sid.name} pinned: retention keeps it until snapd unpin "
+                    f"{self.store.root} {self.run}@{sid.step}")
+        warnings.warn(AnomalyWarning(
+            f"run {self.run}: step {found.step}: {found.describe()}; {kept}. Reproduce "
+            f"the step: snapd repro {self.store.root} {self.run}@anomaly -- <the training "
+            "command>"), stacklevel=3)
+
+    def _snapshot_before(self, step: int) -> Optional[SnapshotId]:
+        """The newest snapshot of this lineage before ``step``: committed, or handed
+        off and still being written (a pin holds from its commit on)."""
+        lineage = int(self.lineage.get("id", 0))
+        known = list(self.store.committed()) + [self._handed] + \
+            [self.restored.sid if self.restored is not None else None]
+        before = [sid for sid in known if sid is not None and sid.lineage == lineage
+                  and sid.step < step]
+        return max(before, default=None)
 
     # --- restore -------------------------------------------------------------------
 
@@ -497,7 +563,8 @@ class Client:
                 return begin_reshard(self, loaded, sorted(_omit), world)
             return self._begin_resume(loaded, sorted(_omit))
         with self._paused_warm_up():   # the restore has the machine to itself
-            self._settle_daemon_writes()
+            if self._repro is None:   # a repro reads what is committed, at or before STEP
+                self._settle_daemon_writes()
             pulled = self._pull_from_remote()
             hot, self.not_hot = None, None
             if self._handoff is not None and self.options.hot_restore:
@@ -512,7 +579,8 @@ class Client:
                                          reached=self.recovery.furthest,
                                          verify_steps=self.options.verify_steps,
                                          base=self._base,
-                                         defer=self._deferred(overlap))
+                                         defer=self._deferred(overlap),
+                                         at_most=self._repro and self._repro.step)
             except BaseException:
                 if hot is not None:
                     hot.close()
@@ -638,6 +706,8 @@ class Client:
         return self._handoff.paused() if self._handoff is not None else nullcontext()
 
     def _nothing_to_resume(self) -> int:
+        if self._repro is not None:   # no snapshot at or before STEP: from the start
+            return self._begin_repro(None, 0)
         if not self.read_only:
             # A fresh run's log segment, made now (after any pull of a replicated log)
             # rather than at the loop's first record: its fsyncs are not a step's.
@@ -672,6 +742,8 @@ class Client:
         if loaded.deferred:   # restore(overlap=True): read meanwhile
             source += f"; the state of {', '.join(loaded.deferred)} arrives before the " \
                       "first step"
+        if self._repro is not None:
+            return self._begin_repro(loaded.sid.name, step)
         if self.read_only:
             logger.info(f"run {self.run}: restored step {step} ({source}), "
                         "read-only: nothing is written to the run")
@@ -689,6 +761,14 @@ class Client:
                             **({"not_hot": self.not_hot} if self.not_hot else {}))
         logger.info(f"run {self.run}: resuming from step {step} ({source})"
                     + self._resume_outlook(loaded, step, reached, recompute))
+        return step
+
+    def _begin_repro(self, snapshot: Optional[str], step: int) -> int:
+        """snapd repro: the steps to recompute armed, or, at STEP already, the end."""
+        logger.info(f"run {self.run}: repro of step {self._repro.step} from "
+                    f"{snapshot or 'the start (no snapshot at or before it)'}, read-only: "
+                    f"{self._repro.last - step} steps to recompute and check")
+        self._repro.begin(self, snapshot, step)
         return step
 
     def _resume_outlook(self, loaded: Loaded, step: int, reached: Optional[int],

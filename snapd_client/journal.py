@@ -134,16 +134,25 @@ class Journal:
         # Set by a multi-rank restore: a divergence then names the rank it is on.
         self.world_size = 1
 
-    def step(self, step: int, cursor: Optional[list], scalars: Dict[str, Any],
-             samples: Optional[list] = None,
-             unchecked: Optional[Dict[str, Any]] = None) -> None:
+    @staticmethod
+    def record(rng: RngStreams, step: int, cursor: Optional[list], scalars: Dict[str, Any],
+               samples: Optional[list] = None,
+               unchecked: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """One step's record (docs/format.md, "step"): what log() appends, and what
+        snapd repro compares with the run's."""
         record = {"kind": "step", "step": step, "time": time.time(), "cursor": cursor,
-                  "rng": self.rng.live_digests(),
+                  "rng": rng.live_digests(),
                   "scalars": {k: float(v) for k, v in scalars.items()}}
         if samples is not None:
             record["samples"] = samples
         if unchecked:
             record["unchecked"] = {k: float(v) for k, v in unchecked.items()}
+        return record
+
+    def step(self, step: int, cursor: Optional[list], scalars: Dict[str, Any],
+             samples: Optional[list] = None,
+             unchecked: Optional[Dict[str, Any]] = None) -> None:
+        record = self.record(self.rng, step, cursor, scalars, samples, unchecked)
         self._append(record)
         if self._replay is not None:
             self._check(record)

@@ -165,8 +165,12 @@ class Before:
         return failed
 
 
-def candidates(store: RunStore) -> List[SnapshotId]:
-    """LATEST first (when it names a committed snapshot), then newest to oldest."""
+def candidates(store: RunStore, at_most: Optional[int] = None) -> List[SnapshotId]:
+    """LATEST first (when it names a committed snapshot), then newest to oldest.
+    ``at_most`` (``snapd repro``): only the snapshots of steps up to it, newest first,
+    whatever LATEST names."""
+    if at_most is not None:
+        return [sid for sid in reversed(store.committed()) if sid.step <= at_most]
     committed = store.committed()
     order = list(reversed(committed))
     latest = store.read_pointer("LATEST")
@@ -195,11 +199,12 @@ def verify_pick(order: List[SnapshotId], reached: Optional[int],
     return max(older, default=None)
 
 
-def resume_order(store: RunStore, reached: Optional[int], verify_steps: int
+def resume_order(store: RunStore, reached: Optional[int], verify_steps: int,
+                 at_most: Optional[int] = None
                  ) -> Tuple[List[SnapshotId], Optional[SnapshotId]]:
     """The candidates in the order a resume tries them, and the one ``verify_steps``
     put first (None when it did not)."""
-    order = candidates(store)
+    order = candidates(store, at_most)
     pick = verify_pick(order, reached, verify_steps)
     if pick is not None:
         order.remove(pick)
@@ -423,7 +428,8 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                     tensor_source: Optional[TensorProvider] = None,
                     omit: Iterable[str] = (), reached: Optional[int] = None,
                     verify_steps: int = 0, base: Optional[LiveBase] = None,
-                    defer: Iterable[str] = ()) -> Optional[Loaded]:
+                    defer: Iterable[str] = (), at_most: Optional[int] = None
+                    ) -> Optional[Loaded]:
     """The newest snapshot that verifies and fits, fully read; None if the run is new.
     Objects named in ``omit`` are checked but not read (their states are absent);
     ``rng:<stream>`` in it is neither checked nor (by :func:`apply`) restored.
@@ -431,6 +437,7 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
     if it is refused, the usual order follows. Optimizers named in ``defer``
     (``restore(overlap=True)``) are checked like every object, but their per-parameter
     state is left to :func:`read_step_state` (:func:`step_only_names`, ``Loaded.deferred``).
+    ``at_most`` (``snapd repro``): the newest snapshot of a step up to it, LATEST aside.
 
     Live tensors are read into only when something can undo it (the module
     docstring): a fallback, the next candidate, passes every check that needs no
@@ -439,7 +446,7 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
     refused: Dict[str, str] = {}
     before: Optional[Before] = None
     written: Set[str] = set()   # left partly written by a refused snapshot
-    order, pick = resume_order(store, reached, verify_steps)
+    order, pick = resume_order(store, reached, verify_steps, at_most)
     fallbacks = _Fallbacks(store, order, lambda r: check_candidate(
         r, tracked, rng, data_version=data_version, need_cursor=need_cursor, omit=omit,
         base=base))

@@ -8,11 +8,13 @@ them share lives here (tests/test_layering.py checks)."""
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 import signal
 import threading
 import time
+import warnings
 from io import StringIO
 
 import psutil
@@ -25,6 +27,7 @@ from snapd.names import ROOT_LOCK_NAME
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.store import RunStore
 from snapd_client import Client
+from snapd_client.anomaly import AnomalyWarning
 from snapd_client.capture import Capture, CapturedObject, tensor_bytes
 from snapd_client.state import flatten
 
@@ -351,3 +354,24 @@ def file_remote_of(root: str, run: str, remote_dir: str) -> str:
         remote.fs.put_file(os.path.join(log_dir, segment),
                            f"{remote.log_path(run)}/rank-00000/{segment}")
     return url
+
+
+def train_to_nan(root: str, run: str = "r", steps: int = 60, nan_at: int = 45):
+    """A run trained in this process (daemon=False), snapshots every 20 steps with
+    keep_last=1; from ``nan_at`` on the weights are NaN (as a bad batch leaves them),
+    so every later loss is NaN. Returns the AnomalyWarnings log() gave."""
+    model, opt = small_model_and_opt()
+    client = Client(root, run, daemon=False, keep_last=1)
+    client.track(model=model, optimizer=opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, steps + 1):
+            if step == nan_at:
+                with torch.no_grad():
+                    model[0].weight.fill_(math.nan)
+            loss = small_train_step(model, opt, step)
+            client.log(step, loss=loss)
+            if step % 20 == 0:
+                client.snapshot(step).wait()
+    client.close()
+    return [w for w in caught if issubclass(w.category, AnomalyWarning)]

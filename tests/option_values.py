@@ -23,6 +23,7 @@ def non_default_values(remote: str = "file:///srv/snapd-remote") -> Dict[str, An
         "replay_check": "warn", "verify_steps": 2, "timeout": 90.0,
         "global_commit_timeout": 20.0, "remote_timeout": 12.5,
         "every": "auto", "overhead": 0.05, "max_loss": 600.0, "mtbf": 7200.0,
+        "anomaly_z": 4.5, "anomaly_window": 50,
         # daemon-wide
         "writer_threads": 3, "remote": remote, "remote_keep_last": 0,
         "remote_keep_every": 7, "remote_upload_threads": 2,

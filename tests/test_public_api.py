@@ -74,13 +74,15 @@ def test_the_client_exports_the_errors_and_warnings_a_trainer_meets():
                  "SnapshotFailed", "SnapshotExists", "InsufficientSpace", "RunInUse",
                  "DaemonUnavailable", "ReplayDivergence", "UnknownOption", "InvalidOption"):
         assert getattr(snapd_client, name) is getattr(errors, name), name
-    for name in ("ReplayWarning", "FallbackWarning"):
+    for name in ("ReplayWarning", "FallbackWarning", "AnomalyWarning"):
         assert issubclass(getattr(snapd_client, name), UserWarning)
         assert name in snapd_client.__all__
     # The very classes restore and the replay check warn with.
     from snapd_client import handle, journal, restore
     assert snapd_client.ReplayWarning is journal.ReplayWarning
     assert snapd_client.FallbackWarning is restore.FallbackWarning
+    from snapd_client import anomaly
+    assert snapd_client.AnomalyWarning is anomaly.AnomalyWarning   # log() warns with it
     # A snapshot failed in the background; what close() returns.
     assert snapd_client.SnapshotWarning is handle.SnapshotWarning
     assert issubclass(snapd_client.SnapshotWarning, RuntimeWarning)

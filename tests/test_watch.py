@@ -151,7 +151,7 @@ def test_collect_reads_logs_pointers_and_listing(root):
     assert row["stall"] == {"last": 0.1, "p50": pytest.approx(0.075), "max": 0.1, "count": 2}
     assert (row["skipped"], row["failed"]) == (1, 0)
     assert row["retention"] == {"committed": 2, "tmp": 1, "latest": "00000100",
-                                "best": "00000050"}
+                                "best": "00000050", "pinned": []}
     json.dumps(m)   # plain data: --json prints it as is
     assert "00000100" in text_of(view.render(m))
 

@@ -4,7 +4,13 @@
 
 It seeds everything, builds the model, optimizer, scheduler and loader, restores,
 trains to ``stop`` (or ``steps``), snapshots at ``snapshot_at`` steps, and writes a
-JSON trace (with ``sigkill``, only the trace, and then it SIGKILLs itself at ``stop``): per step the loss and a digest of the batch, then digests of the final
+JSON trace. ``dump_at``: after that step, the tracked state's tensors go to ``dump`` (an
+.npz, no pickle: a side channel to compare a reproduced state with); ``perturb_from``:
+from that step the loss is scaled by 1.001 (a script changed since the run);
+``nan_at``: at that step the weights turn NaN before the forward (a bad batch's work),
+so every loss from there on is NaN; ``gate_at``: after that step (and its snapshot)
+the trainer writes ``<gate>.reached`` and waits until the file ``gate`` exists, so that
+a test can act while the run is live. The (with ``sigkill``, only the trace, and then it SIGKILLs itself at ``stop``): per step the loss and a digest of the batch, then digests of the final
 state. Two runs are the same run iff their traces are equal.
 """
 
@@ -16,6 +22,7 @@ import random
 import signal
 import socket
 import sys
+import time
 
 import numpy as np
 import torch
@@ -36,6 +43,16 @@ def digest_tensors(*tensors) -> str:
 def optimizer_tensors(opt):
     return [v for s in opt.state_dict()["state"].values() for v in s.values()
             if isinstance(v, torch.Tensor)]
+
+
+def dump_state(path, **objects) -> None:
+    """Every tensor leaf of each object's state dict, as snapd flattens it, keyed
+    ``name/i``: what a snapshot taken now would hold, bit for bit."""
+    from snapd_client.state import flatten
+    arrays = {f"{name}/{i}": t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+              for name, obj in objects.items()
+              for i, t in enumerate(flatten(obj.state_dict(), name).tensors)}
+    np.savez(path, **arrays)
 
 
 def build_momentum(cfg):
@@ -98,9 +115,15 @@ def main(cfg) -> None:
     trace = []
     stop = cfg.get("stop", cfg["steps"])
     while step < stop:
+        if step + 1 == cfg.get("nan_at"):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan"))
         for _ in range(accumulate):
             batch = next(batches)
             loss = loss_of(cfg, model, batch) / accumulate
+            if step + 1 >= cfg.get("perturb_from", float("inf")):
+                loss = loss * 1.001
             loss.backward()
         opt.step()
         sched.step()
@@ -108,8 +131,14 @@ def main(cfg) -> None:
         step += 1
         trace.append([step, repr(loss.item()), digest_tensors(*batch)])
         client.log(step, loss=loss.item())
+        if step == cfg.get("dump_at"):
+            dump_state(cfg["dump"], model=model, optimizer=opt, scheduler=sched)
         if step in cfg.get("snapshot_at", ()):
             client.snapshot(step).wait()
+        if step == cfg.get("gate_at"):
+            open(cfg["gate"] + ".reached", "w").close()
+            while not os.path.exists(cfg["gate"]):   # the test opens the gate
+                time.sleep(0.01)
     if cfg.get("sigkill"):   # dies as a killed node does: the trace first, then SIGKILL
         with open(cfg["out"], "w") as f:
             json.dump({"trace": trace}, f)

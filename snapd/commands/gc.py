@@ -30,6 +30,7 @@ from snapd.humanize import human_bytes
 
 def _as_json(r: retention.RetentionResult) -> Dict[str, Any]:
     return {"deleted": r.deleted, "kept": r.kept, "protected_latest": r.protected,
+            "pinned": r.pinned,
             "refused": r.refused, "bytes": r.bytes, "incomplete_removed": r.incomplete,
             "kept_shared": r.kept_shared, "kept_shared_bytes": r.kept_shared_bytes,
             "swept": r.swept, "swept_bytes": r.swept_bytes,
@@ -84,6 +85,9 @@ def report(results: Dict[str, retention.RetentionResult], dry_run: bool) -> None
         click.echo(line + f"; keeps {', '.join(r.kept) or 'nothing'}")
         if r.protected:
             click.echo(f"  {run}: kept {r.protected[0]} because LATEST names it")
+        if r.pinned:
+            click.echo(f"  {run}: kept {', '.join(r.pinned)}: pinned (snapd unpin "
+                       f"ROOT {run}@STEP lets retention delete it)")
         if r.refused:
             click.echo(f"  {run}: left alone, manifest unreadable: {', '.join(r.refused)} "
                        f"(snapd verify {run}/<name> says why)")

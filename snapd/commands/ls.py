@@ -1,5 +1,8 @@
 """``snapd ls [RUN]``: the committed snapshots of a root, one row each.
 
+Marks: LATEST and BEST (the pointers), PINNED (kept by retention until ``snapd
+unpin``: the newest snapshot before an anomaly in the logged loss, snapd/pins.py).
+
 By default only manifests are read (and the files stat'ed against their declared
 sizes), so listing costs milliseconds per snapshot whatever their size; ``--verify``
 reads every byte and checks every checksum, as ``snapd verify`` does.
@@ -74,8 +77,11 @@ def collect(root: Root, runs: List[str], verify: bool) -> List[Dict[str, Any]]:
     rows = []
     for run in runs:
         pointers = {which: root.pointer(run, which) for which in ("LATEST", "BEST")}
+        pinned = set(root.pinned(run))
         for sid in root.commits(run):
             marks = [which for which, target in pointers.items() if target == sid]
+            if sid in pinned:   # kept by retention until snapd unpin (snapd/pins.py)
+                marks.append("PINNED")
             rows.append(describe(root, root.snap(run, sid), verify=verify, marks=marks))
     return rows
 
@@ -115,7 +121,7 @@ def render(rows: List[Dict[str, Any]], now: float, with_run: bool = True) -> Tab
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def ls(run: Optional[str], root: Optional[str], verify: bool, as_json: bool) -> None:
     """Committed snapshots of RUN (default: every run): step, lineage, ranks, size
-    (all parts), bytes read from earlier snapshots' files (shared), metric, age, verification state, and the LATEST/BEST marks; then the
+    (all parts), bytes read from earlier snapshots' files (shared), metric, age, verification state, and the LATEST/BEST/PINNED marks; then the
     incomplete multi-rank snapshots (ranks present and missing). Exit code 1 if
     --verify (or a manifest) finds damage.
 

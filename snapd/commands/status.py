@@ -7,7 +7,9 @@ seconds of training (``at_risk_seconds``). A run snapshotting with ``every="auto
 also shows its newest ``cadence`` record: the interval, the bound that sets it, the
 expected loss per failure and the MTBF used, with where it came from. The last
 resume shows its phases (snapd.progress.RunProgress.resume_phases): ready to train
-and, after restore(overlap=True), when the optimizer state was complete.
+and, after restore(overlap=True), when the optimizer state was complete. Each run's
+pins (snapd/pins.py: the snapshots kept before an anomaly in the logged loss, with the
+anomaly) and its newest anomaly in the log's tail are listed under the table.
 
 A multi-rank run is also shown as a job (snapd.liveview.job_model): its world size,
 each rank's last logged step, the last global commit and the incomplete snapshots
@@ -33,7 +35,7 @@ from typing import Any, Dict, List, Optional
 import click
 from rich.table import Table
 
-from snapd import statelog
+from snapd import pins, statelog
 from snapd.commands.common import console, emit_json
 from snapd.commands.locate import root_of
 from snapd.daemons import LiveDaemon, find_daemons
@@ -67,6 +69,7 @@ def _row(store: RunStore, rank: int) -> Dict[str, Any]:
     committed_at = progress.committed_time
     row["committed_age_s"] = None if committed_at is None else time.time() - committed_at
     row["error"] = error
+    row["pins"] = pins.pin_records(store.path) if rank == 0 else []
     return row
 
 
@@ -188,7 +191,27 @@ def _lines_under(rows: List[Dict[str, Any]], jobs: List[Dict[str, Any]]) -> List
     """What the table has no room for: each row's cadence in full, then the jobs."""
     cadences = [cadence_line(r["run"], r["rank"], r.get("cadence")) for r in rows]
     return [line for line in cadences if line] + \
+        [line for r in rows for line in anomaly_lines(r)] + \
         [line for job in jobs for line in job_lines(job)]
+
+
+def anomaly_lines(row: Dict[str, Any]) -> List[str]:
+    """``run r: pinned 00000040 before the anomaly at step 45 (nonfinite:loss)``, one
+    line per pin, and the newest anomaly when no pin names it."""
+    lines, named = [], set()
+    for held in row.get("pins") or []:
+        anomaly = held.get("anomaly") or {}
+        named.add(anomaly.get("step"))
+        why = f"before the anomaly at step {anomaly.get('step')} ({anomaly.get('cause')})" \
+            if anomaly else held.get("error", "")
+        lines.append(f"run {row['run']}: pinned {held.get('snapshot')} {why}; snapd unpin "
+                     f"ROOT {row['run']}@{held.get('step')} releases it")
+    last = row.get("last_anomaly")
+    if last and last.get("step") not in named:
+        lines.append(f"run {row['run']} rank {row['rank']}: anomaly at step "
+                     f"{last.get('step')} ({last.get('cause')}, value {last.get('value')!r}); "
+                     f"pinned {last.get('pinned') or 'nothing'}")
+    return lines
 
 
 def _remote_status(root: str) -> Optional[Dict[str, Any]]:

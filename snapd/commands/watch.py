@@ -86,6 +86,8 @@ def format_record(run: str, rank: int, record: Dict[str, Any]) -> Optional[str]:
                                              "waited_s")
     if kind == "set_aside":
         return f"{head} set_aside " + _fields(record, "snapshot", "by")
+    if kind == "anomaly":
+        return f"{head} anomaly " + _fields(record, "step", "cause", "value", "pinned")
     return None
 
 

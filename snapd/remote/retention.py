@@ -3,7 +3,8 @@
 The rules are the local ones (snapd/retention.py's :func:`plan_retention`, pure) with
 the remote tier's own numbers: ``remote_keep_last`` (0: keep every remote commit) and
 ``remote_keep_every``. The newest remote commit is always kept: a job restarted on
-another node always finds one. Order is (lineage, step) from the record names.
+another node always finds one. A snapshot pinned in the local run (snapd/pins.py:
+the newest before an anomaly) is kept remotely too, until ``snapd unpin``. Order is (lineage, step) from the record names.
 
 A deletion is the record first, then the files (RemoteRoot.delete_snapshot): a crash
 in between leaves files without a record, which no reader looks at and :func:`sweep`
@@ -25,7 +26,7 @@ cannot be read (what it lists is unknown).
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Tuple
+from typing import Collection, List, Optional, Tuple
 
 from snapd.errors import CorruptSnapshot
 from snapd.remote.layout import RemoteRoot, record_shared
@@ -35,24 +36,25 @@ from snapd.store import SnapshotId
 log = logging.getLogger(__name__)
 
 
-def plan(commits: List[SnapshotId], keep_last: int,
-         keep_every: Optional[int]) -> List[SnapshotId]:
+def plan(commits: List[SnapshotId], keep_last: int, keep_every: Optional[int],
+         pinned: Collection[SnapshotId] = ()) -> List[SnapshotId]:
     """The remote commits to delete (pure): neither among the last ``keep_last`` nor a
-    multiple of ``keep_every``, and never the newest."""
+    multiple of ``keep_every`` nor ``pinned``, and never the newest."""
     if not keep_last and not keep_every:
         return []
     infos = [SnapshotInfo(sid, sid.lineage, sid.step) for sid in commits]
     # keep_last=0 with keep_every set: only the multiples and the newest are kept.
-    chosen = plan_retention(infos, keep_last=keep_last or None, keep_every=keep_every)
+    chosen = plan_retention(infos, keep_last=keep_last or None, keep_every=keep_every,
+                            protect=pinned)
     return [i.sid for i in chosen.delete]
 
 
 def apply(remote: RemoteRoot, run: str, keep_last: int,
-          keep_every: Optional[int]) -> List[str]:
-    """Delete the run's remote commits the rules do not keep, then sweep; returns the
-    names deleted."""
+          keep_every: Optional[int], pinned: Collection[SnapshotId] = ()) -> List[str]:
+    """Delete the run's remote commits the rules do not keep (``pinned``: the local
+    run's pins, kept), then sweep; returns the names deleted."""
     commits = remote.commits(run)
-    doomed = plan(commits, keep_last, keep_every)
+    doomed = plan(commits, keep_last, keep_every, pinned)
     for sid in doomed:
         remote.delete_snapshot(run, sid.name)
     if doomed:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from snapd import format as fmt
-from snapd import sharing
+from snapd import pins, sharing
 from snapd.errors import RemoteUnavailable, SnapdError
 from snapd.options import Options
 from snapd.remote import retention
@@ -326,7 +326,8 @@ class Uploader:
         logged and retried with the next commit."""
         try:
             retention.apply(self.remote, run, self.options.remote_keep_last,
-                            self.options.remote_keep_every)
+                            self.options.remote_keep_every,
+                            pins.pinned(RunStore(self.root, run).path))
         except Exception as e:
             log.warning("run %r: remote retention failed (everything kept): %r", run, e)
         try:
