@@ -26,6 +26,14 @@ compressed chunk. A tensor of raw chunks has its raw bytes covered by the chunk
 digests already (a one-chunk tensor's digest must equal its chunk's); hashing it again
 in one sequential pass would halve the speed for nothing.
 
+A file whose manifest entry carries a SHA-256 (format v5) is then hashed once more, in
+file order, from the memory it was read into (the header, the zeros, each raw chunk's
+destination; a compressed chunk's stored bytes are read again from the page cache,
+which holds them: they were read buffered), files in parallel: no second read of the
+device, and only once every chunk has matched its xxh3, so a damaged file is reported
+by the cheaper check first. xxh3 finds damage; the SHA-256 finds bytes made to match
+a rewritten manifest's xxh3 digests, which nobody can make match a SHA-256.
+
 Every unit has ended when :func:`read_files` returns or raises: the destinations may be
 live tensors.
 """
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import mmap
 import os
 import threading
@@ -77,6 +86,11 @@ class FileRead:
     # Some of the file's tensors only (an earlier snapshot's file this one shares):
     # what lies between the header and the first of them is other tensors' chunks.
     partial: bool = False
+    # The file's SHA-256 as its manifest lists it (v5), checked after every chunk
+    # verified; ``header`` is the file's first 32 bytes, ``size`` its length.
+    sha256: Optional[bytes] = None
+    header: bytes = b""
+    size: int = 0
 
 
 def open_direct(path: str, fd: int) -> Optional[int]:
@@ -121,8 +135,54 @@ def read_files(files: List[FileRead], progress: Optional[Callable[[int], None]] 
                 continue
             if progress and done:
                 progress(done)
+        if first is None:
+            first = _check_sha256s(pool, [f for f in files
+                                          if f.sha256 is not None and not f.partial])
     if first is not None:
         raise first
+
+
+def _check_sha256s(pool: ThreadPoolExecutor, files: List[FileRead]
+                   ) -> Optional[BaseException]:
+    """Each file's SHA-256 against its manifest's, files in parallel; the first
+    failure in file order, or None."""
+    first: Optional[BaseException] = None
+    for future in [pool.submit(_check_sha256, f) for f in files]:
+        try:
+            future.result()
+        except BaseException as e:  # every check ends before anything is raised
+            first = first or e
+    return first
+
+
+def _check_sha256(f: FileRead) -> None:
+    """Hash the file in order from what was read: header, zeros, each chunk (a raw
+    chunk from its destination, verified already; a compressed one read again), the
+    zeros after it. Every chunk has matched its xxh3 and the padding is zero."""
+    sha = hashlib.sha256(f.header)
+    pos = len(f.header)
+    for t, out in zip(f.tensors, f.outs):
+        at = 0
+        for chunk in t["chunks"]:
+            offset, stored_len, raw_len = chunk[0], chunk[1], chunk[2]
+            sha.update(memoryview(_ZEROS)[:offset - pos])   # < 4096 by the tiling
+            if chunk[3] == fmt.CODEC_RAW and out is not None:
+                sha.update(out[at:at + raw_len])
+            else:
+                sha.update(os.pread(f.fd, stored_len, offset))
+            pos, at = offset + stored_len, at + raw_len
+    sha.update(memoryview(_ZEROS)[:f.size - pos])
+    if sha.digest() != f.sha256:
+        name = os.path.basename(f.path)
+        raise CorruptSnapshot(f"{f.path}: SHA-256 {sha.hexdigest()} differs from the "
+                              f"manifest's files[{name!r}].sha256 "
+                              f"{f.sha256.hex()}, though every xxh3 digest matched: the "
+                              "file was replaced and its digests rewritten. Do not use "
+                              "this snapshot; restore falls back to an older one",
+                              path=f.path, field=f"files[{name!r}].sha256")
+
+
+_ZEROS = bytes(BLOCK)
 
 
 def _plan(f: FileRead) -> None:

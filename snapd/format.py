@@ -1,4 +1,4 @@
-"""Snapshot format v4: the manifest, tensor files and chunks. Encode, decode, verify.
+"""Snapshot format v5: the manifest, tensor files and chunks. Encode, decode, verify.
 
 This module is the code form of docs/format.md; the two change together (the offset
 tables there are read by tests/test_format_doc.py). It does no I/O policy (no fsync,
@@ -6,11 +6,11 @@ no directory layout): it turns structures into bytes and back, and says whether
 bytes are valid.
 
 Manifest file ``manifest.snapd`` (and ``commit.snapd``, the same framing with magic
-b"SNAPDGC\\0", versions 3 and 4 read)::
+b"SNAPDGC\\0", versions 3 to 5 read)::
 
     offset  size  field
     0       8     magic  b"SNAPDMF\\0"
-    8       4     format version, u32 little-endian (4; 1, 2 and 3 are still read)
+    8       4     format version, u32 little-endian (5; 1 to 4 are still read)
     12      4     flags, u32 (written 0, not read)
     16      8     payload length P, u64
     24      8     xxh3-64 of the payload, u64
@@ -31,11 +31,14 @@ and the xxh3-64 of the stored bytes (v4: and of a frozen tensor, the xxh3-128 of
 raw bytes). A chunk is valid if and only if its stored bytes hash to that value and
 (zstd) decompress to exactly the raw length. The file digest (``files[name].xxh3``,
 :class:`FileDigest`) is, in v1, the xxh3-64 of the whole file; from v2, of the header
-and the chunks' digests in file order.
+and the chunks' digests in file order. From v5 a file's entry may also carry
+``sha256``, the SHA-256 of every byte of the file (what ``sha256sum`` prints): xxh3
+catches damage, SHA-256 a forgery, since nobody can make other bytes with the same.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import struct
@@ -48,15 +51,20 @@ import zstandard
 
 from snapd.errors import CorruptSnapshot
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # v1: chunks back to back; v2: each on a 4096-byte boundary; v3: parts of a multi-rank
 # snapshot (a session, sharded and referenced tensor entries) and the commit record;
 # v4: tensors whose bytes are an earlier snapshot's file (``shared``, ``src``), each
-# chunk's identity (xxh3-128 of its raw bytes), the base model's reference (``base``).
-READABLE_VERSIONS = (1, 2, 3, 4)
+# chunk's identity (xxh3-128 of its raw bytes), the base model's reference (``base``);
+# v5: the SHA-256 of each file (``files[name].sha256``) and of each part's manifest in
+# the commit record (``parts[r].manifest_sha256``).
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+COMMIT_VERSIONS = (3, 4, 5)   # a commit record of a multi-rank snapshot
 # A v4 tensor entry may refer to a file of these versions (4096-aligned chunks whose
 # entries carry an identity).
-SHAREABLE_VERSIONS = (4,)
+SHAREABLE_VERSIONS = (4, 5)
+SHA256_FROM = 5     # the first version whose files and parts may carry a SHA-256
+SHA256_BYTES = 32
 CHUNK_ID_BYTES = 16
 # A committed snapshot's directory name: the step as 8+ digits, then .L<lineage> when
 # the lineage is not 0 (snapd/store.py orders snapshots by it).
@@ -112,6 +120,15 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def sha256_of(data) -> bytes:
+    """The SHA-256 of ``data``, 32 bytes (a manifest's, a commit record's)."""
+    return hashlib.sha256(data).digest()
+
+
+def is_sha256(v: Any) -> bool:
+    return isinstance(v, bytes) and len(v) == SHA256_BYTES
+
+
 def chunk_id(raw) -> bytes:
     """A chunk's identity (v4): the xxh3-128 of its raw bytes, 16 bytes. With the raw
     length it names the content: two chunks with equal ids are the same bytes (a
@@ -154,7 +171,8 @@ def encode_commit(record: Dict[str, Any]) -> bytes:
 
 def decode_commit(data: bytes, *, path: str) -> Dict[str, Any]:
     """Bytes of ``commit.snapd`` to its map, or CorruptSnapshot naming what failed."""
-    record, version = _unframe(data, COMMIT_MAGIC, "commit record", (3, 4), path=path)
+    record, version = _unframe(data, COMMIT_MAGIC, "commit record", COMMIT_VERSIONS,
+                               path=path)
     check_commit(record, path=path, version=version)
     return record
 
@@ -240,6 +258,8 @@ def check_manifest(m: Any, *, path: str, version: int = FORMAT_VERSION) -> None:
         need(isinstance(entry, dict) and is_uint(entry.get("size"))
               and is_uint(entry.get("xxh3")), path, f"files[{name!r}]",
               "lacks size/xxh3")
+        need("sha256" not in entry or (version >= SHA256_FROM and is_sha256(entry["sha256"])),
+             path, f"files[{name!r}].sha256", "is not 32 bytes (of version 5)")
     need(m.get("session") is None or is_name(m["session"]), path, "session",
           "is neither nil nor a name")
     check_shared(m, path, version)
@@ -410,6 +430,9 @@ def check_commit(r: Any, *, path: str, version: int = FORMAT_VERSION) -> None:
              and is_uint(part.get("manifest_size")) and is_uint(part.get("manifest_xxh3")),
              path, f"parts[{i}]", f"is not {{rank: {i}, dir: {part_dir_name(i)!r}, "
              "manifest_size, manifest_xxh3}")
+        need("manifest_sha256" not in part or (version >= SHA256_FROM
+                                               and is_sha256(part["manifest_sha256"])),
+             path, f"parts[{i}].manifest_sha256", "is not 32 bytes (of version 5)")
     need(is_uint(r.get("bytes")), path, "bytes", "is not a byte count")
 
 

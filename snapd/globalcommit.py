@@ -119,8 +119,11 @@ def commit_record(parts: Dict[int, Tuple[Dict[str, Any], bytes]],
             "session": first["session"],
             "created": time.time() if created is None else created,
             "metric": first.get("metric"), "data_version": first.get("data_version"),
+            # Each part's manifest by size, xxh3 (damage) and SHA-256 (a forgery: a
+            # part's manifest rewritten with its files cannot keep this).
             "parts": [{"rank": r, "dir": fmt.part_dir_name(r), "manifest_size": len(data),
-                       "manifest_xxh3": fmt.checksum(data)}
+                       "manifest_xxh3": fmt.checksum(data),
+                       "manifest_sha256": fmt.sha256_of(data)}
                       for r, (_, data) in sorted(parts.items())],
             "bytes": sum(f["size"] for m, _ in parts.values() for f in m["files"].values())}
 

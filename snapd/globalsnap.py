@@ -97,6 +97,14 @@ class GlobalSnapshot:
                                   f"{listed['manifest_xxh3']}); rank {rank}'s part is "
                                   "damaged or replaced, use an older snapshot",
                                   path=manifest_path, field=f"parts[{rank}]")
+        want = listed.get("manifest_sha256")
+        if want is not None and fmt.sha256_of(data) != want:
+            raise CorruptSnapshot(f"{manifest_path}: SHA-256 {fmt.sha256_of(data).hex()} "
+                                  f"differs from field parts[{rank}].manifest_sha256 of "
+                                  f"{fmt.COMMIT_NAME} ({want.hex()}), though its size and "
+                                  f"xxh3 match: rank {rank}'s manifest was forged; use an "
+                                  "older snapshot", path=manifest_path,
+                                  field=f"parts[{rank}].manifest_sha256")
         reader = SnapshotReader(part_dir, None if self._check_files else [])
         for key in SHARED_FIELDS:
             if reader.manifest.get(key) != self.record.get(key):

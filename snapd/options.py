@@ -30,7 +30,7 @@ Every = Union[None, int, str]  # None, a step count N, or "auto"
 # The options a client sends with each submit: the run's writer and retention
 # settings, which the daemon applies to that run's snapshots only.
 SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
-                  "best_mode", "hot_restore", "share_unchanged")
+                  "best_mode", "hot_restore", "share_unchanged", "sha256")
 # The options the training process acts on itself (its handoff, log, restore, waits).
 CLIENT_OPTIONS = ("mode", "on_busy", "slots", "copy_threads", "daemon",
                   "log_flush_interval", "log_segment_bytes", "replay_check",
@@ -78,6 +78,11 @@ class Options:
     # whose bytes the newest snapshot holds (snapd/sharing.py); False copies and
     # writes every tensor every time (each snapshot stands alone on disk).
     share_unchanged: bool = True
+    # Tamper evidence: the writer records the SHA-256 of every file it writes (and
+    # the log, of the manifest), and restore checks them. False saves the daemon
+    # about 0.5 CPU-seconds per GiB written; the snapshot is then checked by xxh3
+    # alone, which catches damage but not a forgery (docs/operations.md).
+    sha256: bool = True
     # Remote tier (docs/remote.md): committed snapshots replicated to an fsspec URL.
     remote: Optional[str] = None  # s3://bucket/prefix or file:///shared/path; None: off
     remote_keep_last: int = 2     # remote retention: the newest N remote commits; 0: all

@@ -34,6 +34,7 @@ from snapd.commit import CommitService
 from snapd.diskguard import space_for
 from snapd.errors import InvalidOption, SnapdError
 from snapd.options import Options, given_daemon_options
+from snapd.logdigests import LoggedDigests
 from snapd.progress import RunProgress, read_progress
 from snapd.retention import apply_retention
 from snapd.runlock import RunLock
@@ -503,8 +504,10 @@ class Client:
             if self._handoff is not None and self.options.hot_restore:
                 hot, self.not_hot = hot_offer(lambda: self._handoff.connect(spawn=False),
                                               self.run, self.rank)  # never starts one
+            logged = None
             try:
                 self.recovery = read_progress(self.store, self.rank)  # the log only
+                logged = LoggedDigests(self.store.path, self.rank)
                 loaded = load_for_resume(self.store, self._tracked, self.rng,
                                          data_version=self.data_version,
                                          need_cursor=self._stream is not None,
@@ -512,11 +515,15 @@ class Client:
                                          reached=self.recovery.furthest,
                                          verify_steps=self.options.verify_steps,
                                          base=self._base,
-                                         defer=self._deferred(overlap))
+                                         defer=self._deferred(overlap),
+                                         logged=logged)
             except BaseException:
                 if hot is not None:
                     hot.close()
                 raise
+            finally:
+                if logged is not None:
+                    logged.close()
             if hot is not None and not (loaded is not None and loaded.deferred):
                 hot.close()   # else the background read closes it when it ends
             if loaded is None:

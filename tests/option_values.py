@@ -16,7 +16,7 @@ def non_default_values(remote: str = "file:///srv/snapd-remote") -> Dict[str, An
         # submit
         "compression": 3, "chunk_bytes": 8192, "keep_last": 5, "keep_every": 10,
         "keep_best": 1, "best_mode": "max", "hot_restore": False,
-        "share_unchanged": False,
+        "share_unchanged": False, "sha256": False,
         # client
         "mode": "overlap", "on_busy": "skip", "slots": 2, "copy_threads": 2,
         "daemon": False, "log_flush_interval": 0.5, "log_segment_bytes": 1 << 20,

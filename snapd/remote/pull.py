@@ -302,11 +302,16 @@ def _download(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
                                   "is damaged, use an older one", path=where, field="size")
     top = os.path.join(tmp, record["top"])
     with open(top, "rb") as handle:
-        if fmt.checksum(handle.read()) != record["top_xxh3"]:
-            where = remote.where(remote.file_path(run, name, record["top"]))
-            raise CorruptSnapshot(f"{where}: its xxh3 is not the remote commit record's "
-                                  "top_xxh3; the remote snapshot is damaged, use an older "
-                                  "one", path=where, field="top_xxh3")
+        top_bytes = handle.read()
+    where = remote.where(remote.file_path(run, name, record["top"]))
+    if fmt.checksum(top_bytes) != record["top_xxh3"]:
+        raise CorruptSnapshot(f"{where}: its xxh3 is not the remote commit record's "
+                              "top_xxh3; the remote snapshot is damaged, use an older "
+                              "one", path=where, field="top_xxh3")
+    if "top_sha256" in record and fmt.sha256_of(top_bytes) != record["top_sha256"]:
+        raise CorruptSnapshot(f"{where}: its SHA-256 is not the remote commit record's "
+                              "top_sha256, though its xxh3 is: the file was replaced; "
+                              "use an older snapshot", path=where, field="top_sha256")
 
 
 def _verify(remote: RemoteRoot, run: str, sid: SnapshotId, record: Dict[str, Any],
