@@ -38,18 +38,24 @@ from snapd.humanize import human_bytes
 Advance = Optional[Callable[[int], None]]
 
 
-def check(root: Root, snap: Snap, advance: Advance = None) -> Dict[str, Any]:
+def check(root: Root, snap: Snap, advance: Advance = None,
+          logs: Optional[str] = None) -> Dict[str, Any]:
     """Verify one snapshot; a plain-data verdict (``ok``, and ``error``/``file``/``field``,
     and for a multi-rank snapshot ``world_size`` and the ``rank`` whose part failed).
     On a root behind a URL the files are pulled into a temporary directory (which
-    checks every size and checksum as it commits them there) and checked there."""
+    checks every size and checksum as it commits them there) and checked there.
+    ``logs``: the root's logs (``root.logs()``), against which a one-rank manifest's
+    SHA-256 is checked as restore checks it (``log``: "match", "no record")."""
     result: Dict[str, Any] = {"snapshot": snap.label, "path": snap.where, "ok": False,
                               "bytes": None, "error": None, "file": None, "field": None,
                               "world_size": None, "rank": None, "owned_bytes": None,
-                              "shared_bytes": 0, "shared_with": [], "sha256": None}
+                              "shared_bytes": 0, "shared_with": [], "sha256": None,
+                              "log": None}
     try:
         with root.files(snap) as path:
             _check_directory(path, result, advance)
+            if logs is not None and result["world_size"] == 1:
+                result["log"] = verifysha.against_log(path, snap, logs)
         result["ok"] = True
     except SnapdError as e:   # CorruptSnapshot, and DanglingReference (refs check)
         where = f"rank {result['rank']}: " if result["rank"] is not None else ""
@@ -116,6 +122,8 @@ def checked_text(r: Dict[str, Any]) -> str:
     if r.get("sha256"):
         text += f", SHA-256 {r['sha256']}" if r["sha256"] == "checked" else \
             f", {r['sha256']}"
+    if r.get("log") == "match":
+        text += ", manifest as logged"
     if r.get("shared_bytes"):
         text += (f", {human_bytes(r['shared_bytes'])} of them shared with "
                  + ", ".join(r["shared_with"]))
@@ -152,8 +160,14 @@ def _planned_bytes(root: Root, targets: List[Snap]) -> int:
 
 def run_checks(root: Root, targets: List[Snap], show_progress: bool
                ) -> List[Dict[str, Any]]:
+    with root.logs() as logs:
+        return _run_checks(root, targets, show_progress, logs)
+
+
+def _run_checks(root: Root, targets: List[Snap], show_progress: bool,
+                logs: str) -> List[Dict[str, Any]]:
     if not show_progress:
-        return [check(root, snap) for snap in targets]
+        return [check(root, snap, logs=logs) for snap in targets]
     progress = Progress(TextColumn("verify {task.description}"), BarColumn(),
                         DownloadColumn(binary_units=True), TransferSpeedColumn(),
                         TimeRemainingColumn(), console=Console(stderr=True),
@@ -163,7 +177,7 @@ def run_checks(root: Root, targets: List[Snap], show_progress: bool
         task = progress.add_task("", total=_planned_bytes(root, targets) or None)
         for snap in targets:
             progress.update(task, description=snap.label)
-            results.append(check(root, snap, lambda n: progress.advance(task, n)))
+            results.append(check(root, snap, lambda n: progress.advance(task, n), logs))
     return results
 
 

@@ -51,7 +51,7 @@ def audit(root: Root, snap: Snap) -> Dict[str, Any]:
                               "file": None, "field": None}
     try:
         with root.files(snap) as path, root.logs() as logs:
-            _audit_directory(path, snap.name, _run_dir(snap, logs), result)
+            _audit_directory(path, snap.name, run_dir_of(snap, logs), result)
         result["ok"] = True
     except SnapdError as e:
         result.update(error=str(e), file=e.path, field=e.field)
@@ -61,7 +61,7 @@ def audit(root: Root, snap: Snap) -> Dict[str, Any]:
     return result
 
 
-def _run_dir(snap: Snap, logs: str) -> Optional[str]:
+def run_dir_of(snap: Snap, logs: str) -> Optional[str]:
     """Where the run's log is: under the root's logs, or for a directory given by
     path, the run directory above its ``snapshots/`` (None outside a run layout)."""
     if snap.run:
@@ -94,6 +94,14 @@ def _audit_directory(path: str, name: str, run_dir: Optional[str],
     data = read_manifest_bytes(path)
     manifest = _audit_files(path, data, result)
     result["log"] = _against_log(path, name, data, manifest, run_dir)
+
+
+def against_log(path: str, snap: Snap, logs: str) -> str:
+    """A one-rank snapshot's manifest at ``path`` against the log's record of its
+    commit: "match" or "no record"; CorruptSnapshot when they differ."""
+    data = read_manifest_bytes(path)
+    manifest = fmt.decode_manifest(data, path=os.path.join(path, fmt.MANIFEST_NAME))
+    return _against_log(path, snap.name, data, manifest, run_dir_of(snap, logs))
 
 
 def _against_log(path: str, name: str, data: bytes, manifest: Dict[str, Any],
