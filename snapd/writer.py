@@ -11,7 +11,6 @@ I/O where the buffer and the filesystem allow (``snapd/blockfile.py``).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import shutil
@@ -30,6 +29,7 @@ from snapd.compression import CompressionPolicy
 from snapd.errors import CorruptSnapshot, SnapdError, SnapshotExists
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
+from snapd.shapipe import Sha256Pipe
 from snapd.reader import SnapshotReader, read_commit
 from snapd.store import DAMAGED_PREFIX, TMP_PREFIX, RunStore
 
@@ -46,11 +46,12 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
     tensor of the object is written to it.
 
     With ``opts.sha256`` the file's SHA-256 is taken as its bytes pass, in file order
-    (header, each chunk, the zeros after each), never by reading the file back."""
+    (header, each chunk, the zeros after each), never by reading the file back, on a
+    thread beside the writes (snapd/shapipe.py)."""
     name = f"{obj.name}{fmt.TENSOR_FILE_SUFFIX}"
     policy = CompressionPolicy(opts.compression)
     file_digest = fmt.FileDigest(fmt.FORMAT_VERSION)
-    sha = hashlib.sha256() if opts.sha256 else None
+    sha = Sha256Pipe() if opts.sha256 else None
     entries, own = [], 0
     out = BlockFile(os.path.join(directory, name))
     try:
@@ -71,9 +72,15 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
             entries.append(_write_tensor(out, t, found, policy, opts, file_digest, progress,
                                          sha))
         out.sync()
+    except BaseException:
+        if sha is not None:
+            sha.close()
+        raise
     finally:
         out.close()
     if not own:   # every tensor is elsewhere: no file of its own
+        if sha is not None:
+            sha.close()
         os.unlink(os.path.join(directory, name))
         return {"file": None, "tensors": entries, "size": 0, "xxh3": 0}
     return {"file": name, "tensors": entries, "size": out.end,
@@ -84,13 +91,12 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
 _ZEROS = bytes(fmt.CHUNK_ALIGN)
 
 
-def _sha_update(sha: Any, data, pad: int) -> None:
-    """Feed the file's SHA-256 ``data`` (unless the caller fed it already: None) and
-    the ``pad`` zeros BlockFile wrote after it."""
+def _sha_update(sha: Optional[Sha256Pipe], data, pad: int) -> None:
+    """Feed the file's SHA-256 ``data`` and the ``pad`` zeros BlockFile wrote after
+    it (the bytes of the file, in its order)."""
     if sha is None:
         return
-    if data is not None:
-        sha.update(data)
+    sha.update(data)
     if pad:
         sha.update(memoryview(_ZEROS)[:pad])
 
@@ -121,7 +127,7 @@ def _committed_bytes(obj: str, t: TensorSource, opts: Options,
 
 def _write_tensor(out: BlockFile, t: TensorSource, ids: list, policy: CompressionPolicy,
                   opts: Options, file_digest: fmt.FileDigest,
-                  progress: Progress, sha: Any = None) -> Dict[str, Any]:
+                  progress: Progress, sha: Optional[Sha256Pipe] = None) -> Dict[str, Any]:
     """One tensor's chunks appended to the object's file; returns its entry. ``sha``:
     the file's SHA-256, fed each chunk's stored bytes and the zeros after it."""
     level = policy.level_for(t.data, opts.chunk_bytes)
@@ -130,13 +136,12 @@ def _write_tensor(out: BlockFile, t: TensorSource, ids: list, policy: Compressio
         raw = t.data[start:start + opts.chunk_bytes]
         stored, codec = fmt.encode_chunk(raw, level)
         if codec == fmt.CODEC_RAW:
-            digest = _raw_chunk_digest(raw, raw_digest, sha)
+            digest = _raw_chunk_digest(raw, raw_digest)
         else:
             digest = fmt.checksum(stored)
             raw_digest.update(raw)  # just compressed: still in cache
-            _sha_update(sha, stored, 0)
         offset = out.append(stored)
-        _sha_update(sha, None, out.end - offset - len(stored))
+        _sha_update(sha, stored, out.end - offset - len(stored))
         file_digest.chunk(stored, digest)
         chunks.append([offset, len(stored), len(raw), codec, digest] +
                       ([chunk_id] if chunk_id is not None else []))
@@ -148,18 +153,16 @@ def _write_tensor(out: BlockFile, t: TensorSource, ids: list, policy: Compressio
 HASH_PIECE = 256 << 10   # hashed for both digests while in a core's L2
 
 
-def _raw_chunk_digest(raw: memoryview, raw_digest: Any, sha: Any = None) -> int:
-    """A raw chunk's digest, feeding the tensor's raw digest (and the file's SHA-256,
-    when taken) the same bytes, piece by piece: one pass over memory for all. Two
-    passes over the whole chunk cost 180 ms per GiB here, this 135 ms: the daemon's
-    write competes with the trainer's memory-bound optimizer step for the same memory."""
+def _raw_chunk_digest(raw: memoryview, raw_digest: Any) -> int:
+    """A raw chunk's digest, feeding the tensor's raw digest the same bytes, piece by
+    piece: one pass over memory for the two. Two passes over the whole chunk cost
+    180 ms per GiB here, this 135 ms: the daemon's write competes with the trainer's
+    memory-bound optimizer step for the same memory."""
     chunk = xxhash.xxh3_64()
     for at in range(0, len(raw), HASH_PIECE):
         piece = raw[at:at + HASH_PIECE]
         chunk.update(piece)
         raw_digest.update(piece)
-        if sha is not None:
-            sha.update(piece)
     return chunk.intdigest()
 
 
