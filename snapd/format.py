@@ -11,13 +11,15 @@ b"SNAPDGC\\0", versions 3 to 5 read)::
     offset  size  field
     0       8     magic  b"SNAPDMF\\0"
     8       4     format version, u32 little-endian (5; 1 to 4 are still read)
-    12      4     flags, u32 (written 0, not read)
+    12      4     flags, u32 (v5: bit 0, SIGNED; below v5 written 0, not read)
     16      8     payload length P, u64
     24      8     xxh3-64 of the payload, u64
     32      P     payload: one msgpack map (see docs/format.md)
+    32+P    40    v5, SIGNED only: key id (8 bytes), then the HMAC-SHA-256 of bytes
+                  0 .. 32+P under that key (32 bytes); snapd/signing.py checks it
 
 A manifest is valid if and only if the magic matches, the version is in
-READABLE_VERSIONS, the file is exactly 32 + P bytes, the checksum holds, and the
+READABLE_VERSIONS, the file is exactly 32 + P bytes (32 + P + 40 when signed), the checksum holds, and the
 payload passes :func:`check_manifest` for that version (its ``format`` equal to the
 header's; ``shared`` entries and six-item chunk entries only in v4).
 
@@ -43,7 +45,7 @@ import math
 import re
 import struct
 import threading
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import msgpack
 import xxhash
@@ -64,6 +66,7 @@ COMMIT_VERSIONS = (3, 4, 5)   # a commit record of a multi-rank snapshot
 # entries carry an identity).
 SHAREABLE_VERSIONS = (4, 5)
 SHA256_FROM = 5     # the first version whose files and parts may carry a SHA-256
+SIGNED_FROM = 5     # ... and whose manifests and records may be signed
 SHA256_BYTES = 32
 CHUNK_ID_BYTES = 16
 # A committed snapshot's directory name: the step as 8+ digits, then .L<lineage> when
@@ -81,6 +84,9 @@ HEADER_BYTES = 32
 TENSOR_FILE_SUFFIX = ".tensors"
 CODEC_RAW, CODEC_ZSTD = "raw", "zstd"
 MAX_MANIFEST_BYTES = 256 << 20
+FLAG_SIGNED = 1        # v5 header flag: a signature trailer follows the payload
+KEY_ID_BYTES = 8
+SIGNATURE_BYTES = KEY_ID_BYTES + 32   # key id, HMAC-SHA-256
 
 # The format's element types, by name, and their sizes in bytes. Writing and checking
 # a snapshot needs only this table, so the daemon, which moves bytes, never imports
@@ -145,15 +151,30 @@ def snapshot_name_of(m: Dict[str, Any]) -> str:
 
 # --- manifest ---------------------------------------------------------------------
 
-def encode_manifest(manifest: Dict[str, Any]) -> bytes:
-    return _framed(MANIFEST_MAGIC, manifest)
+def encode_manifest(manifest: Dict[str, Any], signer: Any = None) -> bytes:
+    """``signer``: a key that signs (snapd/signing.py ``Keys`` with a signing key), or
+    None for an unsigned manifest."""
+    return _framed(MANIFEST_MAGIC, manifest, signer)
 
 
-def _framed(magic: bytes, value: Dict[str, Any]) -> bytes:
+def _framed(magic: bytes, value: Dict[str, Any], signer: Any = None) -> bytes:
     payload = msgpack.packb(value, use_bin_type=True)
-    header = _MANIFEST_HEADER.pack(magic, FORMAT_VERSION, 0, len(payload),
-                                   checksum(payload))
-    return header + payload
+    header = _MANIFEST_HEADER.pack(magic, FORMAT_VERSION,
+                                   FLAG_SIGNED if signer is not None else 0,
+                                   len(payload), checksum(payload))
+    if signer is None:
+        return header + payload
+    return header + payload + signer.signature(header + payload)
+
+
+def signature_of(data: bytes) -> Optional[Tuple[bytes, bytes, bytes]]:
+    """A framed file's signature as ``(key id, HMAC, the bytes it covers)``, or None
+    when it is unsigned (or of a version before 5). The file must have decoded."""
+    _magic, version, flags, length, _digest = _MANIFEST_HEADER.unpack_from(data)
+    if version < SIGNED_FROM or not flags & FLAG_SIGNED:
+        return None
+    end = HEADER_BYTES + length
+    return data[end:end + KEY_ID_BYTES], data[end + KEY_ID_BYTES:], data[:end]
 
 
 def decode_manifest(data: bytes, *, path: str) -> Dict[str, Any]:
@@ -164,9 +185,9 @@ def decode_manifest(data: bytes, *, path: str) -> Dict[str, Any]:
     return manifest
 
 
-def encode_commit(record: Dict[str, Any]) -> bytes:
+def encode_commit(record: Dict[str, Any], signer: Any = None) -> bytes:
     """A multi-rank snapshot's global commit record (docs/multirank.md)."""
-    return _framed(COMMIT_MAGIC, record)
+    return _framed(COMMIT_MAGIC, record, signer)
 
 
 def decode_commit(data: bytes, *, path: str) -> Dict[str, Any]:
@@ -183,7 +204,7 @@ def _unframe(data: bytes, magic_wanted: bytes, what: str, versions: Tuple[int, .
         raise CorruptSnapshot(f"{path}: {what} is {len(data)} bytes, shorter than its "
                               "32-byte header (truncated write?); use an older snapshot",
                               path=path, field="header")
-    magic, version, _flags, length, digest = _MANIFEST_HEADER.unpack_from(data)
+    magic, version, flags, length, digest = _MANIFEST_HEADER.unpack_from(data)
     if magic != magic_wanted:
         raise CorruptSnapshot(f"{path}: not a snapd {what} (magic {magic!r})",
                               path=path, field="magic")
@@ -191,11 +212,13 @@ def _unframe(data: bytes, magic_wanted: bytes, what: str, versions: Tuple[int, .
         raise CorruptSnapshot(f"{path}: {what} format version {version}; this snapd "
                               f"reads versions {list(versions)}. Upgrade snapd",
                               path=path, field="version")
-    if length != len(data) - HEADER_BYTES:
-        raise CorruptSnapshot(f"{path}: header declares a {length}-byte payload but the "
+    trailer = SIGNATURE_BYTES if version >= SIGNED_FROM and flags & FLAG_SIGNED else 0
+    if length != len(data) - HEADER_BYTES - trailer:
+        raise CorruptSnapshot(f"{path}: header declares a {length}-byte payload "
+                              f"{'and a signature ' if trailer else ''}but the "
                               f"file holds {len(data) - HEADER_BYTES} (truncated?)",
                               path=path, field="payload_length")
-    payload = data[HEADER_BYTES:]
+    payload = data[HEADER_BYTES:HEADER_BYTES + length]
     if checksum(payload) != digest:
         raise CorruptSnapshot(f"{path}: {what} checksum mismatch; the file is damaged",
                               path=path, field="checksum")

@@ -104,8 +104,10 @@ class SnapshotReader:
         manifest_path = os.path.join(path, fmt.MANIFEST_NAME)
         data = read_manifest_bytes(path)
         self.manifest: Dict[str, Any] = fmt.decode_manifest(data, path=manifest_path)
-        # What the state log's committed record holds of this manifest (hex).
+        # What the state log's committed record holds of this manifest (hex), and the
+        # bytes a signature covers (snapd/signing.py).
         self.manifest_sha256 = fmt.sha256_of(data).hex()
+        self.manifest_bytes = data
         files = None if objects is None else {
             self.objects[n]["file"] for n in objects
             if n in self.objects and self.objects[n].get("file") is not None}

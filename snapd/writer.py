@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import xxhash
 
 from snapd import format as fmt
-from snapd import fsio, globalcommit, sharing
+from snapd import fsio, globalcommit, sharing, signing
 from snapd.blockfile import BlockFile
 # CommitResult is the commit service's; writers and their callers meet it here too.
 from snapd.commit import CommitResult, Progress, move_latest, publish, uncommit
@@ -294,7 +294,9 @@ def _write_directory(tmp: str, plan: SnapshotPlan, opts: Options, progress: Prog
                                                              resolver), with_tensors))
     written = {o.name: r for o, r in zip(with_tensors, results)}
     # 2. The manifest last: its presence means every file it lists is durable.
-    manifest = fmt.encode_manifest(_manifest(plan, written))
+    # Signed when this process has a signing key (snapd/signing.py).
+    manifest = fmt.encode_manifest(_manifest(plan, written),
+                                   signing.load_keys(opts.signing_key_file))
     fsio.write_file_durable(os.path.join(tmp, fmt.MANIFEST_NAME), manifest)
     fsio.fsync_dir(tmp)
     return (sum(r["size"] for r in results),
@@ -334,7 +336,8 @@ def write_part(store: RunStore, plan: SnapshotPlan, opts: Options,
     want = {"run": plan.run, "step": plan.step, "lineage": plan.lineage,
             "world_size": plan.world_size, "session": plan.session,
             "data_version": plan.data_version}
-    complete = globalcommit.try_commit(store, sid, want, superseded=plan.supersedes)
+    complete = globalcommit.try_commit(store, sid, want, superseded=plan.supersedes,
+                                       signer=signing.load_keys(opts.signing_key_file))
     return CommitResult(sid, final, total, time.perf_counter() - t0, complete=complete)
 
 

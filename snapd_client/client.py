@@ -35,6 +35,7 @@ from snapd.diskguard import space_for
 from snapd.errors import InvalidOption, SnapdError
 from snapd.options import Options, given_daemon_options
 from snapd.logdigests import LoggedDigests
+from snapd.signing import load_keys
 from snapd.progress import RunProgress, read_progress
 from snapd.retention import apply_retention
 from snapd.runlock import RunLock
@@ -143,6 +144,9 @@ class Client:
         # The daemon-wide ones among them, which a running daemon must share (hello).
         given = given_daemon_options(self.options, option_overrides,
                                      handed=options is not None)
+        # Signed commits (snapd/signing.py): with a key, restore refuses what no
+        # accepted key signed. Loaded now, so that an unusable key fails here.
+        self._keys = load_keys(self.options.signing_key_file)
         self.rng = RngStreams()
         self._tracked: Dict[str, Any] = {}
         self._unchanged = Unchanged()   # frozen leaves an earlier snapshot holds
@@ -516,7 +520,7 @@ class Client:
                                          verify_steps=self.options.verify_steps,
                                          base=self._base,
                                          defer=self._deferred(overlap),
-                                         logged=logged)
+                                         logged=logged, keys=self._keys)
             except BaseException:
                 if hot is not None:
                     hot.close()
@@ -626,7 +630,7 @@ class Client:
             return None
         return pull_newer(self.store, self.options.remote,
                           min_free_bytes=self.options.min_free_bytes,
-                          timeout=self.options.remote_timeout)
+                          timeout=self.options.remote_timeout, keys=self._keys)
 
     def _paused_warm_up(self):
         return self._handoff.paused() if self._handoff is not None else nullcontext()
@@ -726,7 +730,7 @@ class Client:
     def _warm_start(self) -> int:
         modules = {n: o for n, o in self._tracked.items() if isinstance(o, torch.nn.Module)}
         self._unchanged.forget()
-        loaded = load_weights(self.store, modules, base=self._base)
+        loaded = load_weights(self.store, modules, base=self._base, keys=self._keys)
         committed = self.store.committed()
         new_id = max((s.lineage for s in committed), default=-1) + 1
         parent = None

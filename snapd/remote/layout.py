@@ -123,8 +123,8 @@ def make_record(run: str, sid: SnapshotId, world_size: int, files: List[RemoteFi
                        for s in sorted(shared, key=lambda s: s.key)]}
 
 
-def encode_record(record: Dict[str, Any]) -> bytes:
-    return _framed(RECORD_MAGIC, record)
+def encode_record(record: Dict[str, Any], signer: Any = None) -> bytes:
+    return _framed(RECORD_MAGIC, record, signer)
 
 
 def decode_record(data: bytes, *, where: str, run: str, name: str) -> Dict[str, Any]:
@@ -195,8 +195,8 @@ def decode_part(data: bytes, *, where: str) -> Dict[str, Any]:
     return part
 
 
-def _framed(magic: bytes, value: Dict[str, Any]) -> bytes:
-    return fmt._framed(magic, value)
+def _framed(magic: bytes, value: Dict[str, Any], signer: Any = None) -> bytes:
+    return fmt._framed(magic, value, signer)
 
 
 class RemoteRoot:
@@ -331,9 +331,16 @@ class RemoteRoot:
         return decode_record(self.read_small(path), where=self.where(path), run=run,
                              name=name)
 
-    def write_record(self, run: str, name: str, record: Dict[str, Any]) -> None:
-        """The remote commit: one small object, written after every file is up."""
-        self.fs.pipe_file(self.record_path(run, name), encode_record(record))
+    def write_record(self, run: str, name: str, record: Dict[str, Any],
+                     signer: Any = None) -> None:
+        """The remote commit: one small object, written after every file is up;
+        signed with ``signer``'s key when given (snapd/signing.py)."""
+        self.fs.pipe_file(self.record_path(run, name), encode_record(record, signer))
+
+    def record_bytes(self, run: str, name: str) -> bytes:
+        """The snapshot's remote commit record as stored (its signature is checked on
+        these bytes)."""
+        return self.read_small(self.record_path(run, name))
 
     def read_small(self, path: str, limit: int = MAX_RECORD_BYTES) -> bytes:
         """A small object (a record, a manifest), refused unread beyond ``limit``."""
