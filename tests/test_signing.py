@@ -6,12 +6,15 @@ key nothing changes. (The remote commit record: tests/integration/test_signed_re
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
 import pytest
+from click.testing import CliRunner
 
 from snapd import format as fmt
+from snapd.cli import main
 from snapd.errors import CorruptSnapshot, InvalidOption, UntrustedSnapshot
 from snapd.reader import SnapshotReader
 from snapd.signing import KEY_VARIABLE, Keys, key_id, load_keys
@@ -81,6 +84,8 @@ def test_a_signed_manifest_carries_the_key_id_and_an_hmac_of_its_bytes(tmp_path,
     assert signed == data[:-fmt.SIGNATURE_BYTES]
     Keys(KEY.encode(), []).check(data, path="m", what="manifest")   # verifies
     read_manifest(snapshot_dir(root, 2))   # still a valid manifest to every reader
+    shown = CliRunner().invoke(main, ["inspect", "r@2", "--root", root, "--json"])
+    assert json.loads(shown.output)["signed_by"] == kid.hex()
 
 
 @pytest.mark.parametrize("newest", ["unsigned", "other key", "changed after signing"])

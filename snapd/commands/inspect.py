@@ -58,7 +58,14 @@ def summary(path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
             "shared_bytes": use.shared, "shared_with": use.shared_with,
             "files": files_info(manifest),
             "manifest_sha256": fmt.sha256_of(read_manifest_bytes(path)).hex(),
+            "signed_by": _signed_by(read_manifest_bytes(path)),
             "files_problem": None}
+
+
+def _signed_by(data: bytes) -> Optional[str]:
+    """The key id (hex) the manifest is signed with (snapd/signing.py), or None."""
+    found = fmt.signature_of(data)
+    return found[0].hex() if found is not None else None
 
 
 def _shared_from(manifest: Dict[str, Any], t: Dict[str, Any]) -> Optional[str]:
