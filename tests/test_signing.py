@@ -11,15 +11,25 @@ import os
 import warnings
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from snapd import format as fmt
 from snapd.cli import main
 from snapd.errors import CorruptSnapshot, InvalidOption, UntrustedSnapshot
+from snapd.options import Options
+from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.reader import SnapshotReader
 from snapd.signing import KEY_VARIABLE, Keys, key_id, load_keys
+from snapd.store import RunStore
+from snapd.writer import write_snapshot
 from snapd_client import Client
+from snapd_client.capture import tensor_bytes
+from snapd_client.distrestore import Parts, prepare
 from snapd_client.restore import FallbackWarning
+from snapd_client.rng import RngStreams
+from snapd_client.state import flatten
+from snapd_client.values import type_name
 
 from helpers import (assert_equal, read_manifest, small_model_and_opt, small_train_step,
                      write_manifest_raw)
@@ -153,3 +163,37 @@ def test_an_unusable_key_is_refused_at_once_naming_where_it_came_from(tmp_path,
                signing_key_file=str(tmp_path / "absent"))
     assert missing.value.field == "signing_key_file"
     assert issubclass(UntrustedSnapshot, CorruptSnapshot)   # refused like damage
+
+
+def write_two_rank_snapshot(root: str, options: Options) -> str:
+    """A snapshot of two ranks (each its part; the last commits it globally)."""
+    store = RunStore(root, "r")
+    store.ensure()
+    for rank in range(2):
+        flat = flatten({"weight": torch.full((2, 2), float(rank)), "bias": torch.zeros(2)},
+                       "model")
+        tensors = [TensorSource(p, "float32", list(t.shape), tensor_bytes(t))
+                   for p, t in zip(flat.paths, flat.tensors)]
+        plan = SnapshotPlan(run="r", step=5, lineage={"id": 0, "mode": "fresh",
+                                                      "parent": None},
+                            objects=[ObjectPlan("model", type_name(torch.nn.Linear(2, 2)),
+                                                flat.skeleton, tensors)],
+                            rng=RngStreams().capture(), rank=rank, world_size=2,
+                            session="s")
+        write_snapshot(store, plan, options)
+    return store.snapshot_path(store.committed()[-1])
+
+
+def test_many_ranks_the_commit_record_and_each_part_are_signed_and_checked(tmp_path):
+    keys_path = key_file(tmp_path, KEY)
+    keys = load_keys(keys_path, {})
+    signed = write_two_rank_snapshot(str(tmp_path / "signed"),
+                                     Options(signing_key_file=keys_path))
+    got = prepare(Parts(signed), 1, 2, {"model": torch.nn.Linear(2, 2)}, RngStreams(),
+                  data_version=None, stream=None, omit=set(), keys=keys)
+    assert torch.equal(got.states["model"]["weight"], torch.ones(2, 2))
+    unsigned = write_two_rank_snapshot(str(tmp_path / "unsigned"), Options())
+    with pytest.raises(UntrustedSnapshot) as refused:
+        prepare(Parts(unsigned), 1, 2, {"model": torch.nn.Linear(2, 2)}, RngStreams(),
+                data_version=None, stream=None, omit=set(), keys=keys)
+    assert refused.value.path == os.path.join(unsigned, fmt.COMMIT_NAME)
