@@ -143,6 +143,9 @@ def test_the_log_records_each_committed_manifests_sha256(tmp_path):
     for r in records:
         manifest = os.path.join(root, "r", "snapshots", r["name"], fmt.MANIFEST_NAME)
         assert r["manifest_sha256"] == hashlib.sha256(open(manifest, "rb").read()).hexdigest()
+    listed = CliRunner().invoke(main, ["ls", "--root", root, "--json"])
+    assert {row["name"]: row["sha256"] for row in json.loads(listed.output)["snapshots"]} \
+        == {r["name"]: r["manifest_sha256"] for r in records}
 
 
 def test_verify_checks_sha256_and_audits_against_the_log(tmp_path):
