@@ -197,3 +197,20 @@ def test_many_ranks_the_commit_record_and_each_part_are_signed_and_checked(tmp_p
         prepare(Parts(unsigned), 1, 2, {"model": torch.nn.Linear(2, 2)}, RngStreams(),
                 data_version=None, stream=None, omit=set(), keys=keys)
     assert refused.value.path == os.path.join(unsigned, fmt.COMMIT_NAME)
+
+
+def test_verify_with_a_key_in_the_environment_checks_signatures(tmp_path, monkeypatch):
+    root = str(tmp_path / "root")
+    take(root, [2, 4], monkeypatch, {2: KEY, 4: None})
+    monkeypatch.setenv(KEY_VARIABLE, KEY)
+    for quick in ([], ["--sha256"]):
+        result = CliRunner().invoke(main, ["verify", *quick, "--all", "--root", root,
+                                           "--json"])
+        assert result.exit_code == 1, result.output
+        two, four = json.loads(result.output)["snapshots"]
+        assert two["ok"] and two["signed_by"] == key_id(KEY.encode()).hex()
+        assert not four["ok"] and four["field"] == "signature" and \
+            four["file"] == os.path.join(snapshot_dir(root, 4), fmt.MANIFEST_NAME)
+    monkeypatch.delenv(KEY_VARIABLE)
+    result = CliRunner().invoke(main, ["verify", "--all", "--root", root])
+    assert result.exit_code == 0, result.output   # without a key, nothing is required

@@ -28,6 +28,8 @@ from snapd.commands import verifysha
 from snapd.commands.common import ROOT_HELP, emit_json
 from snapd.commands.locate import every_commit, resolve, root_of
 from snapd.errors import SnapdError
+from snapd.options import Options
+from snapd.signing import Keys, load_keys
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.reader import SnapshotReader, check_name_matches
 from snapd.roots import Root, Snap
@@ -39,21 +41,24 @@ Advance = Optional[Callable[[int], None]]
 
 
 def check(root: Root, snap: Snap, advance: Advance = None,
-          logs: Optional[str] = None) -> Dict[str, Any]:
+          logs: Optional[str] = None, keys: Optional[Keys] = None) -> Dict[str, Any]:
     """Verify one snapshot; a plain-data verdict (``ok``, and ``error``/``file``/``field``,
     and for a multi-rank snapshot ``world_size`` and the ``rank`` whose part failed).
     On a root behind a URL the files are pulled into a temporary directory (which
     checks every size and checksum as it commits them there) and checked there.
     ``logs``: the root's logs (``root.logs()``), against which a one-rank manifest's
-    SHA-256 is checked as restore checks it (``log``: "match", "no record")."""
+    SHA-256 is checked as restore checks it (``log``: "match", "no record");
+    ``keys``: this process's signing keys, with which the manifest (or commit record)
+    must be signed, as a client with them requires (``signed_by``: the key id)."""
     result: Dict[str, Any] = {"snapshot": snap.label, "path": snap.where, "ok": False,
                               "bytes": None, "error": None, "file": None, "field": None,
                               "world_size": None, "rank": None, "owned_bytes": None,
                               "shared_bytes": 0, "shared_with": [], "sha256": None,
-                              "log": None}
+                              "log": None, "signed_by": None}
     try:
         with root.files(snap) as path:
             _check_directory(path, result, advance)
+            result["signed_by"] = verifysha.check_signature(path, keys)
             if logs is not None and result["world_size"] == 1:
                 result["log"] = verifysha.against_log(path, snap, logs)
         result["ok"] = True
@@ -158,16 +163,16 @@ def _planned_bytes(root: Root, targets: List[Snap]) -> int:
     return total
 
 
-def run_checks(root: Root, targets: List[Snap], show_progress: bool
-               ) -> List[Dict[str, Any]]:
+def run_checks(root: Root, targets: List[Snap], show_progress: bool,
+               keys: Optional[Keys] = None) -> List[Dict[str, Any]]:
     with root.logs() as logs:
-        return _run_checks(root, targets, show_progress, logs)
+        return _run_checks(root, targets, show_progress, logs, keys)
 
 
 def _run_checks(root: Root, targets: List[Snap], show_progress: bool,
-                logs: str) -> List[Dict[str, Any]]:
+                logs: str, keys: Optional[Keys]) -> List[Dict[str, Any]]:
     if not show_progress:
-        return [check(root, snap, logs=logs) for snap in targets]
+        return [check(root, snap, logs=logs, keys=keys) for snap in targets]
     progress = Progress(TextColumn("verify {task.description}"), BarColumn(),
                         DownloadColumn(binary_units=True), TransferSpeedColumn(),
                         TimeRemainingColumn(), console=Console(stderr=True),
@@ -177,7 +182,8 @@ def _run_checks(root: Root, targets: List[Snap], show_progress: bool,
         task = progress.add_task("", total=_planned_bytes(root, targets) or None)
         for snap in targets:
             progress.update(task, description=snap.label)
-            results.append(check(root, snap, lambda n: progress.advance(task, n), logs))
+            results.append(check(root, snap, lambda n: progress.advance(task, n), logs,
+                                 keys))
     return results
 
 
@@ -199,7 +205,9 @@ def verify(snapshot: Optional[str], all_: bool, run: Optional[str], root: Option
     good, 1 when any snapshot is damaged (naming the file, tensor and chunk), 2 when
     there is nothing to verify. Files of format 5 are checked against their SHA-256
     too ("no SHA-256 recorded" for older ones); --sha256 checks only those, and the
-    manifest against the state log (docs/operations.md, "Tamper evidence").
+    manifest against the state log (docs/operations.md, "Tamper evidence"). With a
+    signing key in the environment (SNAPD_SIGNING_KEY or SNAPD_SIGNING_KEY_FILE), each
+    manifest or commit record must be signed with an accepted key.
 
     SNAPSHOT is a snapshot directory, RUN/NAME or RUN@STEP (gpt/00001200, gpt@1200),
     RUN or RUN@latest (its LATEST), or RUN@best, relative to --root. On a root behind
@@ -213,8 +221,10 @@ def verify(snapshot: Optional[str], all_: bool, run: Optional[str], root: Option
         click.echo("no committed snapshot to verify", err=True)
         raise SystemExit(2)
     show = sys.stderr.isatty() if progress is None else progress
-    results = [verifysha.audit(found, snap) for snap in targets] if sha256_only else \
-        run_checks(found, targets, show)
+    # With a signing key (SNAPD_SIGNING_KEY, SNAPD_SIGNING_KEY_FILE), signatures too.
+    keys = load_keys(Options.resolve().signing_key_file)
+    results = [verifysha.audit(found, snap, keys) for snap in targets] if sha256_only \
+        else run_checks(found, targets, show, keys)
     bad = [r for r in results if not r["ok"]]
     if as_json:
         emit_json({"ok": not bad, "snapshots": results})

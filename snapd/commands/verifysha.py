@@ -23,6 +23,7 @@ from snapd import format as fmt
 from snapd.errors import CorruptSnapshot, SnapdError
 from snapd.logdigests import LoggedDigests
 from snapd.roots import Root, Snap
+from snapd.signing import Keys
 from snapd.safefiles import open_regular, read_bounded, read_manifest_bytes
 
 PIECE = 4 << 20
@@ -42,16 +43,33 @@ def file_sha256(path: str) -> bytes:
         os.close(fd)
 
 
-def audit(root: Root, snap: Snap) -> Dict[str, Any]:
+def check_signature(path: str, keys: Optional[Keys]) -> Optional[str]:
+    """The key id (hex) that signed the snapshot at ``path`` (its manifest, or many
+    ranks' commit record), or None; with ``keys``, UntrustedSnapshot unless an
+    accepted key signed it (snapd/signing.py)."""
+    commit = os.path.join(path, fmt.COMMIT_NAME)
+    if os.path.lexists(commit):
+        top, data = commit, read_bounded(commit, "commit record")
+    else:
+        top, data = os.path.join(path, fmt.MANIFEST_NAME), read_manifest_bytes(path)
+    if keys is not None:
+        keys.check(data, path=top, what=os.path.basename(top))
+    found = fmt.signature_of(data)   # decoded already: its header is whole
+    return found[0].hex() if found is not None else None
+
+
+def audit(root: Root, snap: Snap, keys: Optional[Keys] = None) -> Dict[str, Any]:
     """One snapshot's SHA-256s against its manifest and the log; a plain verdict:
     ``ok``, ``log`` ("match", "no record"), ``files`` checked, ``unrecorded`` (files
-    without a SHA-256), and ``error``/``file``/``field`` of the first mismatch."""
+    without a SHA-256), ``signed_by``, and ``error``/``file``/``field`` of the first
+    mismatch. ``keys``: signatures checked too (:func:`check_signature`)."""
     result: Dict[str, Any] = {"snapshot": snap.label, "path": snap.where, "ok": False,
                               "log": None, "files": 0, "unrecorded": 0, "error": None,
-                              "file": None, "field": None}
+                              "file": None, "field": None, "signed_by": None}
     try:
         with root.files(snap) as path, root.logs() as logs:
             _audit_directory(path, snap.name, run_dir_of(snap, logs), result)
+            result["signed_by"] = check_signature(path, keys)
         result["ok"] = True
     except SnapdError as e:
         result.update(error=str(e), file=e.path, field=e.field)
