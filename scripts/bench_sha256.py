@@ -11,8 +11,10 @@ starts it); the two settings are two runs of it, each its own Client, alternated
 on both alike. Each Client takes an uncounted warm-up snapshot, then ``--reps``
 counted ones, each after 50 ms of matmuls: time to durable is from ``snapshot()`` to
 ``wait()`` returning, the daemon's CPU the change of its user + system time over the
-same span. Figures are medians. The load average before and after is printed: on a
-busy machine the figures mean little.
+same span. Figures are medians. Then each run's newest snapshot is restored once
+into a fresh model, from the files (``daemon=False``: no hot copy), its SHA-256s
+checked or, written with the option off, none: ``restore_s``. The load average before
+and after is printed: on a busy machine the figures mean little.
 """
 
 from __future__ import annotations
@@ -52,6 +54,19 @@ def one_client(root: str, model, opt, sha256: bool, reps: int, first_step: int
     return out
 
 
+def time_restore(root: str, sha256: bool, size: int, threads: int) -> float:
+    """One restore of the run's newest snapshot from its files, timed."""
+    from snapd_client import Client
+    model, opt = build_state(size, threads, step=False)
+    client = Client(root, "sha-on" if sha256 else "sha-off", daemon=False)
+    client.track(model=model, optimizer=opt)
+    t0 = time.perf_counter()
+    client.restore()
+    seconds = time.perf_counter() - t0
+    client.close()
+    return seconds
+
+
 def main(argv: List[str] | None = None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="1G")
@@ -71,6 +86,9 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
                 runs[setting] += one_client(root, model, opt, setting == "on",
                                             args.reps, step)
                 step += args.reps + 1
+        stop_daemon(root)
+        restores = {s: time_restore(root, s == "on", parse_size(args.size), args.threads)
+                    for s in ("on", "off")}
     finally:
         stop_daemon(root)
         shutil.rmtree(root, ignore_errors=True)
@@ -80,13 +98,16 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
         result[setting] = {k: median([s[k] for s in samples])
                            for k in ("durable_s", "daemon_cpu_s")}
         result[setting]["samples"] = samples
+        result[setting]["restore_s"] = restores[setting]
     result["durable_ratio"] = result["on"]["durable_s"] / result["off"]["durable_s"]
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{args.size}: time to durable sha256 on {result['on']['durable_s']:.3f} s, "
           f"off {result['off']['durable_s']:.3f} s (x{result['durable_ratio']:.2f}); "
           f"daemon CPU on {result['on']['daemon_cpu_s']:.3f} s, "
-          f"off {result['off']['daemon_cpu_s']:.3f} s; load average "
+          f"off {result['off']['daemon_cpu_s']:.3f} s; restore on "
+          f"{result['on']['restore_s']:.3f} s, off {result['off']['restore_s']:.3f} s; "
+          f"load average "
           f"{load_before[0]:.1f} before, {result['load_after'][0]:.1f} after")
     return result
 
