@@ -26,12 +26,13 @@ compressed chunk. A tensor of raw chunks has its raw bytes covered by the chunk
 digests already (a one-chunk tensor's digest must equal its chunk's); hashing it again
 in one sequential pass would halve the speed for nothing.
 
-A file whose manifest entry carries a SHA-256 (format v5) is then hashed once more, in
-file order, from the memory it was read into (the header, the zeros, each raw chunk's
-destination; a compressed chunk's stored bytes are read again from the page cache,
-which holds them: they were read buffered), files in parallel: no second read of the
-device, and only once every chunk has matched its xxh3, so a damaged file is reported
-by the cheaper check first. xxh3 finds damage; the SHA-256 finds bytes made to match
+A file whose manifest entry carries a SHA-256 (format v5) is also hashed in file
+order, by a thread of its own (:class:`_Hasher`), from the memory it is read into (the
+header, the zeros, each raw chunk's destination once its unit has verified it; a
+compressed chunk's stored bytes are read again from the page cache, which holds them:
+they were read buffered): no second read of the device, the hashing of each file
+beside the reads of the others and of its own later chunks. A unit that fails stops
+its file's hashing, so a damaged file is reported by xxh3, the cheaper check. xxh3 finds damage; the SHA-256 finds bytes made to match
 a rewritten manifest's xxh3 digests, which nobody can make match a SHA-256.
 
 Every unit has ended when :func:`read_files` returns or raises: the destinations may be
@@ -83,6 +84,9 @@ class FileRead:
     tensors: List[Dict[str, Any]]
     outs: List[Optional[memoryview]]
     units: List[Callable[[], int]] = field(default_factory=list)
+    # Per unit, the (offset, stored length, raw bytes or None: read again) of its
+    # chunks in file order: what the file's SHA-256 hashes once the unit verified them.
+    spans: List[List[Tuple[int, int, Optional[memoryview]]]] = field(default_factory=list)
     # Some of the file's tensors only (an earlier snapshot's file this one shares):
     # what lies between the header and the first of them is other tensors' chunks.
     partial: bool = False
@@ -117,8 +121,13 @@ def read_files(files: List[FileRead], progress: Optional[Callable[[int], None]] 
     units: List[Tuple[int, Callable[[], int]]] = []
     for i, f in enumerate(files):
         _plan(f)
+    hashers = [_Hasher(f) for f in files if f.sha256 is not None and not f.partial]
+    for i, f in enumerate(files):
         units += [(i, u) for u in f.units]
-    if not units:
+    if not units:   # no chunk to read; a file's header and zeros are still hashed
+        error = _end_hashers(hashers)
+        if error is not None:
+            raise error
         return
     workers = min(threads or reader_threads(), len(units))
     with ThreadPoolExecutor(workers, thread_name_prefix="snapd-read") as pool:
@@ -135,54 +144,88 @@ def read_files(files: List[FileRead], progress: Optional[Callable[[int], None]] 
                 continue
             if progress and done:
                 progress(done)
-        if first is None:
-            first = _check_sha256s(pool, [f for f in files
-                                          if f.sha256 is not None and not f.partial])
+    sha_error = _end_hashers(hashers)   # every unit has ended or was cancelled
+    first = first or sha_error
     if first is not None:
         raise first
 
 
-def _check_sha256s(pool: ThreadPoolExecutor, files: List[FileRead]
-                   ) -> Optional[BaseException]:
-    """Each file's SHA-256 against its manifest's, files in parallel; the first
-    failure in file order, or None."""
+def _end_hashers(hashers: List["_Hasher"]) -> Optional[BaseException]:
+    """Let every hasher finish (a unit cancelled never signals: released here), and
+    the first SHA-256 mismatch in file order, or None."""
+    for h in hashers:
+        h.release()
     first: Optional[BaseException] = None
-    for future in [pool.submit(_check_sha256, f) for f in files]:
-        try:
-            future.result()
-        except BaseException as e:  # every check ends before anything is raised
-            first = first or e
+    for h in hashers:
+        h.thread.join()
+        first = first or h.error
     return first
 
 
-def _check_sha256(f: FileRead) -> None:
-    """Hash the file in order from what was read: header, zeros, each chunk (a raw
-    chunk from its destination, verified already; a compressed one read again), the
-    zeros after it. Every chunk has matched its xxh3 and the padding is zero."""
-    sha = hashlib.sha256(f.header)
-    pos = len(f.header)
-    for t, out in zip(f.tensors, f.outs):
-        at = 0
-        for chunk in t["chunks"]:
-            offset, stored_len, raw_len = chunk[0], chunk[1], chunk[2]
-            sha.update(memoryview(_ZEROS)[:offset - pos])   # < 4096 by the tiling
-            if chunk[3] == fmt.CODEC_RAW and out is not None:
-                sha.update(out[at:at + raw_len])
-            else:
-                sha.update(os.pread(f.fd, stored_len, offset))
-            pos, at = offset + stored_len, at + raw_len
-    sha.update(memoryview(_ZEROS)[:f.size - pos])
-    if sha.digest() != f.sha256:
-        name = os.path.basename(f.path)
-        raise CorruptSnapshot(f"{f.path}: SHA-256 {sha.hexdigest()} differs from the "
-                              f"manifest's files[{name!r}].sha256 "
-                              f"{f.sha256.hex()}, though every xxh3 digest matched: the "
-                              "file was replaced and its digests rewritten. Do not use "
-                              "this snapshot; restore falls back to an older one",
-                              path=f.path, field=f"files[{name!r}].sha256")
-
-
 _ZEROS = bytes(BLOCK)
+
+
+class _Hasher:
+    """A file's SHA-256, taken in file order on a thread of its own as its units land.
+
+    Each unit of the file is wrapped to signal its end and whether it verified; the
+    thread hashes the header and zeros, then each unit's bytes as soon as it has
+    verified them (a raw chunk from its destination; a compressed tensor's chunks read
+    again, from the page cache), and the zeros between and after. A unit that failed
+    (or was cancelled) ends the hashing without a verdict: its own error stands."""
+
+    def __init__(self, f: FileRead) -> None:
+        self.f = f
+        self.error: Optional[BaseException] = None
+        self.landed = [threading.Event() for _ in f.units]
+        self.verified = [False] * len(f.units)
+        f.units = [self._signalling(k, u) for k, u in enumerate(f.units)]
+        self.thread = threading.Thread(target=self._run, name="snapd-read-sha256",
+                                       daemon=True)
+        self.thread.start()
+
+    def _signalling(self, k: int, unit: Callable[[], int]) -> Callable[[], int]:
+        def run() -> int:
+            try:
+                done = unit()
+                self.verified[k] = True
+                return done
+            finally:
+                self.landed[k].set()
+        return run
+
+    def release(self) -> None:
+        for event in self.landed:
+            event.set()
+
+    def _run(self) -> None:
+        try:
+            self._hash()
+        except BaseException as e:   # a failed re-read: raised by read_files, not lost
+            self.error = e
+
+    def _hash(self) -> None:
+        f = self.f
+        sha = hashlib.sha256(f.header)
+        pos = len(f.header)
+        for k, spans in enumerate(f.spans):
+            self.landed[k].wait()
+            if not self.verified[k]:
+                return   # damaged or cancelled: the unit's error is the verdict
+            for offset, stored_len, view in spans:
+                sha.update(memoryview(_ZEROS)[:offset - pos])   # < 4096 by the tiling
+                sha.update(view if view is not None else
+                           os.pread(f.fd, stored_len, offset))
+                pos = offset + stored_len
+        sha.update(memoryview(_ZEROS)[:f.size - pos])
+        if sha.digest() != f.sha256:
+            name = os.path.basename(f.path)
+            self.error = CorruptSnapshot(
+                f"{f.path}: SHA-256 {sha.hexdigest()} differs from the manifest's "
+                f"files[{name!r}].sha256 {f.sha256.hex()}, though every xxh3 digest "
+                "matched: the file was replaced and its digests rewritten. Do not use "
+                "this snapshot; restore falls back to an older one", path=f.path,
+                field=f"files[{name!r}].sha256")
 
 
 def _plan(f: FileRead) -> None:
@@ -198,6 +241,7 @@ def _plan(f: FileRead) -> None:
             continue
         if any(c[3] != fmt.CODEC_RAW for c in t["chunks"]):
             f.units.append(lambda t=t, out=out: _compressed_tensor(f, t, out))
+            f.spans.append([(c[0], c[1], None) for c in t["chunks"]])
             continue
         if len(t["chunks"]) == 1 and t["chunks"][0][4] != t["xxh3"]:
             raise CorruptSnapshot(f"{f.path}: tensor {t['path']!r} checksum mismatch "
@@ -207,6 +251,7 @@ def _plan(f: FileRead) -> None:
         for j, chunk in enumerate(t["chunks"]):
             f.units.append(lambda t=t, j=j, c=chunk, dst=out[pos:pos + chunk[2]]:
                            _raw_chunk(f, t, j, c, dst))
+            f.spans.append([(chunk[0], chunk[1], out[pos:pos + chunk[2]])])
             pos += chunk[2]
 
 
