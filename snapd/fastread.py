@@ -27,7 +27,7 @@ digests already (a one-chunk tensor's digest must equal its chunk's); hashing it
 in one sequential pass would halve the speed for nothing.
 
 A file whose manifest entry carries a SHA-256 (format v5) is also hashed in file
-order, by a thread of its own (:class:`_Hasher`), from the memory it is read into (the
+order, by a thread of its own (snapd/filesha.py), from the memory it is read into (the
 header, the zeros, each raw chunk's destination once its unit has verified it; a
 compressed chunk's stored bytes are read again from the page cache, which holds them:
 they were read buffered): no second read of the device, the hashing of each file
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import mmap
 import os
 import threading
@@ -56,6 +55,7 @@ import xxhash
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot
+from snapd.filesha import FileHasher, end_hashers
 
 BLOCK = fmt.CHUNK_ALIGN
 MAX_THREADS = 8
@@ -121,11 +121,11 @@ def read_files(files: List[FileRead], progress: Optional[Callable[[int], None]] 
     units: List[Tuple[int, Callable[[], int]]] = []
     for i, f in enumerate(files):
         _plan(f)
-    hashers = [_Hasher(f) for f in files if f.sha256 is not None and not f.partial]
+    hashers = [FileHasher(f) for f in files if f.sha256 is not None and not f.partial]
     for i, f in enumerate(files):
         units += [(i, u) for u in f.units]
     if not units:   # no chunk to read; a file's header and zeros are still hashed
-        error = _end_hashers(hashers)
+        error = end_hashers(hashers)
         if error is not None:
             raise error
         return
@@ -144,88 +144,10 @@ def read_files(files: List[FileRead], progress: Optional[Callable[[int], None]] 
                 continue
             if progress and done:
                 progress(done)
-    sha_error = _end_hashers(hashers)   # every unit has ended or was cancelled
+    sha_error = end_hashers(hashers)   # every unit has ended or was cancelled
     first = first or sha_error
     if first is not None:
         raise first
-
-
-def _end_hashers(hashers: List["_Hasher"]) -> Optional[BaseException]:
-    """Let every hasher finish (a unit cancelled never signals: released here), and
-    the first SHA-256 mismatch in file order, or None."""
-    for h in hashers:
-        h.release()
-    first: Optional[BaseException] = None
-    for h in hashers:
-        h.thread.join()
-        first = first or h.error
-    return first
-
-
-_ZEROS = bytes(BLOCK)
-
-
-class _Hasher:
-    """A file's SHA-256, taken in file order on a thread of its own as its units land.
-
-    Each unit of the file is wrapped to signal its end and whether it verified; the
-    thread hashes the header and zeros, then each unit's bytes as soon as it has
-    verified them (a raw chunk from its destination; a compressed tensor's chunks read
-    again, from the page cache), and the zeros between and after. A unit that failed
-    (or was cancelled) ends the hashing without a verdict: its own error stands."""
-
-    def __init__(self, f: FileRead) -> None:
-        self.f = f
-        self.error: Optional[BaseException] = None
-        self.landed = [threading.Event() for _ in f.units]
-        self.verified = [False] * len(f.units)
-        f.units = [self._signalling(k, u) for k, u in enumerate(f.units)]
-        self.thread = threading.Thread(target=self._run, name="snapd-read-sha256",
-                                       daemon=True)
-        self.thread.start()
-
-    def _signalling(self, k: int, unit: Callable[[], int]) -> Callable[[], int]:
-        def run() -> int:
-            try:
-                done = unit()
-                self.verified[k] = True
-                return done
-            finally:
-                self.landed[k].set()
-        return run
-
-    def release(self) -> None:
-        for event in self.landed:
-            event.set()
-
-    def _run(self) -> None:
-        try:
-            self._hash()
-        except BaseException as e:   # a failed re-read: raised by read_files, not lost
-            self.error = e
-
-    def _hash(self) -> None:
-        f = self.f
-        sha = hashlib.sha256(f.header)
-        pos = len(f.header)
-        for k, spans in enumerate(f.spans):
-            self.landed[k].wait()
-            if not self.verified[k]:
-                return   # damaged or cancelled: the unit's error is the verdict
-            for offset, stored_len, view in spans:
-                sha.update(memoryview(_ZEROS)[:offset - pos])   # < 4096 by the tiling
-                sha.update(view if view is not None else
-                           os.pread(f.fd, stored_len, offset))
-                pos = offset + stored_len
-        sha.update(memoryview(_ZEROS)[:f.size - pos])
-        if sha.digest() != f.sha256:
-            name = os.path.basename(f.path)
-            self.error = CorruptSnapshot(
-                f"{f.path}: SHA-256 {sha.hexdigest()} differs from the manifest's "
-                f"files[{name!r}].sha256 {f.sha256.hex()}, though every xxh3 digest "
-                "matched: the file was replaced and its digests rewritten. Do not use "
-                "this snapshot; restore falls back to an older one", path=f.path,
-                field=f"files[{name!r}].sha256")
 
 
 def _plan(f: FileRead) -> None:
