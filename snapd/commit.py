@@ -63,6 +63,10 @@ class CommitResult:
     # False for a part of a multi-rank snapshot whose other parts are still missing:
     # durable, but not committed (snapd/globalcommit.py).
     complete: bool = True
+    # The SHA-256 of the committed manifest (hex), which the state log's committed
+    # record keeps so that restore can tell a manifest rewritten since; None when the
+    # writer took no SHA-256 (option ``sha256`` off), and for a multi-rank snapshot.
+    manifest_sha256: Optional[str] = None
 
 
 Writer = Callable[..., CommitResult]

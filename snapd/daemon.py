@@ -366,7 +366,8 @@ class Daemon:
                                        sub.options, progress=sub.advance)
             event = p.Committed(sub.run, sub.rank, sub.step, sub.slot,
                                 done.result.sid.name, done.result.bytes_written,
-                                done.result.seconds, done.result.complete)
+                                done.result.seconds, done.result.complete,
+                                done.result.manifest_sha256)
             self._note_commit(sub, done)
             self._replicate(sub, done)
             self._publish_hot(sub, done.result)

@@ -4,6 +4,7 @@
 
     SnapdError
     ├── CorruptSnapshot      (ValueError)    a snapshot's files fail verification
+    │   └── UntrustedSnapshot                 unsigned, or not signed with a key accepted
     ├── IncompatibleState    (ValueError)    a snapshot does not fit the tracked objects
     │   └── MissingRngStream                 it lacks an RNG stream this host has
     ├── UnsupportedState     (TypeError)     a state leaf cannot be stored without pickle
@@ -49,7 +50,7 @@ __all__ = [
     "IncompleteSnapshot", "InsufficientSpace", "InvalidOption", "MissingRngStream",
     "OptionMismatch", "ProtocolError", "ProtocolMismatch", "RemoteUnavailable",
     "ReplayDivergence", "RunInUse", "SnapdError", "SnapshotExists", "SnapshotFailed",
-    "UnknownOption", "UnsupportedState",
+    "UnknownOption", "UnsupportedState", "UntrustedSnapshot",
 ]
 
 
@@ -77,6 +78,13 @@ class SnapdError(Exception):
 
 class CorruptSnapshot(SnapdError, ValueError):
     """A snapshot (or a file in it) fails verification: size, checksum, structure."""
+
+
+class UntrustedSnapshot(CorruptSnapshot):
+    """A client with a signing key met a manifest or record that is unsigned, signed
+    with a key it does not accept, or whose signature does not match its bytes
+    (snapd/signing.py). Refused like damage: restore falls back to the newest
+    correctly signed snapshot."""
 
 
 class IncompatibleState(SnapdError, ValueError):

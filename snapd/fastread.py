@@ -26,6 +26,15 @@ compressed chunk. A tensor of raw chunks has its raw bytes covered by the chunk
 digests already (a one-chunk tensor's digest must equal its chunk's); hashing it again
 in one sequential pass would halve the speed for nothing.
 
+A file whose manifest entry carries a SHA-256 (format v5) is also hashed in file
+order, by a thread of its own (snapd/filesha.py), from the memory it is read into (the
+header, the zeros, each raw chunk's destination once its unit has verified it; a
+compressed chunk's stored bytes are read again from the page cache, which holds them:
+they were read buffered): no second read of the device, the hashing of each file
+beside the reads of the others and of its own later chunks. A unit that fails stops
+its file's hashing, so a damaged file is reported by xxh3, the cheaper check. xxh3 finds damage; the SHA-256 finds bytes made to match
+a rewritten manifest's xxh3 digests, which nobody can make match a SHA-256.
+
 Every unit has ended when :func:`read_files` returns or raises: the destinations may be
 live tensors.
 """
@@ -46,6 +55,7 @@ import xxhash
 
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot
+from snapd.filesha import FileHasher, end_hashers
 
 BLOCK = fmt.CHUNK_ALIGN
 MAX_THREADS = 8
@@ -74,9 +84,17 @@ class FileRead:
     tensors: List[Dict[str, Any]]
     outs: List[Optional[memoryview]]
     units: List[Callable[[], int]] = field(default_factory=list)
+    # Per unit, the (offset, stored length, raw bytes or None: read again) of its
+    # chunks in file order: what the file's SHA-256 hashes once the unit verified them.
+    spans: List[List[Tuple[int, int, Optional[memoryview]]]] = field(default_factory=list)
     # Some of the file's tensors only (an earlier snapshot's file this one shares):
     # what lies between the header and the first of them is other tensors' chunks.
     partial: bool = False
+    # The file's SHA-256 as its manifest lists it (v5), checked after every chunk
+    # verified; ``header`` is the file's first 32 bytes, ``size`` its length.
+    sha256: Optional[bytes] = None
+    header: bytes = b""
+    size: int = 0
 
 
 def open_direct(path: str, fd: int) -> Optional[int]:
@@ -103,8 +121,13 @@ def read_files(files: List[FileRead], progress: Optional[Callable[[int], None]] 
     units: List[Tuple[int, Callable[[], int]]] = []
     for i, f in enumerate(files):
         _plan(f)
+    hashers = [FileHasher(f) for f in files if f.sha256 is not None and not f.partial]
+    for i, f in enumerate(files):
         units += [(i, u) for u in f.units]
-    if not units:
+    if not units:   # no chunk to read; a file's header and zeros are still hashed
+        error = end_hashers(hashers)
+        if error is not None:
+            raise error
         return
     workers = min(threads or reader_threads(), len(units))
     with ThreadPoolExecutor(workers, thread_name_prefix="snapd-read") as pool:
@@ -121,6 +144,8 @@ def read_files(files: List[FileRead], progress: Optional[Callable[[int], None]] 
                 continue
             if progress and done:
                 progress(done)
+    sha_error = end_hashers(hashers)   # every unit has ended or was cancelled
+    first = first or sha_error
     if first is not None:
         raise first
 
@@ -138,6 +163,7 @@ def _plan(f: FileRead) -> None:
             continue
         if any(c[3] != fmt.CODEC_RAW for c in t["chunks"]):
             f.units.append(lambda t=t, out=out: _compressed_tensor(f, t, out))
+            f.spans.append([(c[0], c[1], None) for c in t["chunks"]])
             continue
         if len(t["chunks"]) == 1 and t["chunks"][0][4] != t["xxh3"]:
             raise CorruptSnapshot(f"{f.path}: tensor {t['path']!r} checksum mismatch "
@@ -147,6 +173,7 @@ def _plan(f: FileRead) -> None:
         for j, chunk in enumerate(t["chunks"]):
             f.units.append(lambda t=t, j=j, c=chunk, dst=out[pos:pos + chunk[2]]:
                            _raw_chunk(f, t, j, c, dst))
+            f.spans.append([(chunk[0], chunk[1], out[pos:pos + chunk[2]])])
             pos += chunk[2]
 
 

@@ -1,4 +1,4 @@
-"""Snapshot format v4: the manifest, tensor files and chunks. Encode, decode, verify.
+"""Snapshot format v5: the manifest, tensor files and chunks. Encode, decode, verify.
 
 This module is the code form of docs/format.md; the two change together (the offset
 tables there are read by tests/test_format_doc.py). It does no I/O policy (no fsync,
@@ -6,18 +6,20 @@ no directory layout): it turns structures into bytes and back, and says whether
 bytes are valid.
 
 Manifest file ``manifest.snapd`` (and ``commit.snapd``, the same framing with magic
-b"SNAPDGC\\0", versions 3 and 4 read)::
+b"SNAPDGC\\0", versions 3 to 5 read)::
 
     offset  size  field
     0       8     magic  b"SNAPDMF\\0"
-    8       4     format version, u32 little-endian (4; 1, 2 and 3 are still read)
-    12      4     flags, u32 (written 0, not read)
+    8       4     format version, u32 little-endian (5; 1 to 4 are still read)
+    12      4     flags, u32 (v5: bit 0, SIGNED; below v5 written 0, not read)
     16      8     payload length P, u64
     24      8     xxh3-64 of the payload, u64
     32      P     payload: one msgpack map (see docs/format.md)
+    32+P    40    v5, SIGNED only: key id (8 bytes), then the HMAC-SHA-256 of bytes
+                  0 .. 32+P under that key (32 bytes); snapd/signing.py checks it
 
 A manifest is valid if and only if the magic matches, the version is in
-READABLE_VERSIONS, the file is exactly 32 + P bytes, the checksum holds, and the
+READABLE_VERSIONS, the file is exactly 32 + P bytes (32 + P + 40 when signed), the checksum holds, and the
 payload passes :func:`check_manifest` for that version (its ``format`` equal to the
 header's; ``shared`` entries and six-item chunk entries only in v4).
 
@@ -31,16 +33,19 @@ and the xxh3-64 of the stored bytes (v4: and of a frozen tensor, the xxh3-128 of
 raw bytes). A chunk is valid if and only if its stored bytes hash to that value and
 (zstd) decompress to exactly the raw length. The file digest (``files[name].xxh3``,
 :class:`FileDigest`) is, in v1, the xxh3-64 of the whole file; from v2, of the header
-and the chunks' digests in file order.
+and the chunks' digests in file order. From v5 a file's entry may also carry
+``sha256``, the SHA-256 of every byte of the file (what ``sha256sum`` prints): xxh3
+catches damage, SHA-256 a forgery, since nobody can make other bytes with the same.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import struct
 import threading
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import msgpack
 import xxhash
@@ -48,15 +53,21 @@ import zstandard
 
 from snapd.errors import CorruptSnapshot
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # v1: chunks back to back; v2: each on a 4096-byte boundary; v3: parts of a multi-rank
 # snapshot (a session, sharded and referenced tensor entries) and the commit record;
 # v4: tensors whose bytes are an earlier snapshot's file (``shared``, ``src``), each
-# chunk's identity (xxh3-128 of its raw bytes), the base model's reference (``base``).
-READABLE_VERSIONS = (1, 2, 3, 4)
+# chunk's identity (xxh3-128 of its raw bytes), the base model's reference (``base``);
+# v5: the SHA-256 of each file (``files[name].sha256``) and of each part's manifest in
+# the commit record (``parts[r].manifest_sha256``).
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+COMMIT_VERSIONS = (3, 4, 5)   # a commit record of a multi-rank snapshot
 # A v4 tensor entry may refer to a file of these versions (4096-aligned chunks whose
 # entries carry an identity).
-SHAREABLE_VERSIONS = (4,)
+SHAREABLE_VERSIONS = (4, 5)
+SHA256_FROM = 5     # the first version whose files and parts may carry a SHA-256
+SIGNED_FROM = 5     # ... and whose manifests and records may be signed
+SHA256_BYTES = 32
 CHUNK_ID_BYTES = 16
 # A committed snapshot's directory name: the step as 8+ digits, then .L<lineage> when
 # the lineage is not 0 (snapd/store.py orders snapshots by it).
@@ -73,6 +84,9 @@ HEADER_BYTES = 32
 TENSOR_FILE_SUFFIX = ".tensors"
 CODEC_RAW, CODEC_ZSTD = "raw", "zstd"
 MAX_MANIFEST_BYTES = 256 << 20
+FLAG_SIGNED = 1        # v5 header flag: a signature trailer follows the payload
+KEY_ID_BYTES = 8
+SIGNATURE_BYTES = KEY_ID_BYTES + 32   # key id, HMAC-SHA-256
 
 # The format's element types, by name, and their sizes in bytes. Writing and checking
 # a snapshot needs only this table, so the daemon, which moves bytes, never imports
@@ -112,6 +126,15 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def sha256_of(data) -> bytes:
+    """The SHA-256 of ``data``, 32 bytes (a manifest's, a commit record's)."""
+    return hashlib.sha256(data).digest()
+
+
+def is_sha256(v: Any) -> bool:
+    return isinstance(v, bytes) and len(v) == SHA256_BYTES
+
+
 def chunk_id(raw) -> bytes:
     """A chunk's identity (v4): the xxh3-128 of its raw bytes, 16 bytes. With the raw
     length it names the content: two chunks with equal ids are the same bytes (a
@@ -128,15 +151,30 @@ def snapshot_name_of(m: Dict[str, Any]) -> str:
 
 # --- manifest ---------------------------------------------------------------------
 
-def encode_manifest(manifest: Dict[str, Any]) -> bytes:
-    return _framed(MANIFEST_MAGIC, manifest)
+def encode_manifest(manifest: Dict[str, Any], signer: Any = None) -> bytes:
+    """``signer``: a key that signs (snapd/signing.py ``Keys`` with a signing key), or
+    None for an unsigned manifest."""
+    return _framed(MANIFEST_MAGIC, manifest, signer)
 
 
-def _framed(magic: bytes, value: Dict[str, Any]) -> bytes:
+def _framed(magic: bytes, value: Dict[str, Any], signer: Any = None) -> bytes:
     payload = msgpack.packb(value, use_bin_type=True)
-    header = _MANIFEST_HEADER.pack(magic, FORMAT_VERSION, 0, len(payload),
-                                   checksum(payload))
-    return header + payload
+    header = _MANIFEST_HEADER.pack(magic, FORMAT_VERSION,
+                                   FLAG_SIGNED if signer is not None else 0,
+                                   len(payload), checksum(payload))
+    if signer is None:
+        return header + payload
+    return header + payload + signer.signature(header + payload)
+
+
+def signature_of(data: bytes) -> Optional[Tuple[bytes, bytes, bytes]]:
+    """A framed file's signature as ``(key id, HMAC, the bytes it covers)``, or None
+    when it is unsigned (or of a version before 5). The file must have decoded."""
+    _magic, version, flags, length, _digest = _MANIFEST_HEADER.unpack_from(data)
+    if version < SIGNED_FROM or not flags & FLAG_SIGNED:
+        return None
+    end = HEADER_BYTES + length
+    return data[end:end + KEY_ID_BYTES], data[end + KEY_ID_BYTES:], data[:end]
 
 
 def decode_manifest(data: bytes, *, path: str) -> Dict[str, Any]:
@@ -147,14 +185,15 @@ def decode_manifest(data: bytes, *, path: str) -> Dict[str, Any]:
     return manifest
 
 
-def encode_commit(record: Dict[str, Any]) -> bytes:
+def encode_commit(record: Dict[str, Any], signer: Any = None) -> bytes:
     """A multi-rank snapshot's global commit record (docs/multirank.md)."""
-    return _framed(COMMIT_MAGIC, record)
+    return _framed(COMMIT_MAGIC, record, signer)
 
 
 def decode_commit(data: bytes, *, path: str) -> Dict[str, Any]:
     """Bytes of ``commit.snapd`` to its map, or CorruptSnapshot naming what failed."""
-    record, version = _unframe(data, COMMIT_MAGIC, "commit record", (3, 4), path=path)
+    record, version = _unframe(data, COMMIT_MAGIC, "commit record", COMMIT_VERSIONS,
+                               path=path)
     check_commit(record, path=path, version=version)
     return record
 
@@ -165,7 +204,7 @@ def _unframe(data: bytes, magic_wanted: bytes, what: str, versions: Tuple[int, .
         raise CorruptSnapshot(f"{path}: {what} is {len(data)} bytes, shorter than its "
                               "32-byte header (truncated write?); use an older snapshot",
                               path=path, field="header")
-    magic, version, _flags, length, digest = _MANIFEST_HEADER.unpack_from(data)
+    magic, version, flags, length, digest = _MANIFEST_HEADER.unpack_from(data)
     if magic != magic_wanted:
         raise CorruptSnapshot(f"{path}: not a snapd {what} (magic {magic!r})",
                               path=path, field="magic")
@@ -173,11 +212,13 @@ def _unframe(data: bytes, magic_wanted: bytes, what: str, versions: Tuple[int, .
         raise CorruptSnapshot(f"{path}: {what} format version {version}; this snapd "
                               f"reads versions {list(versions)}. Upgrade snapd",
                               path=path, field="version")
-    if length != len(data) - HEADER_BYTES:
-        raise CorruptSnapshot(f"{path}: header declares a {length}-byte payload but the "
+    trailer = SIGNATURE_BYTES if version >= SIGNED_FROM and flags & FLAG_SIGNED else 0
+    if length != len(data) - HEADER_BYTES - trailer:
+        raise CorruptSnapshot(f"{path}: header declares a {length}-byte payload "
+                              f"{'and a signature ' if trailer else ''}but the "
                               f"file holds {len(data) - HEADER_BYTES} (truncated?)",
                               path=path, field="payload_length")
-    payload = data[HEADER_BYTES:]
+    payload = data[HEADER_BYTES:HEADER_BYTES + length]
     if checksum(payload) != digest:
         raise CorruptSnapshot(f"{path}: {what} checksum mismatch; the file is damaged",
                               path=path, field="checksum")
@@ -240,6 +281,8 @@ def check_manifest(m: Any, *, path: str, version: int = FORMAT_VERSION) -> None:
         need(isinstance(entry, dict) and is_uint(entry.get("size"))
               and is_uint(entry.get("xxh3")), path, f"files[{name!r}]",
               "lacks size/xxh3")
+        need("sha256" not in entry or (version >= SHA256_FROM and is_sha256(entry["sha256"])),
+             path, f"files[{name!r}].sha256", "is not 32 bytes (of version 5)")
     need(m.get("session") is None or is_name(m["session"]), path, "session",
           "is neither nil nor a name")
     check_shared(m, path, version)
@@ -410,6 +453,9 @@ def check_commit(r: Any, *, path: str, version: int = FORMAT_VERSION) -> None:
              and is_uint(part.get("manifest_size")) and is_uint(part.get("manifest_xxh3")),
              path, f"parts[{i}]", f"is not {{rank: {i}, dir: {part_dir_name(i)!r}, "
              "manifest_size, manifest_xxh3}")
+        need("manifest_sha256" not in part or (version >= SHA256_FROM
+                                               and is_sha256(part["manifest_sha256"])),
+             path, f"parts[{i}].manifest_sha256", "is not 32 bytes (of version 5)")
     need(is_uint(r.get("bytes")), path, "bytes", "is not a byte count")
 
 

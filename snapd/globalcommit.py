@@ -119,18 +119,22 @@ def commit_record(parts: Dict[int, Tuple[Dict[str, Any], bytes]],
             "session": first["session"],
             "created": time.time() if created is None else created,
             "metric": first.get("metric"), "data_version": first.get("data_version"),
+            # Each part's manifest by size, xxh3 (damage) and SHA-256 (a forgery: a
+            # part's manifest rewritten with its files cannot keep this).
             "parts": [{"rank": r, "dir": fmt.part_dir_name(r), "manifest_size": len(data),
-                       "manifest_xxh3": fmt.checksum(data)}
+                       "manifest_xxh3": fmt.checksum(data),
+                       "manifest_sha256": fmt.sha256_of(data)}
                       for r, (_, data) in sorted(parts.items())],
             "bytes": sum(f["size"] for m, _ in parts.values() for f in m["files"].values())}
 
 
 def try_commit(store: RunStore, sid: SnapshotId, want: Dict[str, Any], *,
-               superseded: Collection[str] = ()) -> bool:
+               superseded: Collection[str] = (), signer: Any = None) -> bool:
     """Commit snapshot ``sid`` globally if every part of ``want``'s session is there.
 
     ``want``: the shared fields of the part just written (its manifest);
-    ``superseded``: what the writer's restore refused (snapd/commit.py). Returns True
+    ``superseded``: what the writer's restore refused (snapd/commit.py); ``signer``:
+    the process's keys (snapd/signing.py), which sign the record. Returns True
     when ``snapshots/<name>`` is committed (now, or by another writer before), False
     while parts are missing. Raises DanglingReference when the parts are complete
     but disagree (nothing is committed then).
@@ -146,7 +150,7 @@ def try_commit(store: RunStore, sid: SnapshotId, want: Dict[str, Any], *,
         _remove_strays(store, parts_dir, want["world_size"])
         # 2. The record, durable, inside the parts dir.
         fsio.write_file_durable(os.path.join(parts_dir, fmt.COMMIT_NAME),
-                                fmt.encode_commit(commit_record(found)))
+                                fmt.encode_commit(commit_record(found), signer))
         os.unlink(os.path.join(parts_dir, LOCK_NAME))
         fsio.fsync_dir(parts_dir)
         # 3-4. The rename that commits every part at once, then LATEST.

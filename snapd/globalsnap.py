@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 from snapd import format as fmt
 from snapd.errors import CorruptSnapshot
 from snapd.globalcommit import SHARED_FIELDS, check_references
-from snapd.reader import Progress, SnapshotReader, check_real_directories, read_commit
-from snapd.safefiles import read_manifest_bytes
+from snapd.reader import Progress, SnapshotReader, check_real_directories
+from snapd.safefiles import read_bounded, read_manifest_bytes
 from snapd.store import SNAPSHOT_NAME
 
 if TYPE_CHECKING:
@@ -51,7 +51,10 @@ class GlobalSnapshot:
         self.path = path
         self._check_files = check_files
         check_real_directories(path)
-        self.record: Dict[str, Any] = read_commit(path)
+        where = os.path.join(path, fmt.COMMIT_NAME)
+        # The record's bytes: what a signature covers (snapd/signing.py).
+        self.record_bytes = read_bounded(where, "commit record")
+        self.record: Dict[str, Any] = fmt.decode_commit(self.record_bytes, path=where)
         self.world_size: int = self.record["world_size"]
         self._check_name()
         self._parts: Dict[int, SnapshotReader] = {}
@@ -97,6 +100,14 @@ class GlobalSnapshot:
                                   f"{listed['manifest_xxh3']}); rank {rank}'s part is "
                                   "damaged or replaced, use an older snapshot",
                                   path=manifest_path, field=f"parts[{rank}]")
+        want = listed.get("manifest_sha256")
+        if want is not None and fmt.sha256_of(data) != want:
+            raise CorruptSnapshot(f"{manifest_path}: SHA-256 {fmt.sha256_of(data).hex()} "
+                                  f"differs from field parts[{rank}].manifest_sha256 of "
+                                  f"{fmt.COMMIT_NAME} ({want.hex()}), though its size and "
+                                  f"xxh3 match: rank {rank}'s manifest was forged; use an "
+                                  "older snapshot", path=manifest_path,
+                                  field=f"parts[{rank}].manifest_sha256")
         reader = SnapshotReader(part_dir, None if self._check_files else [])
         for key in SHARED_FIELDS:
             if reader.manifest.get(key) != self.record.get(key):

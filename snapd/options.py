@@ -30,7 +30,7 @@ Every = Union[None, int, str]  # None, a step count N, or "auto"
 # The options a client sends with each submit: the run's writer and retention
 # settings, which the daemon applies to that run's snapshots only.
 SUBMIT_OPTIONS = ("compression", "chunk_bytes", "keep_last", "keep_every", "keep_best",
-                  "best_mode", "hot_restore", "share_unchanged")
+                  "best_mode", "hot_restore", "share_unchanged", "sha256")
 # The options the training process acts on itself (its handoff, log, restore, waits).
 CLIENT_OPTIONS = ("mode", "on_busy", "slots", "copy_threads", "daemon",
                   "log_flush_interval", "log_segment_bytes", "replay_check",
@@ -39,14 +39,14 @@ CLIENT_OPTIONS = ("mode", "on_busy", "slots", "copy_threads", "daemon",
 # The options of the daemon as a whole: one value for every client of the root. A
 # daemon a client starts gets the client's values (daemon_environment); a client that
 # joins a running daemon is refused where its values differ (check_shared).
-# ``remote`` and ``min_free_bytes`` also act in the client (restore's pull, the
-# in-process writer), with the same value.
+# ``remote``, ``min_free_bytes`` and ``signing_key_file`` also act in the client
+# (restore's pull and checks, the in-process writer), with the same value.
 DAEMON_OPTIONS = ("writer_threads", "remote", "remote_keep_last", "remote_keep_every",
                   "remote_upload_threads", "remote_retry_max_seconds",
                   "remote_log_interval", "root_check_seconds", "min_free_bytes",
                   "max_connections", "peer_timeout", "hello_timeout",
                   "hot_linger_seconds", "hot_max_bytes", "idle_exit_seconds",
-                  "idle_bare_exit_seconds")
+                  "idle_bare_exit_seconds", "signing_key_file")
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,11 @@ class Options:
     # whose bytes the newest snapshot holds (snapd/sharing.py); False copies and
     # writes every tensor every time (each snapshot stands alone on disk).
     share_unchanged: bool = True
+    # Tamper evidence: the writer records the SHA-256 of every file it writes (and
+    # the log, of the manifest), and restore checks them. False saves the daemon
+    # about 0.5 CPU-seconds per GiB written; the snapshot is then checked by xxh3
+    # alone, which catches damage but not a forgery (docs/operations.md).
+    sha256: bool = True
     # Remote tier (docs/remote.md): committed snapshots replicated to an fsspec URL.
     remote: Optional[str] = None  # s3://bucket/prefix or file:///shared/path; None: off
     remote_keep_last: int = 2     # remote retention: the newest N remote commits; 0: all
@@ -124,6 +129,11 @@ class Options:
     hot_max_bytes: int = 0        # all hot copies together; 0: a quarter of the RAM
     idle_exit_seconds: float = 600.0  # a client-started daemon exits after this long
     #                               with no client and nothing in flight; 0: never
+    # Signed commits (snapd/signing.py): a file of keys, one per line, the first signs
+    # (unless SNAPD_SIGNING_KEY, the key itself, is set) and all are accepted; the
+    # daemon signs manifests and records with it, restore refuses what no accepted key
+    # signed. None, and no SNAPD_SIGNING_KEY: nothing signed, nothing checked.
+    signing_key_file: Optional[str] = None
     idle_bare_exit_seconds: float = 60.0  # ... and after this long (the shorter of the
     #                               two) when it also keeps nothing: no hot copy held,
     #                               no upload pending; 0: idle_exit_seconds alone
@@ -288,7 +298,8 @@ def _check_remote(o: "Options") -> None:
 
 
 # SNAPD_* variables that are not options (scripts and tests read them).
-_OTHER_VARIABLES = {"SNAPD_ROOT", "SNAPD_FUZZ_SEED", "SNAPD_SESSION", "SNAPD_REPRO"}
+_OTHER_VARIABLES = {"SNAPD_ROOT", "SNAPD_FUZZ_SEED", "SNAPD_SESSION", "SNAPD_REPRO",
+                    "SNAPD_SIGNING_KEY"}   # a secret, never an option (snapd/signing.py)
 
 
 def _warn_env_typos(environ: Mapping[str, str], known: list[str]) -> None:

@@ -196,6 +196,8 @@ class Committed:
     # False: a part of a multi-rank snapshot, durable; the snapshot is committed once
     # every rank's part is (snapd/globalcommit.py), which the client checks on disk.
     complete: bool = True
+    # The committed manifest's SHA-256 (hex), for the client's log; None: not taken.
+    manifest_sha256: Optional[str] = None
 
 
 @dataclass

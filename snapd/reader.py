@@ -104,6 +104,10 @@ class SnapshotReader:
         manifest_path = os.path.join(path, fmt.MANIFEST_NAME)
         data = read_manifest_bytes(path)
         self.manifest: Dict[str, Any] = fmt.decode_manifest(data, path=manifest_path)
+        # What the state log's committed record holds of this manifest (hex), and the
+        # bytes a signature covers (snapd/signing.py).
+        self.manifest_sha256 = fmt.sha256_of(data).hex()
+        self.manifest_bytes = data
         files = None if objects is None else {
             self.objects[n]["file"] for n in objects
             if n in self.objects and self.objects[n].get("file") is not None}
@@ -210,7 +214,9 @@ class SnapshotReader:
             raise CorruptSnapshot(f"{full}: file checksum mismatch (manifest field "
                                   f"files[{file_name!r}].xxh3)", path=full, field="xxh3")
         return fastread.FileRead(full, fd, _direct(full, fd, fds), [t for t, _ in own],
-                                 [None if d is None else bytes_of(d) for _, d in own])
+                                 [None if d is None else bytes_of(d) for _, d in own],
+                                 sha256=entry.get("sha256"), header=header,
+                                 size=entry["size"])
 
     def _open_shared(self, src: int, group: List[Tuple[Dict[str, Any], Any]],
                      fds: List[int]) -> fastread.FileRead:

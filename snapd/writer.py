@@ -16,12 +16,12 @@ import secrets
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import xxhash
 
 from snapd import format as fmt
-from snapd import fsio, globalcommit, sharing
+from snapd import fsio, globalcommit, sharing, signing
 from snapd.blockfile import BlockFile
 # CommitResult is the commit service's; writers and their callers meet it here too.
 from snapd.commit import CommitResult, Progress, move_latest, publish, uncommit
@@ -29,6 +29,7 @@ from snapd.compression import CompressionPolicy
 from snapd.errors import CorruptSnapshot, SnapdError, SnapshotExists
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
+from snapd.shapipe import Sha256Pipe
 from snapd.reader import SnapshotReader, read_commit
 from snapd.store import DAMAGED_PREFIX, TMP_PREFIX, RunStore
 
@@ -42,16 +43,22 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
     says it is unchanged since then, or its chunks' identities match) is not
     written: its entry keeps ``src_at``, the file it reads (snapd/sharing.py), which
     :func:`_manifest` turns into a ``shared`` index. The file is removed when no
-    tensor of the object is written to it."""
+    tensor of the object is written to it.
+
+    With ``opts.sha256`` the file's SHA-256 is taken as its bytes pass, in file order
+    (header, each chunk, the zeros after each), never by reading the file back, on a
+    thread beside the writes (snapd/shapipe.py)."""
     name = f"{obj.name}{fmt.TENSOR_FILE_SUFFIX}"
     policy = CompressionPolicy(opts.compression)
     file_digest = fmt.FileDigest(fmt.FORMAT_VERSION)
+    sha = Sha256Pipe() if opts.sha256 else None
     entries, own = [], 0
     out = BlockFile(os.path.join(directory, name))
     try:
         header = fmt.tensor_file_header()
         out.append(header)
         file_digest.header(header)
+        _sha_update(sha, header, out.end - len(header))
         for t in obj.tensors:
             if not t.stored:   # replicated, written by another rank: no bytes here
                 entries.append(_entry(t, [], 0))
@@ -62,15 +69,36 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
                 entries.append({**_entry(t, entry["chunks"], entry["xxh3"]), "src_at": where})
                 continue
             own += 1
-            entries.append(_write_tensor(out, t, found, policy, opts, file_digest, progress))
+            entries.append(_write_tensor(out, t, found, policy, opts, file_digest, progress,
+                                         sha))
         out.sync()
+    except BaseException:
+        if sha is not None:
+            sha.close()
+        raise
     finally:
         out.close()
     if not own:   # every tensor is elsewhere: no file of its own
+        if sha is not None:
+            sha.close()
         os.unlink(os.path.join(directory, name))
         return {"file": None, "tensors": entries, "size": 0, "xxh3": 0}
     return {"file": name, "tensors": entries, "size": out.end,
-            "xxh3": file_digest.intdigest()}
+            "xxh3": file_digest.intdigest(),
+            **({"sha256": sha.digest()} if sha is not None else {})}
+
+
+_ZEROS = bytes(fmt.CHUNK_ALIGN)
+
+
+def _sha_update(sha: Optional[Sha256Pipe], data, pad: int) -> None:
+    """Feed the file's SHA-256 ``data`` and the ``pad`` zeros BlockFile wrote after
+    it (the bytes of the file, in its order)."""
+    if sha is None:
+        return
+    sha.update(data)
+    if pad:
+        sha.update(memoryview(_ZEROS)[:pad])
 
 
 def _committed_bytes(obj: str, t: TensorSource, opts: Options,
@@ -99,8 +127,9 @@ def _committed_bytes(obj: str, t: TensorSource, opts: Options,
 
 def _write_tensor(out: BlockFile, t: TensorSource, ids: list, policy: CompressionPolicy,
                   opts: Options, file_digest: fmt.FileDigest,
-                  progress: Progress) -> Dict[str, Any]:
-    """One tensor's chunks appended to the object's file; returns its entry."""
+                  progress: Progress, sha: Optional[Sha256Pipe] = None) -> Dict[str, Any]:
+    """One tensor's chunks appended to the object's file; returns its entry. ``sha``:
+    the file's SHA-256, fed each chunk's stored bytes and the zeros after it."""
     level = policy.level_for(t.data, opts.chunk_bytes)
     chunks, raw_digest = [], xxhash.xxh3_64()
     for (chunk_id, _), start in zip(ids, range(0, len(t.data), opts.chunk_bytes)):
@@ -112,6 +141,7 @@ def _write_tensor(out: BlockFile, t: TensorSource, ids: list, policy: Compressio
             digest = fmt.checksum(stored)
             raw_digest.update(raw)  # just compressed: still in cache
         offset = out.append(stored)
+        _sha_update(sha, stored, out.end - offset - len(stored))
         file_digest.chunk(stored, digest)
         chunks.append([offset, len(stored), len(raw), codec, digest] +
                       ([chunk_id] if chunk_id is not None else []))
@@ -149,7 +179,9 @@ def _manifest(plan: SnapshotPlan, written: Dict[str, Dict[str, Any]]) -> Dict[st
         entry = written.get(obj.name)
         if entry is not None:
             if entry["file"] is not None:
-                files[entry["file"]] = {"size": entry["size"], "xxh3": entry["xxh3"]}
+                files[entry["file"]] = {"size": entry["size"], "xxh3": entry["xxh3"],
+                                        **({"sha256": entry["sha256"]}
+                                           if "sha256" in entry else {})}
             entry["tensors"] = [_shared_index(t, shared) for t in entry["tensors"]]
         objects[obj.name] = {"type": obj.type, "skeleton": obj.skeleton,
                              "metadata": obj.metadata,
@@ -175,7 +207,7 @@ def _shared_index(entry: Dict[str, Any], shared: list) -> Dict[str, Any]:
 
 
 def _same_snapshot_committed(store: RunStore, plan: SnapshotPlan, final: str,
-                             t0: float) -> Optional[CommitResult]:
+                             t0: float, opts: Options) -> Optional[CommitResult]:
     """A snapshot of this step and lineage is already committed at ``final``.
 
     That happens when a trainer resumes below a step whose write finished after it
@@ -191,9 +223,10 @@ def _same_snapshot_committed(store: RunStore, plan: SnapshotPlan, final: str,
     same name (a different warm-start parent), or another rank's, is refused.
     """
     try:
-        manifest = SnapshotReader(final).manifest
+        reader = SnapshotReader(final)
     except (SnapdError, OSError):
         return None
+    manifest = reader.manifest
     theirs = (manifest.get("step"), manifest.get("lineage"), manifest.get("rank"))
     if theirs != (plan.step, plan.lineage, plan.rank):
         field = next(name for name, a, b in zip(("step", "lineage", "rank"), theirs,
@@ -207,7 +240,8 @@ def _same_snapshot_committed(store: RunStore, plan: SnapshotPlan, final: str,
             path=os.path.join(final, fmt.MANIFEST_NAME), field=field)
     move_latest(store, plan.sid, plan.supersedes)
     size = sum(int(f.get("size", 0)) for f in manifest.get("files", {}).values())
-    return CommitResult(plan.sid, final, size, time.perf_counter() - t0)
+    return CommitResult(plan.sid, final, size, time.perf_counter() - t0,
+                        manifest_sha256=reader.manifest_sha256 if opts.sha256 else None)
 
 
 def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
@@ -228,25 +262,28 @@ def write_snapshot(store: RunStore, plan: SnapshotPlan, opts: Options,
     final = store.snapshot_path(plan.sid)
     if os.path.exists(final):
         if plan.sid.name not in plan.supersedes:
-            existing = _same_snapshot_committed(store, plan, final, t0)
+            existing = _same_snapshot_committed(store, plan, final, t0, opts)
             if existing is not None:
                 return existing
         # Refused as damaged (at restore, or just now): set aside, kept.
         uncommit(store, plan.sid, DAMAGED_PREFIX)
     tmp = store.new_tmp_dir(plan.sid)
-    total = _write_directory(tmp, plan, opts, progress,
-                             sharing.Resolver(store, avoid=plan.supersedes)
-                             if opts.share_unchanged else None)
+    total, manifest_sha = _write_directory(tmp, plan, opts, progress,
+                                           sharing.Resolver(store, avoid=plan.supersedes)
+                                           if opts.share_unchanged else None)
     # 3-4. The rename that commits, then LATEST: the commit service's, written once.
     publish(store, tmp, plan.sid, superseded=plan.supersedes)
-    return CommitResult(plan.sid, final, total, time.perf_counter() - t0)
+    return CommitResult(plan.sid, final, total, time.perf_counter() - t0,
+                        manifest_sha256=manifest_sha)
 
 
 def _write_directory(tmp: str, plan: SnapshotPlan, opts: Options, progress: Progress,
-                     resolver: Optional[sharing.Resolver] = None) -> int:
+                     resolver: Optional[sharing.Resolver] = None
+                     ) -> Tuple[int, Optional[str]]:
     """Steps 1-2 of the commit order into ``tmp``, and its entries fsynced; returns
-    the bytes of its tensor files. ``resolver``: committed bytes of the run that
-    this snapshot may refer to (one rank only; parts never share)."""
+    the bytes of its tensor files and the manifest's SHA-256 (hex; None with
+    ``opts.sha256`` off), which the state log records. ``resolver``: committed bytes
+    of the run that this snapshot may refer to (one rank only; parts never share)."""
     # 1. Tensor files into the private tmp dir, each fsynced before the manifest.
     with_tensors = [o for o in plan.objects if any(t.stored for t in o.tensors)]
     workers = max(1, min(opts.writer_threads, len(with_tensors)))
@@ -257,10 +294,13 @@ def _write_directory(tmp: str, plan: SnapshotPlan, opts: Options, progress: Prog
                                                              resolver), with_tensors))
     written = {o.name: r for o, r in zip(with_tensors, results)}
     # 2. The manifest last: its presence means every file it lists is durable.
-    fsio.write_file_durable(os.path.join(tmp, fmt.MANIFEST_NAME),
-                            fmt.encode_manifest(_manifest(plan, written)))
+    # Signed when this process has a signing key (snapd/signing.py).
+    manifest = fmt.encode_manifest(_manifest(plan, written),
+                                   signing.load_keys(opts.signing_key_file))
+    fsio.write_file_durable(os.path.join(tmp, fmt.MANIFEST_NAME), manifest)
     fsio.fsync_dir(tmp)
-    return sum(r["size"] for r in results)
+    return (sum(r["size"] for r in results),
+            fmt.sha256_of(manifest).hex() if opts.sha256 else None)
 
 
 def write_part(store: RunStore, plan: SnapshotPlan, opts: Options,
@@ -288,7 +328,7 @@ def write_part(store: RunStore, plan: SnapshotPlan, opts: Options,
                                       f"{secrets.token_hex(4)}")
         os.mkdir(tmp, 0o700)
         try:
-            total = _write_directory(tmp, plan, opts, progress)
+            total, _ = _write_directory(tmp, plan, opts, progress)
             fsio.publish_directory(tmp, mine)   # step 1's rename, parts dir fsynced
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -296,7 +336,8 @@ def write_part(store: RunStore, plan: SnapshotPlan, opts: Options,
     want = {"run": plan.run, "step": plan.step, "lineage": plan.lineage,
             "world_size": plan.world_size, "session": plan.session,
             "data_version": plan.data_version}
-    complete = globalcommit.try_commit(store, sid, want, superseded=plan.supersedes)
+    complete = globalcommit.try_commit(store, sid, want, superseded=plan.supersedes,
+                                       signer=signing.load_keys(opts.signing_key_file))
     return CommitResult(sid, final, total, time.perf_counter() - t0, complete=complete)
 
 

@@ -35,6 +35,8 @@ from snapd.commit import CommitService
 from snapd.diskguard import space_for
 from snapd.errors import InvalidOption, SnapdError
 from snapd.options import Options, given_daemon_options
+from snapd.logdigests import LoggedDigests
+from snapd.signing import load_keys
 from snapd.progress import RunProgress, read_progress
 from snapd.retention import apply_retention
 from snapd.runlock import RunLock
@@ -154,6 +156,9 @@ class Client:
         # The daemon-wide ones among them, which a running daemon must share (hello).
         given = given_daemon_options(self.options, option_overrides,
                                      handed=options is not None)
+        # Signed commits (snapd/signing.py): with a key, restore refuses what no
+        # accepted key signed. Loaded now, so that an unusable key fails here.
+        self._keys = load_keys(self.options.signing_key_file)
         self.rng = RngStreams()
         self._tracked: Dict[str, Any] = {}
         self._unchanged = Unchanged()   # frozen leaves an earlier snapshot holds
@@ -570,8 +575,10 @@ class Client:
             if self._handoff is not None and self.options.hot_restore:
                 hot, self.not_hot = hot_offer(lambda: self._handoff.connect(spawn=False),
                                               self.run, self.rank)  # never starts one
+            logged = None
             try:
                 self.recovery = read_progress(self.store, self.rank)  # the log only
+                logged = LoggedDigests(self.store.path, self.rank)
                 loaded = load_for_resume(self.store, self._tracked, self.rng,
                                          data_version=self.data_version,
                                          need_cursor=self._stream is not None,
@@ -580,11 +587,15 @@ class Client:
                                          verify_steps=self.options.verify_steps,
                                          base=self._base,
                                          defer=self._deferred(overlap),
-                                         at_most=self._repro and self._repro.step)
+                                         at_most=self._repro and self._repro.step,
+                                         logged=logged, keys=self._keys)
             except BaseException:
                 if hot is not None:
                     hot.close()
                 raise
+            finally:
+                if logged is not None:
+                    logged.close()
             if hot is not None and not (loaded is not None and loaded.deferred):
                 hot.close()   # else the background read closes it when it ends
             if loaded is None:
@@ -700,7 +711,7 @@ class Client:
             return None
         return pull_newer(self.store, self.options.remote,
                           min_free_bytes=self.options.min_free_bytes,
-                          timeout=self.options.remote_timeout)
+                          timeout=self.options.remote_timeout, keys=self._keys)
 
     def _paused_warm_up(self):
         return self._handoff.paused() if self._handoff is not None else nullcontext()
@@ -812,7 +823,7 @@ class Client:
     def _warm_start(self) -> int:
         modules = {n: o for n, o in self._tracked.items() if isinstance(o, torch.nn.Module)}
         self._unchanged.forget()
-        loaded = load_weights(self.store, modules, base=self._base)
+        loaded = load_weights(self.store, modules, base=self._base, keys=self._keys)
         committed = self.store.committed()
         new_id = max((s.lineage for s in committed), default=-1) + 1
         parent = None

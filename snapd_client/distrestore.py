@@ -48,6 +48,7 @@ from snapd.errors import (CorruptSnapshot, DistributedNotReady, IncompatibleStat
 from snapd.globalcommit import shard_offset
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.reader import SnapshotReader, check_name_matches
+from snapd.signing import Keys
 from snapd.skeleton import unflatten
 from snapd.store import RunStore, SnapshotId
 from snapd_client import reshard
@@ -160,21 +161,26 @@ class Prepared:
 
 def prepare(parts: Parts, rank: int, world_size: int, tracked: Dict[str, Any], rng: Any, *,
             data_version: Optional[str], stream: Any, omit: set,
-            defer: Iterable[str] = ()) -> Prepared:
+            defer: Iterable[str] = (), keys: Optional[Keys] = None) -> Prepared:
     """Check and read what this rank needs of ``parts`` (CorruptSnapshot when a byte
     fails verification, IncompatibleState when it does not fit). Optimizers in
     ``defer`` (same world size only) are checked like every object, but their
-    per-parameter state is not read: their states hold the param_groups only."""
+    per-parameter state is not read: their states hold the param_groups only.
+    ``keys`` (snapd/signing.py): the commit record and this rank's part must be signed
+    with an accepted key."""
     same = parts.world_size == world_size
     own_rank = rank if same else rank % parts.world_size
     own = parts.part(own_rank)
+    if keys is not None and isinstance(parts.snapshot, GlobalSnapshot):
+        keys.check(parts.snapshot.record_bytes, what="commit record",
+                   path=os.path.join(parts.path, fmt.COMMIT_NAME))
     check_name_matches(parts.path, own.manifest)
     view = copy.copy(own)
     view.manifest = global_view(own.manifest)
     # Resharded, the RNG streams start fresh: theirs are not checked.
     check_omit = omit if same else omit | {f"rng:{n}" for n in rng.names()}
     check_candidate(view, tracked, rng, data_version=data_version,
-                    need_cursor=same and stream is not None, omit=check_omit)
+                    need_cursor=same and stream is not None, omit=check_omit, keys=keys)
     deferred = step_only_names(own, set(defer) - omit) if same else ()
     states = {name: groups_only(own, name) if name in deferred else
               _read_object(parts, own_rank, name, obj)
@@ -379,7 +385,7 @@ def _read_candidate(client: Any, name: str, omit: set, world_size: int,
             "supported for now: drop overlap=True to reshard", field="overlap")
     prepared = prepare(parts, client.rank, world_size, client._tracked, client.rng,
                        data_version=client.data_version, stream=client._stream, omit=omit,
-                       defer=defer)
+                       defer=defer, keys=client._keys)
     # restore.apply() takes the RNG streams and cursor from the manifest it is given:
     # resharded, none of the first (fresh) and the cursor recomputed.
     manifest = {**prepared.manifest, "rng": prepared.rng, "cursor": prepared.cursor}

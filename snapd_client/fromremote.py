@@ -56,7 +56,7 @@ class RemoteWarning(UserWarning):
 
 
 def pull_newer(store: RunStore, url: str, *, min_free_bytes: int, threads: int = 4,
-               timeout: Optional[float] = None) -> Optional[SnapshotId]:
+               timeout: Optional[float] = None, keys: Any = None) -> Optional[SnapshotId]:
     """Pull the newest remote commit newer than every local committed snapshot, and
     the log when the local one is empty; returns the snapshot pulled, or None.
 
@@ -68,7 +68,7 @@ def pull_newer(store: RunStore, url: str, *, min_free_bytes: int, threads: int =
     from snapd.remote.pull import refuse_credentials
     from snapd.roots import StoreRoot
     refuse_credentials(url, where="Client(remote=...)")
-    job = _Pull(store, url, min_free_bytes, threads, Deadline(timeout, redact(url)))
+    job = _Pull(store, url, min_free_bytes, threads, Deadline(timeout, redact(url)), keys)
     outcome = job.deadline.run(job, name=f"snapd-remote-pull-{store.run}",   # a slow
                                progress=lambda: StoreRoot.arrived(store))  # pull goes on
     if outcome.timed_out:
@@ -88,8 +88,9 @@ class _Pull:
     (a late one would warn after restore went on without it)."""
 
     def __init__(self, store: RunStore, url: str, min_free_bytes: int, threads: int,
-                 deadline: "Deadline") -> None:
+                 deadline: "Deadline", keys: Any = None) -> None:
         self.store, self.url, self.deadline = store, url, deadline
+        self.keys = keys   # snapd/signing.py: a record no accepted key signed is refused
         self.min_free_bytes, self.threads = min_free_bytes, threads
         self.doing = "connecting"   # for the timeout's message
         self.notes: List[str] = []
@@ -130,7 +131,8 @@ class _Pull:
         store = self.store
         try:
             root.pull(root.snap(store.run, sid), store, threads=self.threads,
-                      min_free_bytes=self.min_free_bytes, deadline=self.deadline)
+                      min_free_bytes=self.min_free_bytes, deadline=self.deadline,
+                      keys=self.keys)
             logger.info(f"run {store.run}: pulled {sid.name} from {root.where}, verified")
             return "pulled"
         except CorruptSnapshot as e:

@@ -333,7 +333,8 @@ class Handoff:
             sid = SnapshotId.parse(event.name)
             # complete False: a part, durable; the snapshot waits for other ranks.
             result = CommitResult(sid, self.store.snapshot_path(sid) if sid else event.name,
-                                  event.bytes, event.seconds, complete=event.complete)
+                                  event.bytes, event.seconds, complete=event.complete,
+                                  manifest_sha256=event.manifest_sha256)
             self._release(event.slot, handle, result=result)
         else:
             self._release(event.slot, handle, event.exception())

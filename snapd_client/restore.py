@@ -53,6 +53,8 @@ import torch
 
 from snapd.errors import CorruptSnapshot, IncompatibleState, SnapdError
 from snapd.format import dtype_name
+from snapd.logdigests import LoggedDigests
+from snapd.signing import Keys
 from snapd.reader import SnapshotReader, check_name_matches
 from snapd.skeleton import unflatten
 from snapd.store import RunStore, SnapshotId
@@ -400,17 +402,52 @@ def saved_cursor(manifest: Dict[str, Any], source: str) -> Dict[str, Any]:
     return manifest["cursor"]
 
 
+def check_logged(reader: SnapshotReader, logged: Optional[LoggedDigests]) -> None:
+    """The manifest's SHA-256 against the one the state log recorded when the
+    snapshot was committed (snapd/logdigests.py): a manifest rewritten since, its
+    digests made to fit replaced files, is refused as CorruptSnapshot."""
+    if logged is None:
+        return
+    name = os.path.basename(reader.path)
+    want = logged.get(name)
+    if want is not None and want != reader.manifest_sha256:
+        source = os.path.join(reader.path, "manifest.snapd")
+        raise CorruptSnapshot(
+            f"{source}: SHA-256 {reader.manifest_sha256} differs from the "
+            f"manifest_sha256 {want} the state log ({logged.run_dir}/log) recorded "
+            f"when {name} was committed: the manifest was rewritten since, so its "
+            "digests prove nothing. Treat the snapshot as forged (keep it to "
+            "investigate); restore uses an older one", path=source,
+            field="manifest_sha256")
+
+
+def check_signed(reader: SnapshotReader, keys: Optional[Keys]) -> None:
+    """With a signing key, the manifest must be signed with an accepted key
+    (snapd/signing.py); UntrustedSnapshot, a CorruptSnapshot, otherwise."""
+    if keys is not None:
+        keys.check(reader.manifest_bytes, what="manifest",
+                   path=os.path.join(reader.path, "manifest.snapd"))
+
+
 def check_candidate(reader: SnapshotReader, tracked: Dict[str, Any], rng: RngStreams,
                      *, data_version: Optional[str], need_cursor: bool,
-                     omit: Iterable[str] = (), base: Optional[LiveBase] = None) -> None:
+                     omit: Iterable[str] = (), base: Optional[LiveBase] = None,
+                     logged: Optional[LoggedDigests] = None,
+                     keys: Optional[Keys] = None) -> None:
     """Every check that needs no tensor: nothing live is touched yet. ``base``: the
-    client's base model, whose digest the snapshot's must equal (snapd_client/basemodel.py)."""
+    client's base model, whose digest the snapshot's must equal (snapd_client/basemodel.py).
+    ``logged``: the manifests' SHA-256s the state log recorded (:func:`check_logged`);
+    ``keys``: the client's signing keys (:func:`check_signed`)."""
     source = os.path.join(reader.path, "manifest.snapd")
+    check_signed(reader, keys)
     check_name_matches(reader.path, reader.manifest)
     rng.check(reader.manifest["rng"], source=source, omit=rng_omitted(omit))
     if need_cursor:
         check_cursor(saved_cursor(reader.manifest, source), rng, source=source,
                      omit=rng_omitted(omit))
+    # Before the fit: a forged manifest is damage (fall back), not a program that
+    # no longer fits (which would stop the restore).
+    check_logged(reader, logged)
     check_fit(reader.manifest, tracked, source=source, data_version=data_version)
     check_same_base(reader.manifest, base, source)
     for name in tracked:  # every skeleton decodes to a state dict before a tensor is read
@@ -428,8 +465,9 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                     tensor_source: Optional[TensorProvider] = None,
                     omit: Iterable[str] = (), reached: Optional[int] = None,
                     verify_steps: int = 0, base: Optional[LiveBase] = None,
-                    defer: Iterable[str] = (), at_most: Optional[int] = None
-                    ) -> Optional[Loaded]:
+                    defer: Iterable[str] = (), at_most: Optional[int] = None,
+                    logged: Optional[LoggedDigests] = None,
+                    keys: Optional[Keys] = None) -> Optional[Loaded]:
     """The newest snapshot that verifies and fits, fully read; None if the run is new.
     Objects named in ``omit`` are checked but not read (their states are absent);
     ``rng:<stream>`` in it is neither checked nor (by :func:`apply`) restored.
@@ -438,6 +476,8 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
     (``restore(overlap=True)``) are checked like every object, but their per-parameter
     state is left to :func:`read_step_state` (:func:`step_only_names`, ``Loaded.deferred``).
     ``at_most`` (``snapd repro``): the newest snapshot of a step up to it, LATEST aside.
+    ``logged``: each manifest is checked against the SHA-256 the log recorded;
+    ``keys``: with a signing key, each must be signed with an accepted one.
 
     Live tensors are read into only when something can undo it (the module
     docstring): a fallback, the next candidate, passes every check that needs no
@@ -449,14 +489,15 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
     order, pick = resume_order(store, reached, verify_steps, at_most)
     fallbacks = _Fallbacks(store, order, lambda r: check_candidate(
         r, tracked, rng, data_version=data_version, need_cursor=need_cursor, omit=omit,
-        base=base))
+        base=base, logged=logged, keys=keys))
     for i, sid in enumerate(order):
         path = store.snapshot_path(sid)
         in_place: Set[str] = set()
         try:
             reader = fallbacks.reader(i)
             check_candidate(reader, tracked, rng, data_version=data_version,
-                            need_cursor=need_cursor, omit=omit, base=base)
+                            need_cursor=need_cursor, omit=omit, base=base, logged=logged,
+                            keys=keys)
             undo = fallbacks.after(i)
             if not undo and before is None and tensor_source is not None:
                 # a hot read lands in live tensors
@@ -662,7 +703,8 @@ def _module_keys(paths: Iterable[str]) -> List[str]:
 
 
 def load_weights(store: RunStore, modules: Dict[str, torch.nn.Module],
-                 base: Optional[LiveBase] = None) -> Optional[Loaded]:
+                 base: Optional[LiveBase] = None,
+                 keys: Optional[Keys] = None) -> Optional[Loaded]:
     """For warm_start: the newest verifying snapshot's module weights, shape-checked;
     a DistributedDataParallel ``module.`` prefix is added or removed to fit. A base
     digest other than ``base``'s is refused (IncompatibleState), as on resume."""
@@ -670,6 +712,7 @@ def load_weights(store: RunStore, modules: Dict[str, torch.nn.Module],
         path = store.snapshot_path(sid)
         try:
             reader = SnapshotReader(path, objects=list(modules))  # only their files
+            check_signed(reader, keys)
             check_name_matches(path, reader.manifest)
             names = [n for n in modules if n in reader.objects]
             source = os.path.join(path, "manifest.snapd")

@@ -112,7 +112,9 @@ class Outcomes:
                 "snapshot", event="committed", step=handle.step,
                 name=os.path.basename(result.path), bytes=result.bytes_written,
                 seconds=result.seconds, rng=handle.rng, cursor=handle.cursor,
-                last_resume=journal.last_resume, last_replay=journal.verdict)
+                last_resume=journal.last_resume, last_replay=journal.verdict,
+                **({"manifest_sha256": result.manifest_sha256}
+                   if result.manifest_sha256 else {}))
 
     def report(self, stacklevel: int = 3) -> None:
         """Warn, at the trainer's own line (``stacklevel``: this function's caller's

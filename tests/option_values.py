@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any, Dict
 
 
-def non_default_values(remote: str = "file:///srv/snapd-remote") -> Dict[str, Any]:
-    """{option: a non-default value}; ``remote`` is the URL to use for ``remote``."""
+def non_default_values(remote: str = "file:///srv/snapd-remote",
+                       key_file: str = "/srv/snapd-keys") -> Dict[str, Any]:
+    """{option: a non-default value}; ``remote`` is the URL to use for ``remote``,
+    ``key_file`` the file of signing keys for ``signing_key_file``."""
     return {
         # submit
         "compression": 3, "chunk_bytes": 8192, "keep_last": 5, "keep_every": 10,
         "keep_best": 1, "best_mode": "max", "hot_restore": False,
-        "share_unchanged": False,
+        "share_unchanged": False, "sha256": False,
         # client
         "mode": "overlap", "on_busy": "skip", "slots": 2, "copy_threads": 2,
         "daemon": False, "log_flush_interval": 0.5, "log_segment_bytes": 1 << 20,
@@ -31,7 +33,7 @@ def non_default_values(remote: str = "file:///srv/snapd-remote") -> Dict[str, An
         "root_check_seconds": 0.75, "min_free_bytes": 0, "max_connections": 32,
         "peer_timeout": 25.0, "hello_timeout": 4.0, "hot_linger_seconds": 120.0,
         "hot_max_bytes": 1 << 30, "idle_exit_seconds": 900.0,
-        "idle_bare_exit_seconds": 45.0,
+        "idle_bare_exit_seconds": 45.0, "signing_key_file": key_file,
     }
 
 

@@ -83,7 +83,8 @@ def _shared_of(m: Dict, src_name: str, source: str) -> List[Dict]:
     if m.get("shared"):
         return m["shared"]
     size = os.path.getsize(os.path.join(source, MODEL_FILE))
-    return [{"snapshot": src_name, "file": MODEL_FILE, "size": size, "format": 4}]
+    return [{"snapshot": src_name, "file": MODEL_FILE, "size": size,
+             "format": fmt.FORMAT_VERSION}]
 
 
 def resolved(store: RunStore) -> Dict[str, Dict[str, bytes]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 
@@ -72,7 +73,7 @@ def test_manifest_bytes_match_the_documented_offsets(tmp_path):
     result = write_snapshot(RunStore(str(tmp_path), "r"), plan_for(STATE), Options())
     data = open(os.path.join(result.path, "manifest.snapd"), "rb").read()
     assert data[0:8] == b"SNAPDMF\0"
-    assert struct.unpack_from("<I", data, 8)[0] == 4
+    assert struct.unpack_from("<I", data, 8)[0] == 5
     assert struct.unpack_from("<I", data, 12)[0] == 0
     length = struct.unpack_from("<Q", data, 16)[0]
     assert length == len(data) - 32
@@ -81,16 +82,18 @@ def test_manifest_bytes_match_the_documented_offsets(tmp_path):
     assert set(payload) == {"format", "run", "step", "rank", "world_size", "session", "created",
                             "data_version", "metric", "lineage", "rng", "cursor",
                             "objects", "files", "shared", "base"}
-    assert payload["format"] == 4 and payload["shared"] == [] and payload["base"] is None
+    assert payload["format"] == 5 and payload["shared"] == [] and payload["base"] is None
     tensors = open(os.path.join(result.path, "model.tensors"), "rb").read()
-    assert tensors[:8] == b"SNAPDTN\0" and struct.unpack_from("<I", tensors, 8)[0] == 4
+    assert tensors[:8] == b"SNAPDTN\0" and struct.unpack_from("<I", tensors, 8)[0] == 5
     assert tensors[16:32] == bytes(16)
     # v2 file digest: the header, then each chunk's digest (u64 LE), in file order.
     chain = tensors[:32] + b"".join(struct.pack("<Q", c[4])
                                     for t in payload["objects"]["model"]["tensors"]
                                     for c in t["chunks"])
     entry = payload["files"]["model.tensors"]
-    assert entry == {"size": len(tensors), "xxh3": xxhash.xxh3_64_intdigest(chain)}
+    # v5: and the SHA-256 of every byte of the file, as sha256sum computes it.
+    assert entry == {"size": len(tensors), "xxh3": xxhash.xxh3_64_intdigest(chain),
+                     "sha256": hashlib.sha256(tensors).digest()}
     for t, (key, value) in zip(payload["objects"]["model"]["tensors"], STATE.items()):
         raw = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() \
             if value.numel() else b""

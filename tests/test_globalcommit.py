@@ -182,5 +182,5 @@ def test_one_part_is_a_snapshot_directory_of_its_own(store):
     write_snapshot(store, part(0), Options())
     [(sid, parts_dir)] = store.parts_dirs()
     reader = SnapshotReader(os.path.join(parts_dir, "rank-00000"))
-    assert reader.manifest["format"] == 4 and reader.manifest["session"] == "s"
+    assert reader.manifest["format"] == 5 and reader.manifest["session"] == "s"
     assert reader.load_object("model")[1] is not None

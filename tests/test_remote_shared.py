@@ -81,7 +81,7 @@ def write_sharing(store, step, home, tmp_path):
     base = manifest["objects"]["base"]
     own = base["file"]
     size = os.path.getsize(os.path.join(store.snapshot_path(home), own))
-    manifest["shared"] = [{"snapshot": home.name, "file": own, "size": size, "format": 4}]
+    manifest["shared"] = [{"snapshot": home.name, "file": own, "size": size, "format": fmt.FORMAT_VERSION}]
     for t in base["tensors"]:
         t["src"] = 0
     base["file"] = None

@@ -60,7 +60,7 @@ def test_equal_bytes_are_referred_to_not_written(tmp_path):
     manifest = reader.manifest
     assert manifest["shared"] == [{"snapshot": "00000001", "file": "model.tensors",
                                    "size": os.path.getsize(os.path.join(
-                                       first.path, "model.tensors")), "format": 4}]
+                                       first.path, "model.tensors")), "format": 5}]
     base, head = manifest["objects"]["model"]["tensors"]
     assert base["src"] == 0 and "src" not in head
     # Only the head's bytes were written the second time: one chunk and the header.

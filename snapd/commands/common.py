@@ -126,6 +126,15 @@ def read_manifest(path: str) -> Dict[str, Any]:
         fail(f"{e}\n  hint: the manifest is damaged; pick an older snapshot (snapd ls)", 1)
 
 
+def files_info(manifest: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Each file the manifest lists: size, xxh3 and SHA-256 (hex, what ``sha256sum``
+    prints; None when the manifest records none: format 4 or older, option
+    ``sha256`` off)."""
+    return {name: {"size": entry["size"], "xxh3": entry["xxh3"],
+                   "sha256": entry["sha256"].hex() if "sha256" in entry else None}
+            for name, entry in sorted(manifest.get("files", {}).items())}
+
+
 def files_bytes(manifest: Dict[str, Any]) -> int:
     """The bytes a snapshot's files hold, by its manifest."""
     return sum(int(entry["size"]) for entry in manifest.get("files", {}).values())

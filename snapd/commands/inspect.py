@@ -23,11 +23,13 @@ from rich.table import Table
 
 from snapd import keepshared
 from snapd.commands import inspectparts
+from snapd import format as fmt
 from snapd.commands.common import (ROOT_HELP, console, cursor_info, emit_json, fail,
-                                   files_bytes, is_multirank, read_manifest)
+                                   files_bytes, files_info, is_multirank, read_manifest)
 from snapd.commands.locate import resolve
 from snapd.errors import CorruptSnapshot
 from snapd.roots import Root, Snap
+from snapd.safefiles import read_manifest_bytes
 from snapd.humanize import age, count, human_bytes, iso_time, lineage_text
 
 
@@ -54,7 +56,16 @@ def summary(path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
             "cursor": cursor_info(manifest.get("cursor")), "objects": objects,
             "parts": None, "bytes": files_bytes(manifest), "owned_bytes": use.owned,
             "shared_bytes": use.shared, "shared_with": use.shared_with,
+            "files": files_info(manifest),
+            "manifest_sha256": fmt.sha256_of(read_manifest_bytes(path)).hex(),
+            "signed_by": _signed_by(read_manifest_bytes(path)),
             "files_problem": None}
+
+
+def _signed_by(data: bytes) -> Optional[str]:
+    """The key id (hex) the manifest is signed with (snapd/signing.py), or None."""
+    found = fmt.signature_of(data)
+    return found[0].hex() if found is not None else None
 
 
 def _shared_from(manifest: Dict[str, Any], t: Dict[str, Any]) -> Optional[str]:
@@ -78,6 +89,24 @@ def _shared_text(info: Dict[str, Any]) -> str:
             + ", ".join(info["shared_with"]) + "'s files")
 
 
+def _render_sha256(info: Dict[str, Any], console: Console) -> None:
+    """Each file's SHA-256 as ``sha256sum`` prints it (run in the snapshot directory,
+    ``sha256sum -c`` checks these lines), or why there is none."""
+    files = {name: entry for name, entry in (info.get("files") or {}).items()}
+    for part in info.get("parts") or []:
+        files.update((f"{part['dir']}/{name}", entry)
+                     for name, entry in (part.get("files") or {}).items())
+    if not files:
+        return
+    if any(entry["sha256"] is None for entry in files.values()):
+        console.print("  sha256: no SHA-256 recorded (format 4 or older, or option "
+                      "sha256 off)", highlight=False)
+        return
+    console.print("  sha256 (sha256sum -c in the snapshot directory):", highlight=False)
+    for name, entry in files.items():
+        console.print(f"    {entry['sha256']}  {escape(name)}", highlight=False)
+
+
 def render(info: Dict[str, Any], console: Console) -> None:
     created = info["created"]
     metric = "-" if info["metric"] is None else f"{info['metric']:.6g}"
@@ -96,6 +125,7 @@ def render(info: Dict[str, Any], console: Console) -> None:
     if info["parts"]:
         console.print("  parts: " + ", ".join(f"rank {p['rank']} {human_bytes(p['bytes'])}"
                                               for p in info["parts"]), highlight=False)
+    _render_sha256(info, console)
     objects = Table(title="objects", title_justify="left", box=box.SIMPLE_HEAD,
                     padding=(0, 1, 0, 0), pad_edge=False)
     for column in ("object", "type", "tensors", "bytes", "stored", "file"):

@@ -16,10 +16,10 @@ is reported in ``files_problem``, as for one rank.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from snapd import format as fmt
-from snapd.commands.common import cursor_info, fail, files_bytes
+from snapd.commands.common import cursor_info, fail, files_bytes, files_info
 from snapd.errors import CorruptSnapshot, SnapdError
 from snapd.globalcommit import read_part
 from snapd.globalsnap import GlobalSnapshot
@@ -115,10 +115,19 @@ def summary(path: str) -> Dict[str, Any]:
             "rng": {k: len(v) for k, v in sorted(first["rng"].items())},
             "cursor": cursor_info(first.get("cursor")), "objects": objects_info(parts),
             "parts": [{"rank": rank, "dir": fmt.part_dir_name(rank),
-                       "bytes": files_bytes(m), "session": m.get("session")}
+                       "bytes": files_bytes(m), "session": m.get("session"),
+                       "files": files_info(m),
+                       "manifest_sha256": _part_sha256(record, rank)}
                       for rank, m in sorted(parts.items())],
             "bytes": sum(files_bytes(m) for m in parts.values()),
             "files_problem": files_problem}
+
+
+def _part_sha256(record: Dict[str, Any], rank: int) -> Optional[str]:
+    """The SHA-256 (hex) of rank ``rank``'s manifest the commit record lists (v5)."""
+    listed = record["parts"][rank] if rank < len(record["parts"]) else {}
+    sha = listed.get("manifest_sha256")
+    return sha.hex() if sha is not None else None
 
 
 def _checked_part(snap: GlobalSnapshot, rank: int) -> None:

@@ -27,6 +27,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
+from snapd import format as fmt
 from snapd import keepshared
 from snapd.commands.common import ROOT_HELP, console as out_console, emit_json, files_bytes
 from snapd.commands.locate import root_of, run_of
@@ -45,11 +46,14 @@ def describe(root: Root, snap: Snap, *, verify: bool, marks: List[str]) -> Dict[
                            "marks": marks, "step": None, "lineage": None, "bytes": None,
                            "owned_bytes": None, "shared_bytes": None, "shared_with": [],
                            "metric": None, "created": None, "world_size": None,
-                           "verified": "unverified", "error": None}
+                           "verified": "unverified", "error": None,
+                           "sha256": None, "signed_by": None}
     try:
         with root.manifests(snap) as path:
             opened = open_snapshot(path, check_files=False)
             m = opened.manifest   # many ranks: every part's manifest, checked against the record
+            top = opened.record_bytes if isinstance(opened, GlobalSnapshot) else \
+                opened.manifest_bytes
         root.check_files(snap)
     except CorruptSnapshot as e:
         row.update(verified="DAMAGED", error=str(e))
@@ -67,6 +71,11 @@ def describe(root: Root, snap: Snap, *, verify: bool, marks: List[str]) -> Dict[
     row.update(step=m["step"], lineage=m.get("lineage"), bytes=files_bytes(m),
                metric=m.get("metric"), created=m.get("created"),
                data_version=m.get("data_version"), verified="manifest ok")
+    # The SHA-256 of its top file (manifest, or many ranks' commit record): it pins
+    # every file's (docs/operations.md, "Tamper evidence"); the key id that signed it.
+    signature = fmt.signature_of(top)
+    row.update(sha256=fmt.sha256_of(top).hex(),
+               signed_by=signature[0].hex() if signature is not None else None)
     if verify:  # the same checks as snapd verify: every byte, every skeleton
         result = check(root, snap)
         row.update(verified="ok" if result["ok"] else "DAMAGED", error=result["error"])

@@ -13,7 +13,9 @@ Layout under the URL's prefix ``<url>``::
 Object stores have no rename, so the commit is the record: one small object written
 after every file of the snapshot is uploaded, listing each file and its size and the
 digest of the snapshot's top file (its manifest, or a multi-rank snapshot's commit
-record), and the shared files its tensors read (``shared``: each up before the record).
+record; from v5 also its SHA-256, ``top_sha256``, which with the SHA-256s the manifest
+lists for its files covers every byte of the snapshot), and the shared files its
+tensors read (``shared``: each up before the record).
 A snapshot is committed remotely if and only if its record exists and
 decodes; files under ``snapshots/<name>/`` without a record are an upload in progress
 or abandoned, and no reader ever looks at them. Deleting goes the other way: the
@@ -115,13 +117,14 @@ def make_record(run: str, sid: SnapshotId, world_size: int, files: List[RemoteFi
             "world_size": world_size,
             "files": [[f.relpath, f.size] for f in sorted(files, key=lambda f: f.relpath)],
             "bytes": sum(f.size for f in files), "top": top_file(world_size),
-            "top_xxh3": fmt.checksum(top_bytes), "uploaded_at": time.time(),
+            "top_xxh3": fmt.checksum(top_bytes), "top_sha256": fmt.sha256_of(top_bytes),
+            "uploaded_at": time.time(),
             "shared": [{"snapshot": s.snapshot, "file": s.file, "size": s.size}
                        for s in sorted(shared, key=lambda s: s.key)]}
 
 
-def encode_record(record: Dict[str, Any]) -> bytes:
-    return _framed(RECORD_MAGIC, record)
+def encode_record(record: Dict[str, Any], signer: Any = None) -> bytes:
+    return _framed(RECORD_MAGIC, record, signer)
 
 
 def decode_record(data: bytes, *, where: str, run: str, name: str) -> Dict[str, Any]:
@@ -147,6 +150,9 @@ def decode_record(data: bytes, *, where: str, run: str, name: str) -> Dict[str, 
         check_relpath(entry[0], where=where)
     need(record["top"] in {e[0] for e in files}, "files", "does not list the top file")
     need(fmt.is_uint(record.get("top_xxh3")), "top_xxh3", "is not a digest")
+    need("top_sha256" not in record or (version >= fmt.SHA256_FROM
+                                        and fmt.is_sha256(record["top_sha256"])),
+         "top_sha256", "is not 32 bytes (of a version 5 record)")
     need(fmt.is_uint(record.get("bytes")), "bytes", "is not a byte count")
     _check_record_shared(record, where, name, version)
     return record
@@ -189,8 +195,8 @@ def decode_part(data: bytes, *, where: str) -> Dict[str, Any]:
     return part
 
 
-def _framed(magic: bytes, value: Dict[str, Any]) -> bytes:
-    return fmt._framed(magic, value)
+def _framed(magic: bytes, value: Dict[str, Any], signer: Any = None) -> bytes:
+    return fmt._framed(magic, value, signer)
 
 
 class RemoteRoot:
@@ -325,9 +331,16 @@ class RemoteRoot:
         return decode_record(self.read_small(path), where=self.where(path), run=run,
                              name=name)
 
-    def write_record(self, run: str, name: str, record: Dict[str, Any]) -> None:
-        """The remote commit: one small object, written after every file is up."""
-        self.fs.pipe_file(self.record_path(run, name), encode_record(record))
+    def write_record(self, run: str, name: str, record: Dict[str, Any],
+                     signer: Any = None) -> None:
+        """The remote commit: one small object, written after every file is up;
+        signed with ``signer``'s key when given (snapd/signing.py)."""
+        self.fs.pipe_file(self.record_path(run, name), encode_record(record, signer))
+
+    def record_bytes(self, run: str, name: str) -> bytes:
+        """The snapshot's remote commit record as stored (its signature is checked on
+        these bytes)."""
+        return self.read_small(self.record_path(run, name))
 
     def read_small(self, path: str, limit: int = MAX_RECORD_BYTES) -> bytes:
         """A small object (a record, a manifest), refused unread beyond ``limit``."""

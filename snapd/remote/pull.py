@@ -52,8 +52,8 @@ from snapd.options import Options
 from snapd.reader import SnapshotReader
 from snapd.remote import transfer
 from snapd.remote.deadline import NO_DEADLINE, Deadline
-from snapd.remote.layout import (RemoteRoot, SharedFile, check_relpath, record_files,
-                                 record_shared, redact)
+from snapd.remote.layout import (RemoteRoot, SharedFile, check_relpath, decode_record,
+                                 record_files, record_shared, redact)
 from snapd.store import DIR_MODE, TMP_PREFIX, RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
@@ -103,10 +103,12 @@ def reaching(remote: RemoteRoot, what: str) -> Iterator[None]:
 
 def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
          progress: Progress = None, min_free_bytes: Optional[int] = None,
-         deadline: Deadline = NO_DEADLINE) -> str:
+         deadline: Deadline = NO_DEADLINE, keys: Any = None) -> str:
     """Commit remote snapshot ``name`` of ``store.run`` locally (the module's steps);
     returns its local directory. One already committed locally is kept as it is.
-    Past ``deadline`` (snapd/remote/deadline.py) nothing more is written or published."""
+    Past ``deadline`` (snapd/remote/deadline.py) nothing more is written or published.
+    ``keys`` (snapd/signing.py): the record and the top file must be signed with an
+    accepted key, else UntrustedSnapshot before a tensor file is downloaded."""
     sid = SnapshotId.parse(name)
     if sid is None:
         raise SnapdError(f"{name!r} is not a snapshot name (8+ digits, optionally "
@@ -116,7 +118,7 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
         log.info("run %r: %s is already committed locally; not pulled", store.run, name)
         return final
     with reaching(remote, f"reading the record of {store.run}/{name}"):
-        record = remote.read_record(store.run, name)                       # 1.
+        record = _read_record(remote, store.run, name, keys)                # 1.
         wanted = missing_shared(store, record, progress)
         check_listing(remote, store.run, name, record, wanted)             # 2.
     deadline.check(f"pulling {store.run}/{name}")
@@ -126,7 +128,8 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
     diskguard.ensure_space(store.root, need, min_free)                     # 3.
     tmp = store.new_tmp_dir(sid)
     try:
-        _download(remote, store.run, name, record, tmp, threads, progress)  # 4.
+        _download(remote, store.run, name, record, tmp, threads, progress,  # 4.
+                  keys)
         brought = pull_shared(remote, store, wanted, threads, progress)
         with deadline.local_work():   # the local disk's time, not the store's
             _verify(remote, store.run, sid, record, tmp, brought)           # 5.
@@ -279,9 +282,21 @@ def _settle(tmp: str, size: int, where: str) -> None:
         os.close(fd)
 
 
+def _read_record(remote: RemoteRoot, run: str, name: str, keys: Any) -> Dict[str, Any]:
+    """The remote commit record, decoded; with ``keys``, its signature checked."""
+    if keys is None:
+        return remote.read_record(run, name)
+    data = remote.record_bytes(run, name)
+    where = remote.where(remote.record_path(run, name))
+    record = decode_record(data, where=where, run=run, name=name)
+    keys.check(data, path=where, what="remote commit record")
+    return record
+
+
 def _download(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
-              tmp: str, threads: int, progress: Progress) -> None:
-    """Step 4: every file into ``tmp``, owner-only, each size checked after."""
+              tmp: str, threads: int, progress: Progress, keys: Any = None) -> None:
+    """Step 4: every file into ``tmp``, owner-only, each size checked after; the top
+    file against the record's digests (and with ``keys``, its own signature)."""
     files = record_files(record)
     for sub in sorted({f.relpath.split("/")[0] for f in files if "/" in f.relpath}):
         os.mkdir(os.path.join(tmp, sub), DIR_MODE)
@@ -302,11 +317,18 @@ def _download(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
                                   "is damaged, use an older one", path=where, field="size")
     top = os.path.join(tmp, record["top"])
     with open(top, "rb") as handle:
-        if fmt.checksum(handle.read()) != record["top_xxh3"]:
-            where = remote.where(remote.file_path(run, name, record["top"]))
-            raise CorruptSnapshot(f"{where}: its xxh3 is not the remote commit record's "
-                                  "top_xxh3; the remote snapshot is damaged, use an older "
-                                  "one", path=where, field="top_xxh3")
+        top_bytes = handle.read()
+    where = remote.where(remote.file_path(run, name, record["top"]))
+    if fmt.checksum(top_bytes) != record["top_xxh3"]:
+        raise CorruptSnapshot(f"{where}: its xxh3 is not the remote commit record's "
+                              "top_xxh3; the remote snapshot is damaged, use an older "
+                              "one", path=where, field="top_xxh3")
+    if "top_sha256" in record and fmt.sha256_of(top_bytes) != record["top_sha256"]:
+        raise CorruptSnapshot(f"{where}: its SHA-256 is not the remote commit record's "
+                              "top_sha256, though its xxh3 is: the file was replaced; "
+                              "use an older snapshot", path=where, field="top_sha256")
+    if keys is not None:
+        keys.check(top_bytes, path=where, what=record["top"])
 
 
 def _verify(remote: RemoteRoot, run: str, sid: SnapshotId, record: Dict[str, Any],

@@ -63,9 +63,9 @@ def upload_order(files: List[RemoteFile]) -> Tuple[List[RemoteFile], List[Remote
 
 
 def upload_snapshot(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
-                    progress: Progress = None) -> Dict[str, Any]:
+                    progress: Progress = None, signer: Any = None) -> Dict[str, Any]:
     """Upload the locally committed snapshot ``name`` of ``store``'s run; returns its
-    remote commit record. Raises RemoteUnavailable on a transfer failure (the caller
+    remote commit record (signed with ``signer``'s key when given: snapd/signing.py). Raises RemoteUnavailable on a transfer failure (the caller
     retries: every step is repeatable) and SnapdError when the local snapshot is gone."""
     sid = SnapshotId.parse(name)
     path = os.path.join(store.snapshots_path, name)
@@ -87,7 +87,7 @@ def upload_snapshot(remote: RemoteRoot, store: RunStore, name: str, *, threads: 
     put_shared(remote, store, shared, threads=threads, wanted_by=manifest_path)  # 3b.
     _put(remote, store.run, name, path, readers_first, done, threads, progress)  # 4.
     record = make_record(store.run, sid, world_size, files, top_bytes, shared)
-    _remote(where, remote.write_record, store.run, name, record)             # 5.
+    _remote(where, remote.write_record, store.run, name, record, signer)     # 5.
     log.info("run %r: %s committed remotely at %s (%d files, %d bytes)", store.run,
              name, remote.url, len(files), record["bytes"])
     return record

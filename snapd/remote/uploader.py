@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from snapd import format as fmt
-from snapd import pins, sharing
+from snapd import pins, sharing, signing
 from snapd.errors import RemoteUnavailable, SnapdError
 from snapd.options import Options
 from snapd.remote import retention
@@ -285,7 +285,8 @@ class Uploader:
             return self.remote.read_record(job.run, job.sid.name)
         with pinned(store, job.sid) as pin:
             return upload_snapshot(self.remote, pin, job.sid.name, threads=threads,
-                                   progress=progress)
+                                   progress=progress,
+                                   signer=signing.load_keys(self.options.signing_key_file))
 
     def _wait_for_parts(self, job: Job) -> None:
         """A part is up but the set is not: look again later (not an error; a newer

@@ -37,7 +37,9 @@ def snapshot_once(client, step=1):
 
 
 def test_a_started_daemon_runs_with_every_daemon_wide_value_of_the_client(env, tmp_path):
-    values = non_default_values(remote=f"file://{tmp_path}/remote")
+    keys = tmp_path / "keys"
+    keys.write_text("k" * 32 + "\n")
+    values = non_default_values(remote=f"file://{tmp_path}/remote", key_file=str(keys))
     given = {name: value_for(name, values) for name in DAEMON_OPTIONS}
     client = Client(env.root, env.run, daemon=True, **given)
     try:

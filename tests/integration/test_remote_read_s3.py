@@ -87,7 +87,7 @@ def sharing_snapshot(store: RunStore, aside: str) -> tuple:
     obj = manifest["objects"]["model"]
     own = obj["file"]
     size = os.path.getsize(os.path.join(store.snapshot_path(first), own))
-    manifest["shared"] = [{"snapshot": first.name, "file": own, "size": size, "format": 4}]
+    manifest["shared"] = [{"snapshot": first.name, "file": own, "size": size, "format": fmt.FORMAT_VERSION}]
     for t in obj["tensors"]:
         t["src"] = 0
     obj["file"] = None
