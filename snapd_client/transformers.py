@@ -172,17 +172,17 @@ class Trainer(transformers.Trainer):
     from the newest snapshot by itself (this module's docstring says how).
 
     ``snapd_root`` (default ``<output_dir>/snapd``) and ``snapd_run`` (default
-    ``"trainer"``) name the run; ``snapd_options``: keyword arguments of
+    ``TrainingArguments.run_name``, else ``"trainer"``) name the run; ``snapd_options``: keyword arguments of
     :class:`snapd_client.Client` (``every``, ``keep_last``, ``mode``, ``data_version``
     ...). Every other argument is the Trainer's.
     """
 
     def __init__(self, *args: Any, snapd_root: Optional[str] = None,
-                 snapd_run: str = "trainer", snapd_options: Optional[Dict[str, Any]] = None,
+                 snapd_run: Optional[str] = None, snapd_options: Optional[Dict[str, Any]] = None,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._snapd_root = snapd_root or os.path.join(self.args.output_dir, "snapd")
-        self._snapd_run = snapd_run
+        self._snapd_run = snapd_run or self.args.run_name or "trainer"
         self._snapd_options = dict(snapd_options or {})
         self._snapd: Optional[Client] = None
         self._snapd_sampler: Any = None

@@ -5,7 +5,8 @@ test_transformers_resume.py. snapd changes one line, marked ``# snapd``:
     -from transformers import Trainer
     +from snapd_client.transformers import Trainer
 
-``python hf_job.py CONFIG_JSON``; CONFIG: ``out`` (the output_dir), ``mode`` ("snapd",
+``python hf_job.py CONFIG_JSON``; CONFIG: ``out`` (this run's files), ``output_dir``
+(default ``out``), ``run_name`` (snapd's run name too), ``mode`` ("snapd",
 "own": transformers.Trainer resuming with ``resume_from_checkpoint=True`` from its
 checkpoints every ``save_steps``, or "none"), ``workers``, ``epochs``, and the test's
 ``kills``: points where the process SIGKILLs itself, each once (a file in ``out``
@@ -76,6 +77,7 @@ def killed_saving(save):
 
 
 Trainer._save_optimizer_and_scheduler = killed_saving(Trainer._save_optimizer_and_scheduler)
+torch.set_num_threads(1)   # runs side by side on a small machine: no threads spinning
 
 # --- the stock script ------------------------------------------------------------------
 
@@ -85,14 +87,15 @@ config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=
 model = GPT2LMHeadModel(config)
 own = cfg["mode"] == "own"
 args = TrainingArguments(
-    output_dir=cfg["out"], per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    output_dir=cfg.get("output_dir", cfg["out"]), run_name=cfg.get("run_name"),
+    per_device_train_batch_size=4, gradient_accumulation_steps=2,
     num_train_epochs=cfg.get("epochs", 3), learning_rate=3e-3, weight_decay=0.01,
     lr_scheduler_type="cosine", warmup_steps=4, logging_steps=5, seed=42,
     save_strategy="steps" if own else "no", save_steps=cfg.get("save_steps", 3),
     dataloader_num_workers=cfg.get("workers", 0), use_cpu=True, report_to="none",
     disable_tqdm=True)
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Kills()])
-resume = own and get_last_checkpoint(cfg["out"]) is not None
+resume = own and get_last_checkpoint(args.output_dir) is not None
 trainer.train(resume_from_checkpoint=True if resume else None)
 
 # --- what the test compares ------------------------------------------------------------
