@@ -49,6 +49,7 @@ docs/frameworks_transformers.md has the measured comparison with the Trainer's o
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 from typing import Any, Dict, Optional
@@ -61,6 +62,30 @@ from snapd.errors import InvalidOption, UnsupportedState
 from snapd_client.client import Client
 
 __all__ = ["Trainer"]
+
+# The Trainer's methods this module overrides, with the parameters it relies on: the
+# ones of transformers 5.24. Another version may have moved them; refuse at import
+# rather than resume on another path.
+_RELIED_ON = {"_init_training_state": ("max_steps", "num_update_steps_per_epoch",
+                                       "resume_from_checkpoint"),
+              "_run_epoch": ("epoch", "resume_from_checkpoint", "epochs_trained"),
+              "_load_rng_state": ("checkpoint",), "create_scheduler": ("num_training_steps",),
+              "_maybe_log_save_evaluate": ("grad_norm", "learning_rate")}
+
+
+def _check_trainer_version() -> None:
+    for name, params in _RELIED_ON.items():
+        method = getattr(transformers.Trainer, name, None)
+        have = inspect.signature(method).parameters if callable(method) else {}
+        if not all(p in have for p in params):
+            raise UnsupportedState(
+                f"transformers {transformers.__version__}: Trainer.{name} is not the one "
+                "snapd_client.transformers extends (parameters "
+                f"{', '.join(params)}); install the version snapd[transformers] names "
+                "(transformers 5.24)", field="transformers")
+
+
+_check_trainer_version()
 
 # What ``_run_epoch`` gets as ``resume_from_checkpoint`` in the resumed epoch: it
 # makes the Trainer skip the consumed batches, and ``_load_rng_state`` recognise it.

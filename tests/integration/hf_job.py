@@ -6,7 +6,8 @@ test_transformers_resume.py. snapd changes one line, marked ``# snapd``:
     +from snapd_client.transformers import Trainer
 
 ``python hf_job.py CONFIG_JSON``; CONFIG: ``out`` (this run's files), ``output_dir``
-(default ``out``), ``run_name`` (snapd's run name too), ``mode`` ("snapd",
+(default ``out``), ``run_name`` (snapd's run name too), ``args`` (more
+TrainingArguments), ``mode`` ("snapd",
 "own": transformers.Trainer resuming with ``resume_from_checkpoint=True`` from its
 checkpoints every ``save_steps``, or "none"), ``workers``, ``epochs``, and the test's
 ``kills``: points where the process SIGKILLs itself, each once (a file in ``out``
@@ -89,11 +90,11 @@ own = cfg["mode"] == "own"
 args = TrainingArguments(
     output_dir=cfg.get("output_dir", cfg["out"]), run_name=cfg.get("run_name"),
     per_device_train_batch_size=4, gradient_accumulation_steps=2,
-    num_train_epochs=cfg.get("epochs", 3), learning_rate=3e-3, weight_decay=0.01,
+    num_train_epochs=cfg.get("epochs", 2), learning_rate=3e-3, weight_decay=0.01,
     lr_scheduler_type="cosine", warmup_steps=4, logging_steps=5, seed=42,
     save_strategy="steps" if own else "no", save_steps=cfg.get("save_steps", 3),
     dataloader_num_workers=cfg.get("workers", 0), use_cpu=True, report_to="none",
-    disable_tqdm=True)
+    disable_tqdm=True, **cfg.get("args", {}))
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Kills()])
 resume = own and get_last_checkpoint(args.output_dir) is not None
 trainer.train(resume_from_checkpoint=True if resume else None)

@@ -6,7 +6,7 @@ bit for bit, and on its log history, in every trial: killed mid-epoch, in an
 accumulation window, right after a snapshot was handed off, at an epoch's last step,
 twice in one run (with 0 and 2 loader workers), and during a snapshot's write with
 the daemon killed too. Beside them, the Trainer's own ``resume_from_checkpoint=True``:
-exact after a kill mid-epoch, and broken by a kill during its save.
+exact after a kill mid-epoch, and broken by a kill during its save, at every start.
 
 The runs go in three rounds, side by side: the uninterrupted runs and every first
 attempt; every restart; the third attempts. Each is a child of a warm parent that
@@ -34,7 +34,7 @@ from warm import Warm
 JOB = os.path.join(os.path.dirname(__file__), "hf_job.py")
 GATED = os.path.join(os.path.dirname(__file__), "gated_daemon.py")
 PRELOAD = ("transformers", "transformers.trainer", "accelerate", "safetensors.torch")
-EVERY = 3   # SNAPD_EVERY: 36 steps, 12 per epoch
+EVERY = 3   # SNAPD_EVERY: 24 steps, 12 per epoch
 
 # trial: (kill points, loader workers, the step each restart resumes from)
 TRIALS = {
@@ -42,9 +42,9 @@ TRIALS = {
     "mid_accumulation": ([["substep", 7]], 0, [6]),
     "accumulating_after_an_epoch_end": ([["substep", 12]], 0, [12]),
     "snapshot_being_written": ([["step_begin", 9]], 0, [9]),
-    "epoch_last_step": ([["step_end", 24]], 0, [21]),
-    "twice": ([["substep", 4], ["step_end", 22]], 0, [3, 21]),
-    "twice_2_workers": ([["step_end", 14], ["substep", 28]], 2, [12, 27]),
+    "epoch_last_step": ([["step_end", 12]], 0, [9]),
+    "twice": ([["substep", 4], ["step_end", 20]], 0, [3, 18]),
+    "twice_2_workers": ([["step_end", 13], ["substep", 22]], 2, [12, 21]),
 }
 HELD = "write_held_daemon_killed"   # killed at step 8; restarted; killed with 9 held
 
@@ -122,19 +122,25 @@ def hf_runs():
     configs["own_mid_epoch"] = job_config(base, "own_mid_epoch", "own", [["substep", 7]])
     configs["own_killed_saving"] = job_config(base, "own_killed_saving", "own",
                                               [["save", 9]])
+    configs["unseeded_sampler"] = dict(job_config(base, "unseeded_sampler"), args={
+        "accelerator_config": {"use_seedable_sampler": False}})
     wholes = {"stock": job_config(base, "stock", "none"),
               "whole": job_config(base, "whole"),
               "whole_2_workers": job_config(base, "whole_2_workers", workers=2)}
     try:
         runs.finish({name: runs.start("first", cfg, 1)
                      for name, cfg in {**wholes, **configs}.items()})
+        runs.saving_left = sorted(os.listdir(os.path.join(configs["own_killed_saving"]["out"],
+                                                          "checkpoint-9")))
+        again = {n: runs.start("resumed", configs[n], 2) for n in configs
+                 if n not in (HELD, "unseeded_sampler")}
         held_root = os.path.join(configs[HELD]["out"], "snapd")
         held_write_attempt(runs, configs[HELD], held_root)
         runs.held_pointer = _read(os.path.join(held_root, HELD, "LATEST"))
         runs.held_snapshots = sorted(os.listdir(os.path.join(held_root, HELD, "snapshots")))
-        again = [n for n in configs if n != HELD]
-        runs.finish({n: runs.start("resumed", configs[n], 2) for n in again})
+        runs.finish(again)
         third = [n for n in configs if len(runs.codes[n]) == 2 and runs.codes[n][-1] < 0]
+        third.append("own_killed_saving")   # does a second start fail again?
         runs.finish({n: runs.start("resumed", configs[n], 3) for n in third})
         runs.configs = {**wholes, **configs}
         yield runs
@@ -184,7 +190,7 @@ def test_snapshots_leave_the_run_as_it_was(hf_runs):
     stock, with_snapd = final(hf_runs, "stock"), final(hf_runs, "whole")
     assert_same_bits(with_snapd[0], stock[0])
     assert with_snapd[1] == stock[1]
-    assert with_snapd[1]["global_step"] == 36
+    assert with_snapd[1]["global_step"] == 24
 
 
 @pytest.mark.parametrize("trial", sorted(TRIALS))
@@ -215,14 +221,24 @@ def test_a_kill_during_a_write_leaves_the_previous_snapshot_resumed_exactly(hf_r
 
 def test_the_trainers_own_resume(hf_runs):
     """resume_from_checkpoint=True: exact after a kill mid-epoch; after a kill during
-    its save, the next start fails on the checkpoint folder it left half written."""
+    its save, every later start fails on the checkpoint folder it left half written."""
     assert hf_runs.codes["own_mid_epoch"] == [-signal.SIGKILL, 0], \
         hf_runs.errs["own_mid_epoch"][-1][-3000:]
     stock = final(hf_runs, "stock")
     own = final(hf_runs, "own_mid_epoch")
     assert max_weight_difference(own[0], stock[0]) == 0.0
     assert_same_bits(own[0], stock[0])
-    assert hf_runs.codes["own_killed_saving"] == [-signal.SIGKILL, 1]
-    err = hf_runs.errs["own_killed_saving"][-1]
-    assert "checkpoint-9/trainer_state.json" in err and "FileNotFoundError" in err, \
-        err[-3000:]
+    assert hf_runs.saving_left == ["config.json", "generation_config.json",
+                                   "model.safetensors", "training_args.bin"]
+    assert hf_runs.codes["own_killed_saving"] == [-signal.SIGKILL, 1, 1]
+    for err in hf_runs.errs["own_killed_saving"][1:]:
+        assert "FileNotFoundError" in err and "checkpoint-9/trainer_state.json" in err, \
+            err[-3000:]
+
+
+def test_a_sampler_shuffling_from_the_global_rng_is_refused(hf_runs):
+    """Its shuffle is drawn at the epoch's start: a resume mid-epoch could not redraw
+    it, so the run is refused before the first step, naming the setting."""
+    assert hf_runs.codes["unseeded_sampler"] == [1]
+    err = hf_runs.errs["unseeded_sampler"][0]
+    assert "UnsupportedState" in err and "use_seedable_sampler" in err, err[-3000:]
