@@ -16,7 +16,9 @@ records it, so that the same command, started again, goes past it):
 (in step k+1's accumulation window), ``["step_begin", k]`` (right after step k's
 snapshot was handed off, while it is written), ``["save", k]`` (own mode: in
 ``_save_checkpoint`` of step k, after the weights, before the optimizer). At the end
-it writes ``final.safetensors`` (weights and optimizer state) and ``final.json``.
+it writes ``final.safetensors`` (weights and optimizer state), ``final.json`` (the
+global step, the log history) and ``fetched.json`` (how many samples this process
+fetched from the dataset, with 0 workers).
 """
 
 import json
@@ -46,7 +48,11 @@ class Tokens(torch.utils.data.Dataset):
         return len(self.data)
 
     def __getitem__(self, i):
+        fetched.append(int(i))   # the test's count of samples fetched (0 workers)
         return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+fetched = []
 
 
 # --- the test's hooks: kill points, each taken once ------------------------------------
@@ -106,6 +112,8 @@ for p, state in trainer.optimizer.state_dict()["state"].items():
     for k, v in state.items():
         tensors[f"optimizer.{p}.{k}"] = torch.as_tensor(v).detach().contiguous()
 save_file(tensors, os.path.join(cfg["out"], "final.safetensors"))
+with open(os.path.join(cfg["out"], "fetched.json"), "w") as f:
+    json.dump(len(fetched), f)
 with open(os.path.join(cfg["out"], "final.json"), "w") as f:
     json.dump({"global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history[:-1]}, f)

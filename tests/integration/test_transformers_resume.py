@@ -242,3 +242,14 @@ def test_a_sampler_shuffling_from_the_global_rng_is_refused(hf_runs):
     assert hf_runs.codes["unseeded_sampler"] == [1]
     err = hf_runs.errs["unseeded_sampler"][0]
     assert "UnsupportedState" in err and "use_seedable_sampler" in err, err[-3000:]
+
+
+def test_the_resumed_epoch_fetches_no_consumed_sample(hf_runs):
+    """Resumed at step 6 (12 of the epoch's 24 batches of 4 consumed), the restart
+    fetches the other 12 batches of that epoch and the 24 of the next: 144 samples,
+    against 192 for the whole run. The skip goes by sampler index."""
+    def fetched(name):
+        with open(os.path.join(hf_runs.configs[name]["out"], "fetched.json")) as f:
+            return json.load(f)
+    assert fetched("whole") == 192
+    assert fetched("mid_accumulation") == 144
