@@ -1,6 +1,7 @@
 """A stock Hugging Face Trainer script (a two-layer GPT-2 from its config on generated
-tokens, dropout, gradient accumulation 2, a cosine schedule with warmup), run by
-test_transformers_resume.py. snapd changes one line, marked ``# snapd``:
+tokens, dropout, gradient accumulation 2, a cosine schedule with warmup, evaluation
+every 4 steps), run by test_transformers_resume.py. snapd changes one line, marked
+``# snapd``:
 
     -from transformers import Trainer
     +from snapd_client.transformers import Trainer
@@ -41,18 +42,18 @@ else:
 class Tokens(torch.utils.data.Dataset):
     """Generated token sequences: no hub, no network."""
 
-    def __init__(self, n=96, length=16, vocab=64):
-        self.data = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(7))
+    def __init__(self, n=96, length=16, vocab=64, seed=7):
+        self.data = torch.randint(0, vocab, (n, length),
+                                  generator=torch.Generator().manual_seed(seed))
+        self.fetched = 0
 
     def __len__(self):
         return len(self.data)
 
     def __getitem__(self, i):
-        fetched.append(int(i))   # the test's count of samples fetched (0 workers)
+        self.fetched += 1   # the test's count of samples fetched (0 workers)
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
-
-fetched = []
 
 
 # --- the test's hooks: kill points, each taken once ------------------------------------
@@ -98,10 +99,13 @@ args = TrainingArguments(
     per_device_train_batch_size=4, gradient_accumulation_steps=2,
     num_train_epochs=cfg.get("epochs", 2), learning_rate=3e-3, weight_decay=0.01,
     lr_scheduler_type="cosine", warmup_steps=4, logging_steps=5, seed=42,
+    eval_strategy="steps", eval_steps=4, per_device_eval_batch_size=8,
     save_strategy="steps" if own else "no", save_steps=cfg.get("save_steps", 3),
     dataloader_num_workers=cfg.get("workers", 0), use_cpu=True, report_to="none",
     disable_tqdm=True, **cfg.get("args", {}))
-trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Kills()])
+train = Tokens()
+trainer = Trainer(model=model, args=args, train_dataset=train,
+                  eval_dataset=Tokens(n=16, seed=8), callbacks=[Kills()])
 resume = own and get_last_checkpoint(args.output_dir) is not None
 trainer.train(resume_from_checkpoint=True if resume else None)
 
@@ -113,7 +117,7 @@ for p, state in trainer.optimizer.state_dict()["state"].items():
         tensors[f"optimizer.{p}.{k}"] = torch.as_tensor(v).detach().contiguous()
 save_file(tensors, os.path.join(cfg["out"], "final.safetensors"))
 with open(os.path.join(cfg["out"], "fetched.json"), "w") as f:
-    json.dump(len(fetched), f)
+    json.dump(train.fetched, f)
 with open(os.path.join(cfg["out"], "final.json"), "w") as f:
     json.dump({"global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history[:-1]}, f)

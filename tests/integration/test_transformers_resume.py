@@ -1,7 +1,7 @@
 """The Hugging Face Trainer with snapd (snapd_client/transformers.py), SIGKILLed and
 started again with the same command: the stock script hf_job.py (a two-layer GPT-2
 from its config on generated tokens, dropout, gradient accumulation 2, a cosine
-schedule with warmup) ends on the uninterrupted run's weights and optimizer state,
+schedule with warmup, an evaluation every 4 steps) ends on the uninterrupted run's weights and optimizer state,
 bit for bit, and on its log history, in every trial: killed mid-epoch, in an
 accumulation window, right after a snapshot was handed off, at an epoch's last step,
 twice in one run (with 0 and 2 loader workers), and during a snapshot's write with
@@ -156,12 +156,19 @@ def _read(path):
         return f.read().strip()
 
 
+WALL_CLOCK = ("_runtime", "_samples_per_second", "_steps_per_second")
+
+
 def final(runs, name):
-    """The run's final weights and optimizer state, and its log history."""
+    """The run's final weights and optimizer state, and its log history without the
+    wall-clock figures (an evaluation's runtime and throughput)."""
     from safetensors.torch import load_file
     out = runs.configs[name]["out"]
     with open(os.path.join(out, "final.json")) as f:
-        return load_file(os.path.join(out, "final.safetensors")), json.load(f)
+        logged = json.load(f)
+    logged["log_history"] = [{k: v for k, v in entry.items() if not k.endswith(WALL_CLOCK)}
+                             for entry in logged["log_history"]]
+    return load_file(os.path.join(out, "final.safetensors")), logged
 
 
 def assert_same_bits(got, want):
