@@ -52,6 +52,7 @@ import dataclasses
 import inspect
 import json
 import os
+import warnings
 from typing import Any, Dict, Optional
 
 import torch
@@ -197,14 +198,16 @@ class Trainer(transformers.Trainer):
     from the newest snapshot by itself (this module's docstring says how).
 
     ``snapd_root`` (default ``<output_dir>/snapd``) and ``snapd_run`` (default
-    ``TrainingArguments.run_name``, else ``"trainer"``) name the run; ``snapd_options``: keyword arguments of
-    :class:`snapd_client.Client` (``every``, ``keep_last``, ``mode``, ``data_version``
-    ...). Every other argument is the Trainer's.
+    ``TrainingArguments.run_name``, else ``"trainer"``) name the run;
+    ``snapd_options``: keyword arguments of :class:`snapd_client.Client` (``every``,
+    ``keep_last``, ``mode``, ``data_version`` ...). Every other argument is the
+    Trainer's. ``train(resume_from_checkpoint=...)`` is refused: it resumes from
+    snapd by itself.
     """
 
     def __init__(self, *args: Any, snapd_root: Optional[str] = None,
-                 snapd_run: Optional[str] = None, snapd_options: Optional[Dict[str, Any]] = None,
-                 **kwargs: Any) -> None:
+                 snapd_run: Optional[str] = None,
+                 snapd_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._snapd_root = snapd_root or os.path.join(self.args.output_dir, "snapd")
         self._snapd_run = snapd_run or self.args.run_name or "trainer"
@@ -244,8 +247,9 @@ class Trainer(transformers.Trainer):
         except BaseException:
             try:
                 self._snapd.close()
-            except Exception:   # the training error is the one to see; close's is logged
-                pass
+            except Exception as closing:   # the training error is raised; this one said
+                warnings.warn(f"snapd: closing run {self._snapd_run} after train() "
+                              f"failed also failed: {closing!r}", stacklevel=2)
             raise
         finally:
             client, self._snapd = self._snapd, None
