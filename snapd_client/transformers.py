@@ -56,8 +56,13 @@ import warnings
 from typing import Any, Dict, Optional
 
 import torch
-import transformers
-from transformers.trainer_callback import ExportableState, TrainerCallback, TrainerState
+
+try:
+    import transformers
+    from transformers.trainer_callback import ExportableState, TrainerCallback, TrainerState
+except ImportError as e:   # the optional extra is missing: say which line installs it
+    raise ImportError(f"snapd_client.transformers needs the Hugging Face Trainer ({e}); "
+                      "install it with: pip install 'snapd[transformers]'") from e
 
 from snapd.errors import InvalidOption, UnsupportedState
 from snapd_client.client import Client

@@ -1,5 +1,6 @@
 """snapd_client.transformers.Trainer's refusals, before anything is trained: a
-checkpoint folder asked for, and a Trainer whose methods are not those it extends.
+checkpoint folder asked for, a Trainer whose methods are not those it extends, and
+no transformers installed.
 The resume itself is tested end to end in tests/integration/test_transformers_resume.py."""
 
 from __future__ import annotations
@@ -48,3 +49,12 @@ def test_a_trainer_without_the_methods_extended_is_refused(monkeypatch):
         snapd_transformers._check_trainer_version()
     assert caught.value.field == "transformers"
     assert "Trainer._run_epoch" in str(caught.value)
+
+
+def test_without_transformers_the_import_says_what_to_install(monkeypatch):
+    import importlib
+    import sys
+    monkeypatch.setitem(sys.modules, "transformers", None)   # as if not installed
+    monkeypatch.delitem(sys.modules, "snapd_client.transformers")
+    with pytest.raises(ImportError, match=r"pip install 'snapd\[transformers\]'"):
+        importlib.import_module("snapd_client.transformers")
