@@ -1,7 +1,7 @@
 """Trainer processes without an ``import torch`` each: a warm parent imports torch,
 numpy and snapd_client once, then forks one child per script it is asked to run.
 
-Run as ``python warm.py``, it reads requests from stdin, one JSON line each
+Run as ``python warm.py [MODULE ...]`` (modules imported besides PRELOAD), it reads requests from stdin, one JSON line each
 (``{"script", "args", "env", "stdout", "stderr", "cwd"}``), forks, and answers
 ``{"pid": N}``; when a child exits it writes ``{"exited": N, "code": C}`` (C as
 ``Popen.returncode``: -9 for a SIGKILL). A child is a fresh process: nothing has run
@@ -77,8 +77,10 @@ class WarmRun(NamedTuple):
 class Warm:
     """A warm parent process (this file run as a script) and its children."""
 
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
+    def __init__(self, preload: tuple = ()) -> None:
+        """``preload``: modules the parent imports besides PRELOAD (a framework the
+        children all import: ``transformers.trainer``)."""
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.children: Dict[int, WarmProcess] = {}
         self._buffer = b""
@@ -156,7 +158,7 @@ class Warm:
 
 def _serve() -> None:
     import importlib
-    for name in PRELOAD:
+    for name in (*PRELOAD, *sys.argv[1:]):
         importlib.import_module(name)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
