@@ -1,0 +1,121 @@
+"""A stock Lightning fit (a module with dropout, AdamW with a per-step schedule, a
+shuffled DataLoader, gradient accumulation 2, bf16-mixed on the CPU) run by the
+Lightning tests and by scripts/bench_lightning_resume.py.
+
+``python lightning_job.py '<json>'``, the JSON holding ``root``, ``run``, ``workers``
+and ``resume``: "snapd" (the stock script plus snapd's two lines, marked
+``# snapd``), "lightning" (Lightning's own: ``ModelCheckpoint(save_last=True,
+every_n_train_steps=EVERY)`` and ``fit(ckpt_path="last")``) or "none". Optional:
+``kills``, a list of ``[hook, batch]``: the process SIGKILLs itself at that hook
+("start": before the batch's forward; "end": after the batch, after the snapshot
+callback) of that batch (counted over the whole fit from 0), once per run (a marker
+file under the root says it happened), so the same command run again goes on.
+``out``: an .npz to write the final weights to.
+
+It prints ``weights <sha256>`` and ``optimizer <sha256>`` at the end: the final
+module parameters, and the optimizer's and scheduler's states, bit for bit.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from snapd_client.lightning import SnapdCallback  # snapd
+
+EVERY = 3          # optimizer steps between snapshots (both kinds of resume)
+EPOCHS = 3
+SAMPLES = 248      # 31 batches of 8: an epoch ends inside an accumulation window
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.3),
+                                 nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.3),
+                                 nn.Linear(64, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.05)
+        steps = EPOCHS * 16   # 16 updates an epoch (15 full windows and a short one)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class KillAt(Callback):
+    """Test only: SIGKILL this process at the given hooks of the given batches."""
+
+    def __init__(self, kills, root) -> None:
+        self.kills, self.root = [tuple(k) for k in kills], root
+
+    def _maybe_kill(self, trainer, hook, batch_idx) -> None:
+        n = trainer.num_training_batches
+        at = trainer.current_epoch * n + batch_idx
+        if (hook, at) in self.kills:
+            marker = os.path.join(self.root, f"killed-{hook}-{at}")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._maybe_kill(trainer, "start", batch_idx)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._maybe_kill(trainer, "end", batch_idx)
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    pl.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 16, generator=g)
+    y = (x[:, :4].argmax(1) + torch.randint(0, 2, (SAMPLES,), generator=g)) % 4
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True,
+                        num_workers=cfg["workers"])
+    model = Classifier()
+    callbacks, ckpt_path = [], None
+    if cfg["resume"] == "snapd":
+        callbacks.append(SnapdCallback(cfg["root"], run=cfg["run"], every=EVERY))  # snapd
+    elif cfg["resume"] == "lightning":
+        folder = os.path.join(cfg["root"], cfg["run"])
+        callbacks.append(ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0,
+                                         every_n_train_steps=EVERY))
+        ckpt_path = "last"
+    callbacks.append(KillAt(cfg.get("kills", []), cfg["root"]))
+    trainer = pl.Trainer(max_epochs=EPOCHS, accumulate_grad_batches=2,
+                         precision="bf16-mixed", accelerator="cpu", devices=1,
+                         logger=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         enable_checkpointing=cfg["resume"] == "lightning",
+                         callbacks=callbacks)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    opt, sched = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
+    moments = [v for s in opt.state_dict()["state"].values() for v in s.values()]
+    print("weights", digest(model.parameters()))
+    print("optimizer", digest(moments), sched.last_epoch, trainer.global_step)
+    if cfg.get("out"):
+        np.savez(cfg["out"], *[p.detach().float().numpy() for p in model.parameters()])
+
+
+if __name__ == "__main__":
+    main()
