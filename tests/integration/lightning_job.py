@@ -5,12 +5,13 @@ Lightning tests and by scripts/bench_lightning_resume.py.
 ``python lightning_job.py '<json>'``, the JSON holding ``root``, ``run``, ``workers``
 and ``resume``: "snapd" (the stock script plus snapd's two lines, marked
 ``# snapd``), "lightning" (Lightning's own: ``ModelCheckpoint(save_last=True,
-every_n_train_steps=EVERY)`` and ``fit(ckpt_path="last")``) or "none". Optional:
-``kills``, a list of ``[hook, batch]``: the process SIGKILLs itself at that hook
-("start": before the batch's forward; "end": after the batch, after the snapshot
-callback) of that batch (counted over the whole fit from 0), once per run (a marker
-file under the root says it happened), so the same command run again goes on.
-``out``: an .npz to write the final weights to.
+every_n_train_steps=every)`` and ``fit(ckpt_path="last")``) or "none". Optional:
+``every`` (default 3), optimizer steps between snapshots; ``kills``, a list of
+``[hook, batch]``: the process SIGKILLs itself at that hook ("start": before the
+batch's forward; "end": after the batch, after the snapshot callback) of that batch
+(counted over the whole fit from 0), once (a marker file in the folder ``marks``
+says it happened), so the same command run again goes on; ``out``: an .npz to
+write the final weights to.
 
 It prints ``weights <sha256>`` and ``optimizer <sha256>`` at the end: the final
 module parameters, and the optimizer's and scheduler's states, bit for bit.
@@ -32,9 +33,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from snapd_client.lightning import SnapdCallback  # snapd
 
-EVERY = 3          # optimizer steps between snapshots (both kinds of resume)
 EPOCHS = 3
-SAMPLES = 248      # 31 batches of 8: an epoch ends inside an accumulation window
+SAMPLES = 120      # 15 batches of 8: an epoch ends inside an accumulation window
+UPDATES = 8        # per epoch: 7 whole windows of 2 batches and one of 1
 
 
 class Classifier(pl.LightningModule):
@@ -50,22 +51,22 @@ class Classifier(pl.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.05)
-        steps = EPOCHS * 16   # 16 updates an epoch (15 full windows and a short one)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3,
+                                                    total_steps=EPOCHS * UPDATES)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class KillAt(Callback):
     """Test only: SIGKILL this process at the given hooks of the given batches."""
 
-    def __init__(self, kills, root) -> None:
-        self.kills, self.root = [tuple(k) for k in kills], root
+    def __init__(self, kills, marks) -> None:
+        self.kills, self.marks = [tuple(k) for k in kills], marks
 
     def _maybe_kill(self, trainer, hook, batch_idx) -> None:
         n = trainer.num_training_batches
         at = trainer.current_epoch * n + batch_idx
         if (hook, at) in self.kills:
-            marker = os.path.join(self.root, f"killed-{hook}-{at}")
+            marker = os.path.join(self.marks, f"killed-{hook}-{at}")
             if not os.path.exists(marker):
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -93,15 +94,17 @@ def main() -> None:
     loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True,
                         num_workers=cfg["workers"])
     model = Classifier()
+    every = cfg.get("every", 3)
     callbacks, ckpt_path = [], None
     if cfg["resume"] == "snapd":
-        callbacks.append(SnapdCallback(cfg["root"], run=cfg["run"], every=EVERY))  # snapd
+        callbacks.append(SnapdCallback(cfg["root"], run=cfg["run"], every=every))  # snapd
     elif cfg["resume"] == "lightning":
         folder = os.path.join(cfg["root"], cfg["run"])
         callbacks.append(ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0,
-                                         every_n_train_steps=EVERY))
+                                         every_n_train_steps=every))
         ckpt_path = "last"
-    callbacks.append(KillAt(cfg.get("kills", []), cfg["root"]))
+    if cfg.get("kills"):
+        callbacks.append(KillAt(cfg["kills"], cfg["marks"]))
     trainer = pl.Trainer(max_epochs=EPOCHS, accumulate_grad_batches=2,
                          precision="bf16-mixed", accelerator="cpu", devices=1,
                          logger=False, enable_progress_bar=False,

@@ -77,8 +77,9 @@ class WarmRun(NamedTuple):
 class Warm:
     """A warm parent process (this file run as a script) and its children."""
 
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
+    def __init__(self, preload: tuple = ()) -> None:
+        """``preload``: modules imported in the parent beside PRELOAD (a framework)."""
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.children: Dict[int, WarmProcess] = {}
         self._buffer = b""
@@ -154,9 +155,9 @@ class Warm:
 
 # --- the warm parent ------------------------------------------------------------------
 
-def _serve() -> None:
+def _serve(preload: List[str]) -> None:
     import importlib
-    for name in PRELOAD:
+    for name in (*PRELOAD, *preload):
         importlib.import_module(name)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -250,4 +251,4 @@ def _run_script(script: str, args: List[str]) -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(sys.argv[1:])
