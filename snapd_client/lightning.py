@@ -64,7 +64,7 @@ try:
     from lightning.pytorch.utilities.warnings import PossibleUserWarning
 except ImportError as e:   # the extra is missing: say which to install
     raise ImportError("snapd_client.lightning needs PyTorch Lightning: "
-                      "pip install 'snapd[lightning]' (lightning>=2.5)") from e
+                      "pip install 'snapd[lightning]' (lightning>=2.6)") from e
 
 # Keys of Lightning's checkpoint that the client tracks as objects of their own, or
 # that the script builds again (hyper-parameters may hold any Python object).
