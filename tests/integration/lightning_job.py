@@ -1,5 +1,6 @@
 """A stock Lightning fit (a module with dropout, AdamW with a per-step schedule, a
-shuffled DataLoader, gradient accumulation 2, bf16-mixed on the CPU) run by the
+shuffled DataLoader, gradient accumulation 2, bf16-mixed on the CPU, a validation
+loader at each epoch's end) run by the
 Lightning tests and by scripts/bench_lightning_resume.py.
 
 ``python lightning_job.py '<json>'``, the JSON holding ``root``, ``run``, ``workers``
@@ -48,6 +49,10 @@ class Classifier(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.05)
@@ -111,7 +116,8 @@ def main() -> None:
                          enable_model_summary=False,
                          enable_checkpointing=cfg["resume"] == "lightning",
                          callbacks=callbacks)
-    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    val = DataLoader(TensorDataset(x[:32], y[:32]), batch_size=8)   # each epoch's end
+    trainer.fit(model, loader, val, ckpt_path=ckpt_path)
     opt, sched = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
     moments = [v for s in opt.state_dict()["state"].values() for v in s.values()]
     print("weights", digest(model.parameters()))
