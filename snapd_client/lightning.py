@@ -48,10 +48,11 @@ of its own excepted: that generator has drawn the early ``iter()``'s base seed).
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Dict, Iterator, Optional
 
-from snapd.errors import UnsupportedState
+from snapd.errors import SnapdError, UnsupportedState
 from snapd_client.client import Client
 from snapd_client.cursor import BatchStream
 from snapd_client.rng import RngStreams
@@ -65,6 +66,8 @@ try:
 except ImportError as e:   # the extra is missing: say which to install
     raise ImportError("snapd_client.lightning needs PyTorch Lightning: "
                       "pip install 'snapd[lightning]' (lightning>=2.6)") from e
+
+logger = logging.getLogger(__name__)   # printed as "snapd: ..." (snapd/stderrlog.py)
 
 # Keys of Lightning's checkpoint that the client tracks as objects of their own, or
 # that the script builds again (hyper-parameters may hold any Python object).
@@ -166,7 +169,7 @@ class SnapdCallback(Callback):
             if client.restored is not None:
                 self._hand_to_lightning(trainer, pl_module)
         except BaseException:
-            self._close()
+            self._close(raising=False)
             raise
 
     def _training_loader(self, trainer: "pl.Trainer") -> Any:
@@ -261,14 +264,22 @@ class SnapdCallback(Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                      exception: BaseException) -> None:
-        self._close()
+        self._close(raising=False)   # the fit's own exception is the one raised
 
-    def _close(self) -> None:
-        """Wait until every snapshot handed off is durable, and let the run go."""
+    def _close(self, raising: bool = True) -> None:
+        """Wait until every snapshot handed off is durable, and let the run go.
+        ``raising=False``: a failed snapshot is logged, not raised, when another
+        exception is on its way up."""
         self._unquiet()
         client, self.client = self.client, None
-        if client is not None:
+        if client is None:
+            return
+        try:
             client.close()
+        except SnapdError as e:
+            if raising:
+                raise
+            logger.info(f"run {self.run}: closed after the fit failed; {e}")
 
 
 def _optimizers(trainer: "pl.Trainer") -> Dict[str, Any]:
