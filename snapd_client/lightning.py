@@ -151,6 +151,7 @@ class SnapdCallback(Callback):
         self.resumed_from: Optional[int] = None
         self._state: Optional[LightningState] = None
         self._quiet: Optional[tuple] = None   # the warnings filter of a resume
+        self._offered: Optional[int] = None   # the step of the last snapshot offered
 
     # --- the fit's start: set up, restore ------------------------------------------
 
@@ -165,7 +166,7 @@ class SnapdCallback(Callback):
                          lightning=self._state)
             stream = client.batches(loader)
             self._install(trainer, EpochLoader(stream, trainer))
-            self.resumed_from = client.restore()
+            self.resumed_from = self._offered = client.restore()
             if client.restored is not None:
                 self._hand_to_lightning(trainer, pl_module)
         except BaseException:
@@ -252,6 +253,9 @@ class SnapdCallback(Callback):
         if self.client is None or trainer.fit_loop.epoch_loop._should_accumulate():
             return   # inside an accumulation window: no update has completed
         step = trainer.global_step
+        if step == self._offered:   # no update since the last offer (manual optimization)
+            return
+        self._offered = step
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         scalars = {"loss": float(loss)} if _one_number(loss) else {}
         self.client.log(step, **scalars)
