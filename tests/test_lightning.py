@@ -49,23 +49,41 @@ def data(n=36):
 
 
 def fit(root, max_steps, callback=True, loaders=None):
-    """A fresh seed, module, loader and trainer, as a new process would make them."""
+    """A fresh seed, module, loader and trainer, as a new process would make them;
+    Lightning's own ModelCheckpoint saves beside."""
     pl.seed_everything(7, verbose=False)
     model = Net()
     loader = loaders if loaders is not None else DataLoader(data(), batch_size=4, shuffle=True)
     trainer = pl.Trainer(max_steps=max_steps, max_epochs=-1, accumulate_grad_batches=2,
                          accelerator="cpu", logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False,
-                         callbacks=[SnapdCallback(root, run="fit", every=1)] if callback
-                         else [])
+                         enable_model_summary=False, default_root_dir=root,
+                         callbacks=[Counter()] + ([SnapdCallback(root, run="fit", every=1)]
+                                                  if callback else []))
     trainer.fit(model, loader)
     return model, trainer
+
+
+class Counter(pl.Callback):
+    """A callback with state of its own: the batches it has seen."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches += 1
+
+    def state_dict(self):
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state):
+        self.batches = state["batches"]
 
 
 def states(model, trainer):
     opt = trainer.optimizers[0].state_dict()["state"]
     sched = trainer.lr_scheduler_configs[0].scheduler.state_dict()
-    return [*model.state_dict().values(), *(v for s in opt.values() for v in s.values())], sched
+    tensors = [*model.state_dict().values(), *(v for s in opt.values() for v in s.values())]
+    return tensors, sched, trainer.callbacks[0].batches
 
 
 def test_a_fit_fitted_again_resumes_onto_the_uninterrupted_fit(tmp_path, caplog):
@@ -78,8 +96,11 @@ def test_a_fit_fitted_again_resumes_onto_the_uninterrupted_fit(tmp_path, caplog)
     with caplog.at_level(logging.INFO, logger="snapd_client"):
         model, trainer = fit(root, 12)
     assert "run fit: resuming from step 7" in caplog.text
-    assert trainer.callbacks[0].resumed_from == 7 and trainer.global_step == 12
-    tensors, sched = states(model, trainer)
+    snapd_callback = [c for c in trainer.callbacks if isinstance(c, SnapdCallback)][0]
+    assert snapd_callback.resumed_from == 7 and trainer.global_step == 12
+    # a callback's own state came back through Lightning's connector
+    assert trainer.callbacks[0].batches == whole[2] == 22   # 9 + 9 + 4
+    tensors, sched, _ = states(model, trainer)
     assert sched == whole[1]
     assert len(tensors) == len(whole[0])
     for got, want in zip(tensors, whole[0]):
