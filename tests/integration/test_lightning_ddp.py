@@ -21,7 +21,7 @@ import tempfile
 import pytest
 
 from helpers import stop_daemons_under
-from test_lightning_resume import JOB, PRELOAD, _env
+from lightning_fits import JOB, PRELOAD, job_env
 from warm import Warm
 
 
@@ -29,7 +29,7 @@ def _run(parent, outputs, name, cfg):
     """One start of the job to its end; a job still running after 300 s is killed,
     every process of it."""
     out = os.path.join(outputs, f"{name}.out")
-    proc = parent.start(JOB, [json.dumps(cfg)], _env(), out, cwd=os.path.dirname(JOB))
+    proc = parent.start(JOB, [json.dumps(cfg)], job_env(), out, cwd=os.path.dirname(JOB))
     try:
         proc.wait(timeout=300)
     finally:

@@ -31,10 +31,8 @@ import threading
 import pytest
 
 from helpers import stop_daemons_under
+from lightning_fits import JOB, PRELOAD, job_env
 from warm import Warm
-
-JOB = os.path.join(os.path.dirname(__file__), "lightning_job.py")
-PRELOAD = ("lightning.pytorch", "snapd_client.lightning")
 
 # name: (workers, every, kills, the step each restart resumes from: None where the
 # kill comes at a random time)
@@ -52,16 +50,10 @@ TRIALS = {
 ATTEMPTS = 4   # a trial's runs at most: its kills, then the run that finishes
 
 
-def _env():
-    # the real daemon, whichever lane set SNAPD_DAEMON (tests/conftest.py)
-    return {**{k: v for k, v in os.environ.items() if k != "SNAPD_DAEMON"},
-            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-
-
 def _start(parent, outputs, name, attempt, cfg):
     out = os.path.join(outputs, f"{name}.{attempt}.out")
     err = os.path.join(outputs, f"{name}.{attempt}.err")
-    proc = parent.start(JOB, [json.dumps(cfg)], _env(), out, err,
+    proc = parent.start(JOB, [json.dumps(cfg)], job_env(), out, err,
                         cwd=os.path.dirname(JOB))
     return proc, out, err
 
