@@ -181,7 +181,8 @@ class SnapdCallback(Callback):
             raise UnsupportedState(
                 "SnapdCallback: Trainer(reload_dataloaders_every_n_epochs="
                 f"{trainer.reload_dataloaders_every_n_epochs}) replaces the training "
-                "loader the data cursor iterates; set it to 0", field="reload_dataloaders")
+                "loader the data cursor iterates; set it to 0",
+                field="reload_dataloaders_every_n_epochs")
         streams = RngStreams()   # the global streams: python, numpy, torch, cuda
         before = streams.capture()
         fit_loop.setup_data()

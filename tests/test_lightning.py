@@ -48,7 +48,7 @@ def data(n=36):
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
 
 
-def fit(root, max_steps, callback=True, loaders=None):
+def fit(root, max_steps, callback=True, loaders=None, **trainer_kw):
     """A fresh seed, module, loader and trainer, as a new process would make them;
     Lightning's own ModelCheckpoint saves beside."""
     pl.seed_everything(7, verbose=False)
@@ -58,7 +58,8 @@ def fit(root, max_steps, callback=True, loaders=None):
                          accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=root,
                          callbacks=[Counter()] + ([SnapdCallback(root, run="fit", every=1)]
-                                                  if callback else []))
+                                                  if callback else []),
+                         **trainer_kw)
     trainer.fit(model, loader)
     return model, trainer
 
@@ -118,6 +119,13 @@ def test_what_the_cursor_cannot_follow_is_refused(tmp_path, loaders, field):
         fit(str(tmp_path / "root"), 4, loaders=loaders())
     assert caught.value.field == field
     assert "SnapdCallback" in str(caught.value)
+
+
+def test_reloading_the_loader_every_epoch_is_refused(tmp_path):
+    with pytest.raises(UnsupportedState) as caught:
+        fit(str(tmp_path / "root"), 4, reload_dataloaders_every_n_epochs=1)
+    assert caught.value.field == "reload_dataloaders_every_n_epochs"
+    assert "set it to 0" in str(caught.value)
 
 
 def test_the_stock_script_adds_at_most_three_lines():
