@@ -223,6 +223,16 @@ class BatchStream:
         self.index += 1
         return batch
 
+    def end_epoch(self) -> None:
+        """End the open epoch here, as a loop that counts its own batches does (a
+        batch limit, or the epoch's last batch taken without asking for one more):
+        the next batch opens the next epoch from the RNG of that moment, as a pull
+        past the end would. Nothing is fetched. An epoch not begun stays as it is."""
+        if self._it is None and not self.index:
+            return
+        self._it, self._epoch_rng = None, {}
+        self.epoch, self.index = self.epoch + 1, 0
+
     def _iter_loader(self, stand_in: Any = None) -> Iterator:
         """``iter(loader)``; notes the birth of a persistent worker iterator, whose base
         seed came from this epoch's RNG while later epochs only _reset it. The

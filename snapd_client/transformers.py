@@ -42,7 +42,7 @@ at the epoch's start: accelerate's ``SeedableRandomSampler``
 (``accelerator_config.use_seedable_sampler``, the Trainer's default) or a sequential
 order. Other configurations the Trainer's loop handles differently (DeepSpeed, FSDP,
 SageMaker MP, ``auto_find_batch_size``) are refused with ``UnsupportedState``.
-docs/frameworks_transformers.md has the measured comparison with the Trainer's own
+docs/frameworks.md, "The Hugging Face Trainer" has the measured comparison with the Trainer's own
 ``resume_from_checkpoint``.
 """
 

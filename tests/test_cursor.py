@@ -321,3 +321,28 @@ def test_load_on_a_used_stream_rewinds(loader_kw):
     rng.restore(rng_state)
     stream.load(cursor)
     assert_same(run_endless(stream, rng, 5)[0], first[5:])
+
+
+def test_end_epoch_opens_the_next_epoch_as_a_pull_past_the_end_would():
+    """A loop that counts its own batches (Lightning's) ends an epoch without asking
+    for one more, or before the loader's end (a batch limit): end_epoch() goes on to
+    the next epoch without fetching, and that epoch is the one a stream that ran to
+    the end gets, with the RNG streams running on identically."""
+    whole, _ = build(seed=5, kind="plain", noisy=True)
+    ran = [train_step(next(whole)) for _ in range(PER_EPOCH)]   # epoch 0, used up
+    ran += [train_step(next(whole)) for _ in range(PER_EPOCH)] + [tail()]
+    counted, _ = build(seed=5, kind="plain", noisy=True)
+    got = [train_step(next(counted)) for _ in range(PER_EPOCH)]
+    counted.end_epoch()   # the used-up epoch's end, not pulled
+    assert (counted.epoch, counted.index) == (1, 0)
+    got += [train_step(next(counted)) for _ in range(PER_EPOCH)] + [tail()]
+    assert_same(got, ran)
+    limited, _ = build(seed=5, kind="plain")
+    first = [next(limited) for _ in range(2)]   # a limit of 2 batches an epoch
+    fetched = limited.loader.dataset.calls
+    limited.end_epoch()
+    assert limited.loader.dataset.calls == fetched and limited.epoch == 1
+    assert len(first) == 2 and next(limited).shape == (BATCH, 1)
+    limited.end_epoch()
+    limited.end_epoch()   # an epoch not begun stays as it is
+    assert (limited.epoch, limited.index) == (2, 0)

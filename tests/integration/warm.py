@@ -156,9 +156,9 @@ class Warm:
 
 # --- the warm parent ------------------------------------------------------------------
 
-def _serve() -> None:
+def _serve(preload: List[str]) -> None:
     import importlib
-    for name in (*PRELOAD, *sys.argv[1:]):
+    for name in (*PRELOAD, *preload):
         importlib.import_module(name)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -252,4 +252,4 @@ def _run_script(script: str, args: List[str]) -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(sys.argv[1:])

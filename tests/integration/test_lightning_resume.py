@@ -1,0 +1,151 @@
+"""A stock Lightning fit with ``SnapdCallback``, SIGKILLed at chosen and at random
+points and started again with the same command, ends on the weights and optimizer
+state of the uninterrupted stock fit (no callback at all), bit for bit.
+
+The fit (lightning_job.py): dropout, AdamW with a per-step OneCycle schedule, a
+shuffled DataLoader with 0 and with 2 workers, accumulate_grad_batches=2,
+bf16-mixed on the CPU; 3 epochs of 15 batches, 8 updates an epoch (steps end after
+batches 1, 3, ..., 13 and 14 of an epoch), a snapshot every 3 updates (every 4 in
+one trial, so that one lands on an epoch's last batch).
+
+A kill ``("end", b)`` comes after batch b's hooks, the snapshot callback's included:
+at a step boundary whose snapshot is taken, the trainer dies while the daemon writes
+it. ``("start", b)`` comes before batch b's forward. Every trial's runs go side by
+side in rounds, each round the next attempt of every trial not finished yet, forked
+by a warm parent with Lightning imported; the two uninterrupted runs by the
+session's "first" parent (warm.py), so that the two differ in hash seed as separate
+interpreters do. Each process runs torch on one thread (OMP_NUM_THREADS=1), a dozen
+of them side by side. One trial is killed from outside after a random delay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import tempfile
+import threading
+
+import pytest
+
+from helpers import stop_daemons_under
+from lightning_fits import JOB, PRELOAD, job_env
+from warm import Warm
+
+# name: (workers, every, kills, the step each restart resumes from: None where the
+# kill comes at a random time)
+TRIALS = {
+    "mid-accumulation": (0, 3, [["end", 10]], [3]),
+    "during-snapshot": (0, 3, [["end", 11]], [6]),
+    "epoch-start": (0, 3, [["start", 15]], [6]),
+    "twice": (0, 3, [["end", 20], ["start", 36]], [9, 18]),
+    "after-last-snapshot": (0, 3, [["end", 44]], [24]),
+    "random-time": (0, 3, [], None),
+    "workers-mid-accumulation": (2, 3, [["end", 6]], [3]),
+    "workers-from-epoch-end": (2, 4, [["start", 17]], [8]),
+    "workers-twice-during-snapshots": (2, 3, [["end", 5], ["end", 33]], [3, 18]),
+}
+ATTEMPTS = 4   # a trial's runs at most: its kills, then the run that finishes
+
+
+def _start(parent, outputs, name, attempt, cfg):
+    out = os.path.join(outputs, f"{name}.{attempt}.out")
+    err = os.path.join(outputs, f"{name}.{attempt}.err")
+    proc = parent.start(JOB, [json.dumps(cfg)], job_env(), out, err,
+                        cwd=os.path.dirname(JOB))
+    return proc, out, err
+
+
+def _finish(started):
+    proc, out, err = started
+    try:
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+    with open(out) as f_out, open(err) as f_err:
+        return proc.returncode, f_out.read().splitlines(), f_err.read()
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory, warm):
+    """name -> list of (returncode, stdout lines, stderr) of each attempt, for every
+    trial and for the two uninterrupted stock fits ("whole-0", "whole-2" workers)."""
+    tmp = tmp_path_factory.mktemp("lightning")
+    outputs = str(tmp / "outputs")
+    os.makedirs(outputs)
+    base = tempfile.mkdtemp(prefix="sdlt-", dir="/tmp")   # daemon sockets: 107 bytes
+    root = os.path.join(base, "root")
+    parents = {"first": warm["first"], "resumed": Warm(PRELOAD)}
+    rand = random.Random(29)
+    results = {}
+    try:
+        cfgs = {}
+        for name, (workers, every, kills, _) in TRIALS.items():
+            marks = os.path.join(base, f"marks-{name}")
+            os.makedirs(marks)
+            cfgs[name] = {"root": root, "run": name, "workers": workers, "every": every,
+                          "resume": "snapd", "kills": kills, "marks": marks}
+        for workers in (0, 2):
+            cfgs[f"whole-{workers}"] = {"root": root, "run": f"whole-{workers}",
+                                        "workers": workers, "resume": "none"}
+        pending = list(cfgs)
+        for attempt in range(ATTEMPTS):
+            started, timers = {}, []
+            for name in pending:
+                parent = parents["first" if name.startswith("whole") else "resumed"]
+                started[name] = _start(parent, outputs, name, attempt, cfgs[name])
+                if name == "random-time" and attempt == 0:
+                    timer = threading.Timer(rand.uniform(1.0, 4.0), started[name][0].kill)
+                    timer.start()
+                    timers.append(timer)
+            try:
+                for name, one in started.items():
+                    results.setdefault(name, []).append(_finish(one))
+            finally:
+                for timer in timers:
+                    timer.cancel()
+                for proc, _out, _err in started.values():
+                    proc.kill()
+                    proc.wait()
+            pending = [n for n in pending if results[n][-1][0] == -signal.SIGKILL]
+            if not pending:
+                break
+        yield results
+    finally:
+        parents["resumed"].close()
+        stop_daemons_under(base)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _final(runs):
+    rc, out, err = runs[-1]
+    assert rc == 0, err[-3000:]
+    return [line for line in out if line.startswith(("weights ", "optimizer "))]
+
+
+def test_the_uninterrupted_fit_is_the_same_with_and_without_workers(fits):
+    assert len(_final(fits["whole-0"])) == 2
+    assert _final(fits["whole-0"]) == _final(fits["whole-2"])
+
+
+@pytest.mark.parametrize("name", sorted(TRIALS))
+def test_killed_fit_resumes_bit_for_bit(fits, name):
+    workers, _every, kills, resumed_from = TRIALS[name]
+    runs = fits[name]
+    if resumed_from is not None:   # each scripted kill happened, once
+        assert [rc for rc, _, _ in runs] == [-signal.SIGKILL] * len(kills) + [0], \
+            [err[-2000:] for _, _, err in runs]
+        for (_, _, err), step in zip(runs[1:], resumed_from):
+            assert f"snapd: run {name}: resuming from step {step} " in err, err[-3000:]
+    assert _final(runs) == _final(fits[f"whole-{workers}"])
+
+
+def test_a_resume_mid_epoch_is_not_warned_about_as_unresumable(fits):
+    """Lightning warns that a loader without state_dict() cannot resume mid-epoch:
+    true of its own checkpoints, and silenced for a snapd resume."""
+    _, _, err = fits["mid-accumulation"][1]
+    assert "resuming from step 3" in err, err[-3000:]
+    assert "your dataloader is not resumable" not in err, err[-3000:]

@@ -1,0 +1,134 @@
+"""SnapdCallback in this process (snapshots written here, no daemon: the unit lane's
+SNAPD_DAEMON=0): a fit stopped at a step boundary and fitted again by a new trainer,
+module and loader resumes onto the uninterrupted fit bit for bit; what the cursor
+cannot follow is refused at on_fit_start, naming the field; the stock script adds
+at most three lines. The SIGKILL trials are tests/integration/test_lightning_resume.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from snapd.errors import UnsupportedState  # noqa: E402
+from snapd_client.lightning import SnapdCallback  # noqa: E402
+
+JOB = os.path.join(os.path.dirname(__file__), "integration", "lightning_job.py")
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Linear(16, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter([(torch.zeros(4), 0)] * 8)
+
+
+def data(n=36):
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def fit(root, max_steps, callback=True, loaders=None, **trainer_kw):
+    """A fresh seed, module, loader and trainer, as a new process would make them;
+    Lightning's own ModelCheckpoint saves beside."""
+    pl.seed_everything(7, verbose=False)
+    model = Net()
+    loader = loaders if loaders is not None else DataLoader(data(), batch_size=4, shuffle=True)
+    trainer = pl.Trainer(max_steps=max_steps, max_epochs=-1, accumulate_grad_batches=2,
+                         accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=root,
+                         callbacks=[Counter()] + ([SnapdCallback(root, run="fit", every=1)]
+                                                  if callback else []),
+                         **trainer_kw)
+    trainer.fit(model, loader)
+    return model, trainer
+
+
+class Counter(pl.Callback):
+    """A callback with state of its own: the batches it has seen."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches += 1
+
+    def state_dict(self):
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state):
+        self.batches = state["batches"]
+
+
+def states(model, trainer):
+    opt = trainer.optimizers[0].state_dict()["state"]
+    sched = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+    tensors = [*model.state_dict().values(), *(v for s in opt.values() for v in s.values())]
+    return tensors, sched, trainer.callbacks[0].batches
+
+
+def test_a_fit_fitted_again_resumes_onto_the_uninterrupted_fit(tmp_path, caplog):
+    """Seven updates, then a new fit to twelve. 9 batches an epoch, 5 updates (after
+    batches 1, 3, 5, 7 and 8): the stop lands mid-epoch 1 and the resumed fit
+    crosses into epoch 2."""
+    root = str(tmp_path / "root")
+    whole = states(*fit(str(tmp_path / "other"), 12, callback=False))
+    fit(root, 7)
+    with caplog.at_level(logging.INFO, logger="snapd_client"):
+        model, trainer = fit(root, 12)
+    assert "run fit: resuming from step 7" in caplog.text
+    snapd_callback = [c for c in trainer.callbacks if isinstance(c, SnapdCallback)][0]
+    assert snapd_callback.resumed_from == 7 and trainer.global_step == 12
+    # a callback's own state came back through Lightning's connector
+    assert trainer.callbacks[0].batches == whole[2] == 22   # 9 + 9 + 4
+    tensors, sched, _ = states(model, trainer)
+    assert sched == whole[1]
+    assert len(tensors) == len(whole[0])
+    for got, want in zip(tensors, whole[0]):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("loaders, field", [
+    pytest.param(lambda: [DataLoader(data(), batch_size=4)] * 2, "train_dataloaders",
+                 id="two-loaders"),
+    pytest.param(lambda: DataLoader(Stream(), batch_size=4), "train_dataloaders",
+                 id="unsized"),
+])
+def test_what_the_cursor_cannot_follow_is_refused(tmp_path, loaders, field):
+    with pytest.raises(UnsupportedState) as caught:
+        fit(str(tmp_path / "root"), 4, loaders=loaders())
+    assert caught.value.field == field
+    assert "SnapdCallback" in str(caught.value)
+
+
+def test_reloading_the_loader_every_epoch_is_refused(tmp_path):
+    with pytest.raises(UnsupportedState) as caught:
+        fit(str(tmp_path / "root"), 4, reload_dataloaders_every_n_epochs=1)
+    assert caught.value.field == "reload_dataloaders_every_n_epochs"
+    assert "set it to 0" in str(caught.value)
+
+
+def test_the_stock_script_adds_at_most_three_lines():
+    with open(JOB) as f:
+        added = [line for line in f if line.rstrip().endswith("# snapd")]
+    assert 1 <= len(added) <= 3, added
