@@ -138,7 +138,7 @@ def main(cfg) -> None:
         if step == cfg.get("gate_at"):
             open(cfg["gate"] + ".reached", "w").close()
             while not os.path.exists(cfg["gate"]):   # the test opens the gate
-                time.sleep(0.01)
+                time.sleep(0.01)   # no event to wait on across processes: poll the gate file
     if cfg.get("sigkill"):   # dies as a killed node does: the trace first, then SIGKILL
         with open(cfg["out"], "w") as f:
             json.dump({"trace": trace}, f)
