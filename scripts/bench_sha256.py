@@ -9,8 +9,9 @@ state, ~size bytes, after one optimizer step). One root, one daemon (the Client
 starts it); the two settings are two runs of it, each its own Client, alternated
 ``--rounds`` times (on, off, off, on, ...) so that drift in the machine's load falls
 on both alike. Each Client takes an uncounted warm-up snapshot, then ``--reps``
-counted ones, each after 50 ms of matmuls: time to durable is from ``snapshot()`` to
-``wait()`` returning, the daemon's CPU the change of its user + system time over the
+counted ones, each after 50 ms of matmuls: the stall is ``snapshot()``'s own time
+(what the training loop waits), time to durable from ``snapshot()`` to ``wait()``
+returning, the daemon's CPU the change of its user + system time over the
 same span. Figures are medians. Then each run's newest snapshot is restored once
 into a fresh model, from the files (``daemon=False``: no hot copy), its SHA-256s
 checked or, written with the option off, none: ``restore_s``. The load average before
@@ -47,8 +48,10 @@ def one_client(root: str, model, opt, sha256: bool, reps: int, first_step: int
         train_briefly()
         cpu0 = sum(daemon.cpu_times()[:2])
         t0 = time.perf_counter()
-        client.snapshot(first_step + i).wait()
-        out.append({"durable_s": time.perf_counter() - t0,
+        handle = client.snapshot(first_step + i)
+        stall = time.perf_counter() - t0   # the training loop's wait: the staging copy
+        handle.wait()
+        out.append({"stall_s": stall, "durable_s": time.perf_counter() - t0,
                     "daemon_cpu_s": sum(daemon.cpu_times()[:2]) - cpu0})
     client.close()
     return out
@@ -96,13 +99,14 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
                               "load_before": load_before, "load_after": os.getloadavg()}
     for setting, samples in runs.items():
         result[setting] = {k: median([s[k] for s in samples])
-                           for k in ("durable_s", "daemon_cpu_s")}
+                           for k in ("stall_s", "durable_s", "daemon_cpu_s")}
         result[setting]["samples"] = samples
         result[setting]["restore_s"] = restores[setting]
     result["durable_ratio"] = result["on"]["durable_s"] / result["off"]["durable_s"]
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{args.size}: time to durable sha256 on {result['on']['durable_s']:.3f} s, "
+    print(f"{args.size}: stall sha256 on {result['on']['stall_s'] * 1e3:.1f} ms, off "
+          f"{result['off']['stall_s'] * 1e3:.1f} ms; time to durable sha256 on {result['on']['durable_s']:.3f} s, "
           f"off {result['off']['durable_s']:.3f} s (x{result['durable_ratio']:.2f}); "
           f"daemon CPU on {result['on']['daemon_cpu_s']:.3f} s, "
           f"off {result['off']['daemon_cpu_s']:.3f} s; restore on "
