@@ -155,7 +155,8 @@ def pull_from_remote(coll: Collective, client: Any) -> set:
     """Before the agreement: rank 0 lists the remote commits and broadcasts them; the
     lowest rank of each root (host and directory) pulls the newest one newer than its
     root's newest local snapshot (snapd/remote/pull.py), trying older ones still newer
-    on damage; a barrier; then every root holds it, and the agreement goes on as with
+    on damage (with the client's signing key: on a record or ``commit.snapd`` no
+    accepted key signed, too); a barrier; then every root holds it, and the agreement goes on as with
     one root. Returns the names pulled anywhere. An unreachable remote is warned of,
     and restore goes on from the local roots."""
     listed = json.loads(coll.broadcast_bytes(
@@ -215,12 +216,12 @@ def _pull_newest(client: Any, names: List[str]) -> Optional[str]:
         try:
             root.pull(root.snap(store.run, sid), store,
                       threads=client.options.remote_upload_threads,
-                      min_free_bytes=client.options.min_free_bytes)
+                      min_free_bytes=client.options.min_free_bytes, keys=client._keys)
             logger.info(f"run {client.run}: rank {client.rank}: pulled {name} from "
                         f"{root.where} into {store.root}")
             return name
-        except CorruptSnapshot as e:
-            warnings.warn(f"remote snapshot {name} is damaged ({e}); trying an older "
+        except CorruptSnapshot as e:   # damaged, or (UntrustedSnapshot) not signed
+            warnings.warn(f"remote snapshot {name} is refused ({e}); trying an older "
                           "one", FallbackWarning, stacklevel=5)
         except SnapdError as e:   # unreachable (RemoteUnavailable), no space
             warnings.warn(f"remote snapshot {name} could not be pulled ({e}); going on "

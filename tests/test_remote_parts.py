@@ -242,7 +242,7 @@ def pull_on_ranks(roots, url):
 
     def one(rank):
         client = SimpleNamespace(options=Options(remote=url), run="r", rank=rank,
-                                 store=RunStore(roots[rank // 2], "r"))
+                                 store=RunStore(roots[rank // 2], "r"), _keys=None)
         try:
             out[rank] = pull_from_remote(threads.member(rank), client)
         except Exception as e:

@@ -15,7 +15,10 @@ remote root, by the same checks and the same record as the local one
    is the one its record names, every listed file is up at its size and every
    ``ref`` resolves, it writes ``snapshots/<name>/commit.snapd`` and then the remote
    commit record, listing every part's files. Both are built only from the parts,
-   so two daemons that commit at once write the same bytes.
+   so two daemons that commit at once write the same bytes. With a signing key
+   (snapd/signing.py) both are signed, and a part's manifest joins only when an
+   accepted key signed it: the record pins every part's manifest by its SHA-256, so
+   signing a record over a part nobody with the key wrote would vouch for a forgery.
 3. :func:`note_remote_commit`, the daemon on seeing the record: the marker
    ``<run>/snapshots/.remote-<name>`` in its local root, which the client's
    committed check accepts (snapd_client/snapshot_outcomes.py), since no local directory
@@ -31,12 +34,13 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from snapd import format as fmt
 from snapd import fsio
-from snapd.errors import CorruptSnapshot
+from snapd.errors import CorruptSnapshot, UntrustedSnapshot
 from snapd.globalcommit import (SHARED_FIELDS, check_references, commit_record,
                                 read_part)
 from snapd.remote import layout
 from snapd.remote.layout import RECORD_SUFFIX, RemoteFile, RemoteRoot
 from snapd.remote.transfer import Progress, put_files
+from snapd.signing import Keys
 from snapd.store import RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
@@ -169,36 +173,48 @@ def _same_bytes(remote: RemoteRoot, path: str, data: bytes) -> bool:
 
 # --- 2. the global commit, remotely ------------------------------------------------------
 
-def try_remote_commit(remote: Union[str, RemoteRoot], store: RunStore, name: str) -> bool:
+def try_remote_commit(remote: Union[str, RemoteRoot], store: RunStore, name: str,
+                      keys: Optional[Keys] = None) -> bool:
     """Commit snapshot ``name`` remotely if every rank's part is up and agrees.
 
     The shared fields are this root's part's (any rank's, as the local commit takes
-    the part just written). True when the remote record exists (written now, or by
-    another committer), False while parts are missing or disagree. Raises
-    DanglingReference when the parts are complete but a ``ref`` does not resolve
-    (nothing is committed then), RemoteUnavailable when the remote fails."""
+    the part just written). ``keys``: the daemon's signing keys; with them, only
+    parts whose manifest an accepted key signed are joined, ``commit.snapd`` and the
+    record are signed, and a record no accepted key signed counts as not committed
+    (it is written again, signed, once the parts are complete). True when the remote
+    record exists (written now, or by another committer), False while parts are
+    missing or disagree. Raises DanglingReference when the parts are complete but a
+    ``ref`` does not resolve (nothing is committed then), RemoteUnavailable when the
+    remote fails."""
     remote = _root(remote)
     run, sid = store.run, _sid(name)
-    if _committed(remote, run, name):
+    if _committed(remote, run, name, keys):
         return True
     want = _local_fields(store, sid)
     if want is None:
         return False
-    parts = _complete_parts(remote, run, name, want)
+    parts = _complete_parts(remote, run, name, want, keys)
     if parts is None:
         return False
     check_references({r: m for r, (m, _, _) in parts.items()},
                      remote.where(remote.parts_path(run, name)))
-    _write_commit(remote, run, sid, parts)
+    _write_commit(remote, run, sid, parts, keys)
     log.info("run %r: %s committed globally in %s (%d ranks)", run, name, remote.url,
              want["world_size"])
     return True
 
 
-def _committed(remote: RemoteRoot, run: str, name: str) -> bool:
+def _committed(remote: RemoteRoot, run: str, name: str, keys: Optional[Keys]) -> bool:
     try:
         remote.read_record(run, name)
+        if keys is not None:   # one this daemon's clients would refuse is no commit
+            keys.check(remote.record_bytes(run, name), what="remote commit record",
+                       path=remote.where(remote.record_path(run, name)))
         return True
+    except UntrustedSnapshot as e:
+        log.warning("run %r: %s: the remote commit record is not one to trust, it is "
+                    "written again, signed, once every part is up: %s", run, name, e)
+        return False
     except CorruptSnapshot:   # absent, or a damaged record: committed again below
         return False
 
@@ -217,14 +233,14 @@ def _local_fields(store: RunStore, sid: SnapshotId) -> Optional[Dict[str, Any]]:
     return None
 
 
-def _complete_parts(remote: RemoteRoot, run: str, name: str,
-                    want: Dict[str, Any]) -> Optional[Dict[int, Found]]:
+def _complete_parts(remote: RemoteRoot, run: str, name: str, want: Dict[str, Any],
+                    keys: Optional[Keys]) -> Optional[Dict[int, Found]]:
     """Every rank's (manifest, bytes, part record), checked; None when any is missing,
-    of another attempt, or not fully up."""
+    of another attempt, not fully up, or (with ``keys``) not signed by an accepted key."""
     uploaded = remote.uploaded_files(run, name)
     found = {}
     for rank in range(want["world_size"]):
-        got = _one_part(remote, run, name, rank, want, uploaded)
+        got = _one_part(remote, run, name, rank, want, uploaded, keys)
         if got is None:
             return None
         found[rank] = got
@@ -232,7 +248,7 @@ def _complete_parts(remote: RemoteRoot, run: str, name: str,
 
 
 def _one_part(remote: RemoteRoot, run: str, name: str, rank: int, want: Dict[str, Any],
-              uploaded: Dict[str, int]) -> Optional[Found]:
+              uploaded: Dict[str, int], keys: Optional[Keys]) -> Optional[Found]:
     path = part_record_path(remote, run, name, rank)
     where = remote.where(path)
     try:
@@ -250,11 +266,17 @@ def _one_part(remote: RemoteRoot, run: str, name: str, rank: int, want: Dict[str
     if (len(data), fmt.checksum(data)) != (part.get("manifest_size"),
                                            part.get("manifest_xxh3")):
         return None   # replaced since it was announced: its uploader announces again
-    manifest = fmt.decode_manifest(data, path=remote.where(
-        remote.file_path(run, name, manifest_rel)))
+    manifest_where = remote.where(remote.file_path(run, name, manifest_rel))
+    manifest = fmt.decode_manifest(data, path=manifest_where)
     if any(manifest.get(k) != want.get(k) for k in SHARED_FIELDS) or \
             manifest.get("rank") != rank:
         return None
+    if keys is not None:
+        try:
+            keys.check(data, path=manifest_where, what=f"manifest of rank {rank}'s part")
+        except UntrustedSnapshot as e:   # never joined; its uploader may send it again
+            log.warning("run %r: %s: rank %d's part is not joined: %s", run, name, rank, e)
+            return None
     return manifest, data, part
 
 
@@ -274,19 +296,21 @@ def _part_files(part: Dict[str, Any], rank: int, where: str) -> List[Tuple[str, 
 
 
 def _write_commit(remote: RemoteRoot, run: str, sid: SnapshotId,
-                  parts: Dict[int, Found]) -> None:
-    """``commit.snapd``, then the remote commit record; every value comes from the
-    parts (the times too), so a second committer writes the same bytes."""
+                  parts: Dict[int, Found], keys: Optional[Keys]) -> None:
+    """``commit.snapd``, then the remote commit record, each signed with ``keys``'
+    signing key when given; every value comes from the parts (the times too), and an
+    HMAC depends on its key and bytes only, so a second committer with the same key
+    writes the same bytes."""
     created = max(float(m.get("created") or 0.0) for m, _, _ in parts.values())
     top = fmt.encode_commit(commit_record({r: (m, d) for r, (m, d, _) in parts.items()},
-                                          created=created))
+                                          created=created), keys)
     remote.fs.pipe_file(remote.file_path(run, sid.name, fmt.COMMIT_NAME), top)
     files = [RemoteFile(fmt.COMMIT_NAME, len(top))] + [
         RemoteFile(rel, size) for _, _, p in parts.values() for rel, size in p["files"]]
     record = layout.make_record(run, sid, len(parts), files, top)
     record["uploaded_at"] = max(float(p.get("uploaded_at") or 0.0)
                                 for _, _, p in parts.values())
-    remote.write_record(run, sid.name, record)
+    remote.write_record(run, sid.name, record, keys)
 
 
 # --- 3. the local root learns of it ------------------------------------------------------
@@ -328,11 +352,13 @@ def markers(store: RunStore) -> List[SnapshotId]:
     return sorted(sid for sid in found if sid is not None)
 
 
-def settle_part(remote: Union[str, RemoteRoot], store: RunStore, name: str) -> bool:
+def settle_part(remote: Union[str, RemoteRoot], store: RunStore, name: str,
+                keys: Optional[Keys] = None) -> bool:
     """Commit remotely if possible and, committed (now or by another node), note it.
     What the uploader runs after :func:`upload_part`, and again while it waits for
-    another node's parts (a cheap look at the record once committed)."""
-    done = try_remote_commit(remote, store, name)
+    another node's parts (a cheap look at the record once committed). ``keys``: see
+    :func:`try_remote_commit`."""
+    done = try_remote_commit(remote, store, name, keys)
     if done:
         note_remote_commit(store, name)
     return done

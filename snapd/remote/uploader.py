@@ -274,19 +274,20 @@ class Uploader:
             with self._cond:
                 state.left = max(0, state.left - n)
         threads = self.options.remote_upload_threads
+        # Read for each job, as the writer does: a key file rotated meanwhile counts.
+        keys = signing.load_keys(self.options.signing_key_file)
         if job.rank is not None and not os.path.isdir(store.snapshot_path(job.sid)):
             from snapd.remote import parts   # node-local roots (docs/remote.md)
             if not job.uploaded:   # a job waiting for other nodes only looks again
                 parts.upload_part(self.remote, store, job.sid.name, job.rank,
                                   threads=threads)
                 job.uploaded = True
-            if not parts.settle_part(self.remote, store, job.sid.name):
+            if not parts.settle_part(self.remote, store, job.sid.name, keys):
                 raise _PartsPending()   # another node's parts are not all up yet
             return self.remote.read_record(job.run, job.sid.name)
         with pinned(store, job.sid) as pin:
             return upload_snapshot(self.remote, pin, job.sid.name, threads=threads,
-                                   progress=progress,
-                                   signer=signing.load_keys(self.options.signing_key_file))
+                                   progress=progress, signer=keys)
 
     def _wait_for_parts(self, job: Job) -> None:
         """A part is up but the set is not: look again later (not an error; a newer
