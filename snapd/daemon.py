@@ -53,7 +53,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import psutil
 
-from snapd import diskguard, stderrlog, protocol as p, retention
+from snapd import diskguard, signing, stderrlog, protocol as p, retention
 from snapd.arena_map import HotCache, reclaim_dead_arenas
 from snapd.commit import Commit, CommitService
 from snapd.errors import AlreadyServing, SnapdError
@@ -420,6 +420,12 @@ class Daemon:
             result = done.result
             self.uploader.committed(sub.run, sub.rank, result.sid, result.bytes_written,
                                     result.complete)
+
+    @property
+    def signing_key_id(self) -> str:
+        """The id of the key this daemon's writes are signed with, "" for none (hello
+        compares it). Read as the writer reads it, for each: a rotated key file counts."""
+        return signing.signer_id(signing.load_keys(self.options.signing_key_file))
 
     @property
     def remote_url(self) -> str:

@@ -60,13 +60,16 @@ class Hello:
     """First message on a connection: versions must match, and who is talking.
     ``options``: the daemon-wide options the client was given (snapd.options
     DAEMON_OPTIONS), which the daemon must share or refuse it; None (absent, an older
-    client, a tool): nothing to check."""
+    client, a tool): nothing to check. ``signing_key_id``: the id of the key the
+    client signs with (snapd/signing.py; "" for none, never the key), which must be
+    the daemon's; None: nothing to check."""
     op = "hello"
     protocol: int
     pid: int
     run: str = ""
     rank: int = 0
     options: Optional[Dict[str, Any]] = None
+    signing_key_id: Optional[str] = None
 
 
 @dataclass

@@ -41,6 +41,7 @@ from snapd.lobby import LOBBY_SIZE, Lobby, Replay, Waiting
 from snapd.errors import (DaemonUnavailable, InvalidOption, ProtocolError, ProtocolMismatch,
                           SnapdError)
 from snapd.options import SUBMIT_OPTIONS, Options, check_shared
+from snapd.signing import check_same_signer
 from snapd.plan import SnapshotPlan, from_descriptor
 from snapd.store import check_run_name
 
@@ -156,6 +157,7 @@ class Handler(Protocol):
     root: str
     options: Options
     remote_url: str   # the remote it replicates to (redacted), "" for none
+    signing_key_id: str   # the id of the key it signs with (snapd/signing.py), "" none
 
     def enqueue(self, sub: Submission) -> None: ...
     def status(self) -> Dict[str, Any]: ...
@@ -346,6 +348,9 @@ class Connection:
             _check_run(m.run, m.rank)
             # One value of each daemon-wide option for every client: OptionMismatch.
             check_shared(self.handler.options, m.options, self.handler.root)
+            if m.signing_key_id is not None:   # one signing key too, by its id
+                check_same_signer(self.handler.signing_key_id, m.signing_key_id,
+                                  self.handler.root)
         self.pid, self.run, self.rank = m.pid, m.run, m.rank
         if m.run:
             self.handler.log(f"client pid {m.pid} run {m.run!r} rank {m.rank} connected")

@@ -24,6 +24,12 @@ byte before the trailer (header included). A client with a key refuses, as
 :class:`~snapd.errors.UntrustedSnapshot` naming the file, a manifest or record that is
 unsigned, signed with a key it does not accept, or whose HMAC does not match; restore
 falls back to the newest correctly signed snapshot.
+
+One daemon signs for every client of its root, with the key it was started with, so
+a client that joins a running daemon says in its hello the id of the key it signs
+with ("" for none; never the key) and the daemon refuses it (OptionMismatch) when
+its own differs (:func:`check_same_signer`): a trainer given a key would otherwise
+leave snapshots that it refuses itself, unsigned or signed with another key.
 """
 
 from __future__ import annotations
@@ -31,14 +37,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 from typing import List, Mapping, Optional
 
 from snapd import format as fmt
-from snapd.errors import InvalidOption, UntrustedSnapshot
+from snapd.errors import InvalidOption, OptionMismatch, ProtocolError, UntrustedSnapshot
 
 KEY_VARIABLE = "SNAPD_SIGNING_KEY"
 MIN_KEY_BYTES = 16
 _ID_LABEL = b"snapd signing key id"
+_KEY_ID_HEX = re.compile(f"[0-9a-f]{{{2 * fmt.KEY_ID_BYTES}}}")
 
 
 def key_id(key: bytes) -> bytes:
@@ -88,6 +96,35 @@ class Keys:
                 f"{path}: the {what}'s signature (key id {kid.hex()}) does not match its "
                 "bytes: it was changed after it was signed. Treat it as forged; restore "
                 "uses an older snapshot", path=path, field="signature")
+
+
+def signer_id(keys: Optional[Keys]) -> str:
+    """The id (hex) of the key that signs, "" when nothing is signed: what a hello
+    carries and a daemon compares (the key itself never leaves the process)."""
+    return "" if keys is None or keys.signer is None else key_id(keys.signer).hex()
+
+
+def check_same_signer(own: str, given: object, root: str) -> None:
+    """Refuse (OptionMismatch, field ``signing_key``) a client whose signing key id
+    ``given`` is not the daemon's ``own`` (:func:`signer_id` of each). ``given`` None:
+    a client that sends none (a tool, an older client) is never refused."""
+    if given is None:
+        return
+    if not isinstance(given, str) or (given and not _KEY_ID_HEX.fullmatch(given)):
+        raise ProtocolError(f"hello signing_key_id must be \"\" or a key id of "
+                            f"{2 * fmt.KEY_ID_BYTES} hex digits, got {given!r:.40}",
+                            field="signing_key_id")
+    if given == own:
+        return
+    daemon = f"signs with key id {own}" if own else "signs nothing (it has no key)"
+    client = f"this client's key has id {given}" if given else "this client has no key"
+    raise OptionMismatch(
+        f"the daemon serving {root} {daemon}, but {client}: one daemon signs every "
+        "snapshot of its root with the key it was started with (key ids are compared; "
+        f"a key is never sent). Give the client the daemon's key ({KEY_VARIABLE} or "
+        f"signing_key_file), or stop the daemon (`snapd stop {root}`) and start the "
+        "trainer again: it starts a daemon with the client's key",
+        path=root, field="signing_key")
 
 
 def load_keys(key_file: Optional[str], environ: Optional[Mapping[str, str]] = None

@@ -36,7 +36,7 @@ from snapd.diskguard import space_for
 from snapd.errors import InvalidOption, SnapdError
 from snapd.options import Options, given_daemon_options
 from snapd.logdigests import LoggedDigests
-from snapd.signing import load_keys
+from snapd.signing import load_keys, signer_id
 from snapd.progress import RunProgress, read_progress
 from snapd.retention import apply_retention
 from snapd.runlock import RunLock
@@ -178,7 +178,7 @@ class Client:
         self.not_hot: Optional[str] = None
         self.daemon = self.options.daemon
         self._handoff = Handoff(self.store, self.rank, self.options, self.world_size,
-                                given) if self.daemon else None
+                                given, signer_id(self._keys)) if self.daemon else None
         self._outcomes = Outcomes(self.store, self._handoff,
                                   global_timeout=self.options.global_commit_timeout)
         # Which snapshot() calls take one (``every``; snapd_client/schedule.py).

@@ -144,11 +144,14 @@ class DaemonConnection:
                  on_event: Callable[[Any], None] = lambda m: None,
                  on_lost: Callable[[BaseException], None] = lambda e: None,
                  spawn: bool = True, options: Optional[Options] = None,
-                 given: Optional[Dict[str, Any]] = None) -> None:
+                 given: Optional[Dict[str, Any]] = None,
+                 signing_key_id: Optional[str] = None) -> None:
         self.root = os.path.abspath(root)
         # A daemon this connection starts runs with ``options``' daemon-wide values; one
-        # already running must share ``given`` (the ones the client was given: hello).
+        # already running must share ``given`` (the ones the client was given: hello),
+        # and sign with the key of id ``signing_key_id`` ("" none; None: not compared).
         self.options, self.given = options, given
+        self.signing_key_id = signing_key_id
         self.run, self.rank, self.timeout = run, rank, timeout
         self.on_event, self.on_lost = on_event, on_lost
         self._ids = itertools.count(1)
@@ -205,12 +208,15 @@ class DaemonConnection:
         return reply.daemon_pid
 
     def _hello_message(self) -> proto.Hello:
-        """Hello, with the daemon-wide options this client was given: a daemon that
-        runs with other values (a remote tier, its retention) refuses it with
-        OptionMismatch, rather than serve it with values it did not ask for."""
+        """Hello, with the daemon-wide options this client was given and the id of its
+        signing key: a daemon that runs with other values (a remote tier, its
+        retention, another key or none) refuses it with OptionMismatch, rather than
+        serve it with values it did not ask for."""
         message = peer.hello(self.run, self.rank)
         if self.run and self.given:
             message.options = dict(self.given)
+        if self.run:
+            message.signing_key_id = self.signing_key_id
         return message
 
     # --- the reader thread ---------------------------------------------------------

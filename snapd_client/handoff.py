@@ -67,9 +67,11 @@ class Handoff:
     """One client's link to the daemon: connection, arena, slots, in-flight handles."""
 
     def __init__(self, store: RunStore, rank: int, options: Options,
-                 world_size: int = 1, given: Optional[Dict[str, Any]] = None) -> None:
+                 world_size: int = 1, given: Optional[Dict[str, Any]] = None,
+                 signing_key_id: Optional[str] = None) -> None:
         self.store, self.rank, self.options = store, rank, options
         self.given = given   # the daemon-wide options the client was given (hello)
+        self.signing_key_id = signing_key_id   # the id of its signing key (hello)
         # The committed slot serves as the hot copy; a multi-rank job restores from
         # the files only, so its arena has no slot to spare.
         self.hot = bool(options.hot_restore) and world_size == 1
@@ -278,7 +280,8 @@ class Handoff:
             self.conn = DaemonConnection(self.store.root, self.store.run, self.rank,
                                          self.options.timeout, on_event=self._on_event,
                                          on_lost=self._on_lost, spawn=spawn,
-                                         options=self.options, given=self.given)
+                                         options=self.options, given=self.given,
+                                         signing_key_id=self.signing_key_id)
         return self.conn
 
     def recover(self) -> bool:

@@ -2,7 +2,10 @@
 client with a key refuses, naming the file, a manifest that is unsigned, signed with
 a key it does not accept, or changed after signing, and restores the newest correctly
 signed snapshot bit for bit; a list of accepted keys lets a key be rotated; without a
-key nothing changes. (The remote commit record: tests/integration/test_signed_remote.py.)"""
+key nothing changes; a hello is compared by signing key id. (The remote commit
+record: tests/integration/test_signed_remote.py; node-local parts:
+tests/test_signed_parts.py; a client joining a daemon:
+tests/integration/test_signing_key_join.py.)"""
 
 from __future__ import annotations
 
@@ -16,11 +19,14 @@ from click.testing import CliRunner
 
 from snapd import format as fmt
 from snapd.cli import main
-from snapd.errors import CorruptSnapshot, InvalidOption, UntrustedSnapshot
+from snapd import protocol as p
+from snapd.errors import (CorruptSnapshot, InvalidOption, OptionMismatch, ProtocolError,
+                          UntrustedSnapshot)
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.reader import SnapshotReader
-from snapd.signing import KEY_VARIABLE, Keys, key_id, load_keys
+from snapd.signing import (KEY_VARIABLE, Keys, check_same_signer, key_id, load_keys,
+                           signer_id)
 from snapd.store import RunStore
 from snapd.writer import write_snapshot
 from snapd_client import Client
@@ -214,3 +220,25 @@ def test_verify_with_a_key_in_the_environment_checks_signatures(tmp_path, monkey
     monkeypatch.delenv(KEY_VARIABLE)
     result = CliRunner().invoke(main, ["verify", "--all", "--root", root])
     assert result.exit_code == 0, result.output   # without a key, nothing is required
+
+
+def test_a_hello_is_compared_by_signing_key_id_never_by_the_key():
+    """The daemon's side of a client joining it (the real process:
+    tests/integration/test_signing_key_join.py): equal ids, or none sent (a tool, an
+    older client), pass; another id or none against one is refused; anything but an
+    id is a protocol error, the key itself included."""
+    mine, other = signer_id(load_keys(None, {KEY_VARIABLE: KEY})), key_id(OTHER.encode())
+    assert mine == key_id(KEY.encode()).hex() and signer_id(None) == ""
+    for own, given in ((mine, mine), ("", ""), (mine, None), ("", None)):
+        check_same_signer(own, given, "/data/ckpt")
+    for own, given in ((mine, other.hex()), (mine, ""), ("", mine)):
+        with pytest.raises(OptionMismatch) as refused:
+            check_same_signer(own, given, "/data/ckpt")
+        assert refused.value.field == "signing_key" and refused.value.path == "/data/ckpt"
+        assert (own or "has no key") in str(refused.value)
+        assert (given or "this client has no key") in str(refused.value)
+    for wrong in (KEY, mine.upper(), mine[:-1], 5, b"x"):
+        with pytest.raises(ProtocolError):
+            check_same_signer(mine, wrong, "/data/ckpt")
+    older = {"op": "hello", "protocol": p.PROTOCOL_VERSION, "pid": 1, "run": "r", "rank": 0}
+    assert p.from_wire(older).signing_key_id is None
