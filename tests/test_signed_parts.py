@@ -17,12 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import ThreadCollective
+from helpers import ThreadCollective, wait_for
 from snapd import format as fmt
 from snapd.globalsnap import GlobalSnapshot
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.remote import parts
+from snapd.remote import uploader as uploader_mod
 from snapd.remote.layout import RemoteRoot, decode_record, encode_record
 from snapd.signing import KEY_VARIABLE, Keys, key_id, load_keys
 from snapd.store import RunStore, SnapshotId
@@ -99,6 +100,28 @@ def test_with_a_key_the_committer_signs_the_record_and_commit_snapd(remote, node
     remote.fs.rm_file(remote.record_path("r", OLD.name))
     assert parts.try_remote_commit(remote, nodes[0], OLD.name, signer)
     assert stored(remote, OLD) == first
+
+
+def test_each_nodes_uploader_with_the_key_commits_the_parts_signed(remote, nodes, keys,
+                                                                   monkeypatch):
+    """The daemons' side: each node's uploader sends its part, the one that completes
+    the set signs the commit, and both nodes note it for their clients."""
+    monkeypatch.setattr(uploader_mod, "PARTS_POLL_FIRST_S", 0.02)
+    ups = []
+    try:
+        for rank, store in enumerate(nodes):
+            write_part(store, rank, OLD, keys)
+            ups.append(uploader_mod.Uploader(
+                store.root, Options(remote=remote.url, signing_key_file=keys),
+                remote=remote))
+            ups[-1].start()
+            ups[-1].committed("r", rank, OLD, 100, complete=False)
+        assert wait_for(lambda: all(parts.remote_committed(s, OLD) for s in nodes), 20)
+    finally:
+        for up in ups:
+            up.stop()
+    for data in stored(remote, OLD):
+        load_keys(keys, {}).check(data, path="remote", what="file")
 
 
 @pytest.mark.parametrize("part_key", [None, OTHER], ids=["unsigned", "other key"])
