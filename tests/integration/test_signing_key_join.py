@@ -1,8 +1,9 @@
-"""A client joining a running daemon (`snapd serve`, a real process, over its socket)
-must sign with the daemon's key: the hello carries the id of the client's signing key
-("" for none, never the key) and a daemon with another key, or none, refuses it with
-OptionMismatch naming both and what to do (docs/operations.md, "Signed commits").
-With the same key the client is served and its snapshot is signed with that key."""
+"""A client joining a running daemon (a real process, over its socket: one a keyed
+client started, one started by hand without a key) must sign with the daemon's key:
+the hello carries the id of the client's signing key ("" for none, never the key) and
+a daemon with another key, or none, refuses it with OptionMismatch naming both and
+what to do (docs/operations.md, "Signed commits"). With the same key the client is
+served and its snapshot is signed with that key."""
 
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ def refusal(root: str, daemon: str, client: str) -> str:
             "client's key")
 
 
-def snapshot_with(root: str, run: str, key, monkeypatch) -> None:
-    """One snapshot by a client joining the daemon of ``root`` with ``key`` (None:
-    none) in its environment; raises what its snapshot() raises."""
+def snapshot_with(root: str, run: str, key, monkeypatch, env=None) -> None:
+    """One snapshot by a client of the daemon of ``root`` (joined, or started when
+    none runs) with ``key`` (None: none) in its environment; raises what its
+    snapshot() raises. ``env``: told of the daemon the client started, to stop it."""
     with monkeypatch.context() as m:
         if key is None:
             m.delenv(KEY_VARIABLE, raising=False)
@@ -44,42 +46,45 @@ def snapshot_with(root: str, run: str, key, monkeypatch) -> None:
         try:
             client.track(model=torch.nn.Linear(4, 2))
             client.snapshot(1).wait(60)
+            if env is not None:
+                env.daemon(client)
         finally:
             client.close()
 
 
-def started(harness, key):
-    """A root and its daemon, started by hand with ``key`` (None: none)."""
-    harness.env.pop(KEY_VARIABLE, None)
-    root = harness.root()
-    harness.start(root, extra_env={KEY_VARIABLE: key} if key else None)
-    return root
+def signer_of(root: str, run: str):
+    """The key id (hex) that signed the run's snapshot of step 1, None: unsigned."""
+    with open(os.path.join(root, run, "snapshots", "00000001", fmt.MANIFEST_NAME),
+              "rb") as f:
+        found = fmt.signature_of(f.read())
+    return None if found is None else found[0].hex()
 
 
-def test_a_daemon_with_a_key_refuses_a_client_without_it_or_with_another(
-        harness, monkeypatch):
-    root = started(harness, KEY)
+def test_a_daemon_a_client_started_with_a_key_refuses_a_client_without_it_or_another(
+        env, monkeypatch):
+    snapshot_with(env.root, env.run, KEY, monkeypatch, env)   # starts it, with the key
+    assert signer_of(env.root, env.run) == KEY_ID
     for key, client in ((None, "this client has no key"),
                         (OTHER, f"this client's key has id {OTHER_ID}")):
         with pytest.raises(OptionMismatch) as refused:
-            snapshot_with(root, harness.run, key, monkeypatch)
-        assert str(refused.value) == refusal(root, f"signs with key id {KEY_ID}", client)
-        assert refused.value.field == "signing_key" and refused.value.path == root
-    assert not os.path.exists(os.path.join(root, harness.run, "snapshots", "00000001"))
-    snapshot_with(root, harness.run, KEY, monkeypatch)   # the same key: served, signed
-    with open(os.path.join(root, harness.run, "snapshots", "00000001",
-                           fmt.MANIFEST_NAME), "rb") as f:
-        kid, _, _ = fmt.signature_of(f.read())
-    assert kid.hex() == KEY_ID
+            snapshot_with(env.root, env.run + "b", key, monkeypatch)
+        assert str(refused.value) == refusal(env.root, f"signs with key id {KEY_ID}",
+                                             client)
+        assert refused.value.field == "signing_key" and refused.value.path == env.root
+    assert not os.path.exists(os.path.join(env.root, env.run + "b", "snapshots",
+                                           "00000001"))
+    snapshot_with(env.root, env.run + "b", KEY, monkeypatch)   # the same key: served
+    assert signer_of(env.root, env.run + "b") == KEY_ID
 
 
-def test_a_daemon_without_a_key_refuses_a_client_with_one(harness, monkeypatch):
-    root = started(harness, None)
+def test_a_daemon_started_by_hand_without_a_key_refuses_a_client_with_one(
+        harness, monkeypatch):
+    harness.env.pop(KEY_VARIABLE, None)
+    root = harness.root()
+    harness.start(root)   # `snapd serve --root`, no key in its environment
     with pytest.raises(OptionMismatch) as refused:
         snapshot_with(root, harness.run, KEY, monkeypatch)
     assert str(refused.value) == refusal(root, "signs nothing (it has no key)",
                                          f"this client's key has id {KEY_ID}")
     snapshot_with(root, harness.run, None, monkeypatch)   # no key either: served
-    with open(os.path.join(root, harness.run, "snapshots", "00000001",
-                           fmt.MANIFEST_NAME), "rb") as f:
-        assert fmt.signature_of(f.read()) is None
+    assert signer_of(root, harness.run) is None
