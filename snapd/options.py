@@ -132,7 +132,8 @@ class Options:
     # Signed commits (snapd/signing.py): a file of keys, one per line, the first signs
     # (unless SNAPD_SIGNING_KEY, the key itself, is set) and all are accepted; the
     # daemon signs manifests and records with it, restore refuses what no accepted key
-    # signed. None, and no SNAPD_SIGNING_KEY: nothing signed, nothing checked.
+    # signed. None, and no SNAPD_SIGNING_KEY: nothing signed, nothing checked. Made
+    # absolute at once: a daemon the client starts runs in "/".
     signing_key_file: Optional[str] = None
     idle_bare_exit_seconds: float = 60.0  # ... and after this long (the shorter of the
     #                               two) when it also keeps nothing: no hot copy held,
@@ -144,6 +145,9 @@ class Options:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
+        if self.signing_key_file:   # a relative path would name another file in "/"
+            object.__setattr__(self, "signing_key_file",
+                               os.path.abspath(self.signing_key_file))
         _check_choice("mode", self.mode, ("wait", "overlap"))
         _check_choice("on_busy", self.on_busy, ("wait", "skip"))
         _check_choice("best_mode", self.best_mode, ("min", "max"))

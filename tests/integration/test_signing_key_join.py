@@ -88,3 +88,20 @@ def test_a_daemon_started_by_hand_without_a_key_refuses_a_client_with_one(
                                          f"this client's key has id {KEY_ID}")
     snapshot_with(root, harness.run, None, monkeypatch)   # no key either: served
     assert signer_of(root, harness.run) is None
+
+
+def test_a_relative_key_file_reaches_the_daemon_the_client_starts(env, tmp_path,
+                                                                  monkeypatch):
+    """The daemon a client starts runs in "/": the file is named to it absolutely."""
+    (tmp_path / "keys").write_text(KEY + "\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(KEY_VARIABLE, raising=False)
+    client = Client(env.root, env.run, daemon=True, signing_key_file="keys")
+    try:
+        client.track(model=torch.nn.Linear(4, 2))
+        client.snapshot(1).wait(60)
+        env.daemon(client)
+    finally:
+        client.close()
+    assert client.options.signing_key_file == str(tmp_path / "keys")
+    assert signer_of(env.root, env.run) == KEY_ID
