@@ -156,9 +156,9 @@ def pull_from_remote(coll: Collective, client: Any) -> set:
     lowest rank of each root (host and directory) pulls the newest one newer than its
     root's newest local snapshot (snapd/remote/pull.py), trying older ones still newer
     on damage (with the client's signing key: on a record or ``commit.snapd`` no
-    accepted key signed, too); a barrier; then every root holds it, and the agreement goes on as with
-    one root. Returns the names pulled anywhere. An unreachable remote is warned of,
-    and restore goes on from the local roots."""
+    accepted key signed, too); a barrier; then every root holds it, and the agreement
+    goes on as with one root. Returns the names pulled anywhere. An unreachable remote
+    is warned of, and restore goes on from the local roots."""
     listed = json.loads(coll.broadcast_bytes(
         _remote_listing(client) if coll.rank == 0 else None, src=0))
     if listed.get("error"):

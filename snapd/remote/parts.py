@@ -205,11 +205,12 @@ def try_remote_commit(remote: Union[str, RemoteRoot], store: RunStore, name: str
 
 
 def _committed(remote: RemoteRoot, run: str, name: str, keys: Optional[Keys]) -> bool:
+    where = remote.where(remote.record_path(run, name))
     try:
-        remote.read_record(run, name)
+        data = remote.record_bytes(run, name)
+        layout.decode_record(data, where=where, run=run, name=name)
         if keys is not None:   # one this daemon's clients would refuse is no commit
-            keys.check(remote.record_bytes(run, name), what="remote commit record",
-                       path=remote.where(remote.record_path(run, name)))
+            keys.check(data, what="remote commit record", path=where)
         return True
     except UntrustedSnapshot as e:
         log.warning("run %r: %s: the remote commit record is not one to trust, it is "
