@@ -239,23 +239,20 @@ class BatchStream:
         self._it, self._epoch_rng = None, {}
         self.epoch, self.index = self.epoch + 1, 0
 
-    def _iter_loader(self, stand_in: Any = None, now: bool = False) -> Iterator:
+    def _iter_loader(self, stand_in: Any = None) -> Iterator:
         """``iter(loader)``; notes the birth of a persistent worker iterator, whose base
         seed came from this epoch's RNG while later epochs only _reset it. The
-        samplers learn the epoch first (a DistributedSampler shuffles by it).
-        A wrapper's base is opened here when ``now`` (a resume positioning it) or
-        given a ``stand_in``, else at the wrapper's first next() (wrapped_loaders.py)."""
+        samplers learn the epoch first (a DistributedSampler shuffles by it). A
+        wrapper opens its base at its first next(); positioned by ``stand_in``, the
+        base is opened here, under the epoch-start RNG, and handed over
+        (wrapped_loaders.py)."""
         self._set_epoch()
         base = self._sampling
         if _persistent(base) and getattr(base, "_iterator", None) is None:
             self._iter_rng = self._epoch_rng   # this open gives birth to the workers
-        opened = None
-        if stand_in is not None:
-            opened = _iter_with(base, stand_in)
-        elif now and base is not self.loader:
-            opened = iter(base)
-        if opened is None:
+        if stand_in is None:
             return iter(self.loader)
+        opened = _iter_with(base, stand_in)
         return opened if base is self.loader else opened_with(self.loader, opened)
 
     def _set_epoch(self) -> None:
@@ -343,7 +340,7 @@ class BatchStream:
                                         "no state_dict(); resume with that loader, or with "
                                         "fast_forward='replay'", field="cursor.loader_state")
             self.loader.load_state_dict(from_plain(loader_state))
-            return self._iter_loader(now=True)
+            return self._iter_loader()
         if mode == "skip":
             stand_in = _SkipSampler(self._sampling._index_sampler, index)
             it = self._iter_loader(stand_in)

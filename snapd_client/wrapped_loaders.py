@@ -2,10 +2,10 @@
 ``accelerator.prepare(loader)`` returns, for the data cursor (cursor.py).
 
 Such a loader keeps the real ``DataLoader`` as ``base_dataloader``: that one holds
-the sampler, the worker iterator and, for torchdata's, the loader state; the wrapper
-forwards attribute reads to it (``isinstance(shard, DataLoader)`` even holds) but not
-writes, so the cursor swaps samplers and drops iterators on the base
-(:func:`sampling_loader`).
+the sampler and the worker iterator; the wrapper forwards attribute reads to it
+(``isinstance(shard, DataLoader)`` even holds) but not writes, so the cursor swaps
+samplers and drops iterators on the base (:func:`sampling_loader`). A base with
+state of its own is refused (:func:`check_wrapped`).
 
 Its iteration is a generator: ``iter(shard)`` runs nothing, and the base's iterator
 is created, and the epoch's random numbers drawn (the workers' base seed, the
@@ -13,7 +13,7 @@ shuffle), at the first ``next()``. That is where a fresh epoch opens them too, s
 cursor leaves fresh epochs to it. A resume cannot wait: the epoch must be opened and
 positioned while the epoch-start RNG is in place, and the first ``next()`` comes after
 the caller's streams are back. So :func:`opened_with` hands the shard a base iterator
-opened beforehand: the shard asks its base for one with an explicit
+opened and positioned beforehand: the shard asks its base for one with an explicit
 ``self.base_dataloader.__iter__()`` (accelerate 1.16), and an instance attribute of
 that name answers the call, once. Should a later accelerate ask otherwise, the first
 batch says so (``UnsupportedState``) instead of resuming from another place.
