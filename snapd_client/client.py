@@ -241,7 +241,9 @@ class Client:
         (restored in place). A number or string cannot be restored in place: keep it in
         :meth:`values` or name it with :meth:`track_globals`.
 
-        ``None`` values are ignored, so optional objects need no ``if``.
+        ``None`` values are ignored, so optional objects need no ``if``. An optimizer
+        wrapper that only forwards to the optimizer inside (accelerate's
+        ``AcceleratedOptimizer``) is tracked as that optimizer.
 
         ``base`` is reserved (no object can be tracked under that name): the base model
         a fine-tuning run trains over, ``Base(name, revision)``, a ``{"name",

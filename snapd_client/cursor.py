@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from snapd.errors import CorruptSnapshot, IncompatibleState, InvalidOption, UnsupportedState
 
 from .rng import RngState, RngStreams
+from .wrapped_loaders import check_wrapped, drop_pending, opened_with, sampling_loader
 
 FAST_FORWARD_MODES = ("skip", "replay")
 STATE_VERSION = 1
@@ -77,11 +78,13 @@ def from_plain(value: Any) -> Any:
 
 
 def _epoch_samplers(loader: Any) -> list:
-    """The loader's samplers with ``set_epoch`` (a DistributedSampler), each once:
-    its sampler, or its batch sampler's."""
+    """What has ``set_epoch``, each once: the loader (accelerate's DataLoaderShard,
+    which sets its samplers' by its own count of epochs at each iter()), its sampler
+    (a DistributedSampler), its batch sampler's."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     found: list = []
-    for owner in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+    for owner in (loader, getattr(loader, "sampler", None),
+                  getattr(batch_sampler, "sampler", None)):
         if callable(getattr(owner, "set_epoch", None)) and not any(owner is s for s in found):
             found.append(owner)
     return found
@@ -176,6 +179,8 @@ class BatchStream:
             raise InvalidOption(f"fast_forward={fast_forward!r}; choose one of "
                                 f"{FAST_FORWARD_MODES}", field="fast_forward")
         self.loader, self.fast_forward, self._rng = loader, fast_forward, rng
+        check_wrapped(loader)
+        self._sampling = sampling_loader(loader)   # the DataLoader under a wrapper
         self.world_size = world_size   # the job's ranks: the cursor's global count
         self._samplers = _epoch_samplers(loader)
         self.epoch, self.index = 0, 0  # the current epoch; batches consumed in it
@@ -184,8 +189,9 @@ class BatchStream:
         self._epoch_rng: RngState = {}        # every stream just before its iter(loader)
         self._iter_rng: RngState = {}         # persistent workers: _epoch_rng of the live
         #                                       worker iterator's birth (later epochs _reset it)
-        self._stateful = callable(getattr(loader, "state_dict", None)) and \
-            callable(getattr(loader, "load_state_dict", None))
+        # A wrapper's state_dict() says nothing: accelerate's shard has one either way.
+        self._stateful = callable(getattr(self._sampling, "state_dict", None)) and \
+            callable(getattr(self._sampling, "load_state_dict", None))
         # A private generator moves as the loader shuffles: it is an RNG stream like any other.
         for i, gen in enumerate(_private_generators(loader)):
             rng.add_generator("loader" if i == 0 else f"loader.{i}", gen)
@@ -236,13 +242,18 @@ class BatchStream:
     def _iter_loader(self, stand_in: Any = None) -> Iterator:
         """``iter(loader)``; notes the birth of a persistent worker iterator, whose base
         seed came from this epoch's RNG while later epochs only _reset it. The
-        samplers learn the epoch first (a DistributedSampler shuffles by it)."""
+        samplers learn the epoch first (a DistributedSampler shuffles by it). A
+        wrapper opens its base at its first next(); positioned by ``stand_in``, the
+        base is opened here, under the epoch-start RNG, and handed over
+        (wrapped_loaders.py)."""
         self._set_epoch()
-        before = getattr(self.loader, "_iterator", None)
-        it = iter(self.loader) if stand_in is None else _iter_with(self.loader, stand_in)
-        if _persistent(self.loader) and it is not before:
-            self._iter_rng = self._epoch_rng
-        return it
+        base = self._sampling
+        if _persistent(base) and getattr(base, "_iterator", None) is None:
+            self._iter_rng = self._epoch_rng   # this open gives birth to the workers
+        if stand_in is None:
+            return iter(self.loader)
+        opened = _iter_with(base, stand_in)
+        return opened if base is self.loader else opened_with(self.loader, opened)
 
     def _set_epoch(self) -> None:
         for sampler in self._samplers:
@@ -250,7 +261,8 @@ class BatchStream:
 
     def state(self) -> dict:
         """The cursor at this instant, in plain values msgpack carries (no tensors)."""
-        live = _persistent(self.loader) and getattr(self.loader, "_iterator", None) is not None
+        live = _persistent(self._sampling) and \
+            getattr(self._sampling, "_iterator", None) is not None
         # Never while no iterator exists: StatefulDataLoader.state_dict() would create one.
         stateful = self._stateful and (self._it is not None or live)
         reused = live and self._iter_rng is not self._epoch_rng
@@ -296,17 +308,18 @@ class BatchStream:
             return "replay"
         if self._stateful:   # a resharded cursor has no loader state for this world
             return "replay" if resharded else "loader_state"
-        map_style = isinstance(self.loader, DataLoader) and \
-            not isinstance(self.loader.dataset, IterableDataset)
+        map_style = isinstance(self._sampling, DataLoader) and \
+            not isinstance(self._sampling.dataset, IterableDataset)
         return "skip" if map_style else "replay"  # no sampler to skip with otherwise
 
     def _drop_iterator(self) -> None:
         """Forget any live iterator, so the next iter(loader) creates one (workers exit)."""
         self._it = None
+        drop_pending(self.loader)
         if self._stateful:
             self.loader.load_state_dict({})
-        elif hasattr(self.loader, "_iterator"):
-            self.loader._iterator = None
+        elif hasattr(self._sampling, "_iterator"):
+            self._sampling._iterator = None
 
     def _revive_workers(self, iter_rng: RngState, loader_state: Optional[dict]) -> None:
         """Persistent workers: the uninterrupted run was reusing a worker iterator born in
@@ -315,9 +328,9 @@ class BatchStream:
         self._rng.restore(iter_rng)
         if self._stateful:  # between epochs; its state carries the base seed (it prefetches)
             self.loader.load_state_dict(from_plain(loader_state or {}))
-            iter(self.loader)
+            iter(self._sampling)
         else:
-            _iter_with(self.loader, _SkipSampler((), 0))
+            _iter_with(self._sampling, _SkipSampler((), 0))
 
     def _position(self, mode: str, index: int, loader_state: Optional[dict]) -> Iterator:
         """The open epoch's iterator, ``index`` batches in. Runs under the epoch-start RNG."""
@@ -329,7 +342,7 @@ class BatchStream:
             self.loader.load_state_dict(from_plain(loader_state))
             return self._iter_loader()
         if mode == "skip":
-            stand_in = _SkipSampler(self.loader._index_sampler, index)
+            stand_in = _SkipSampler(self._sampling._index_sampler, index)
             it = self._iter_loader(stand_in)
             stand_in.skip()
             return it

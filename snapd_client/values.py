@@ -222,12 +222,27 @@ def _has_state(obj: Any) -> bool:
         callable(getattr(obj, "load_state_dict", None))
 
 
+def inner_optimizer(obj: Any) -> Any:
+    """The optimizer an optimizer wrapper delegates to, else ``obj``: a wrapper whose
+    ``state`` and ``param_groups`` are those of its ``.optimizer`` (accelerate's
+    ``AcceleratedOptimizer``) keeps nothing of its own, and never runs the step hooks
+    registered on it (it skips ``Optimizer.__init__``); the inner one's run on every
+    real update. A wrapper with state of its own is tracked as it is."""
+    inner = getattr(obj, "optimizer", None)
+    if isinstance(obj, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer) \
+            and obj.state is inner.state and obj.param_groups is inner.param_groups:
+        return inner
+    return obj
+
+
 def track_objects(tracked: Dict[str, Any], rng: RngStreams,
                   objects: Dict[str, Any]) -> None:
-    """``Client.track(**objects)``: see its docstring. ``None`` values are ignored."""
+    """``Client.track(**objects)``: see its docstring. ``None`` values are ignored;
+    an optimizer wrapper is tracked as the optimizer inside (:func:`inner_optimizer`)."""
     for name, obj in objects.items():
         if obj is None:
             continue
+        obj = inner_optimizer(obj)
         if not _NAME.match(name):
             raise InvalidOption(f"track({name}=...): names must be identifiers",
                                 field=name)
