@@ -105,7 +105,7 @@ def pull_on_two_ranks(root, url, remote_timeout, **options):
     def one(rank):
         client = SimpleNamespace(
             options=Options(remote=url, remote_timeout=remote_timeout, **options), run=RUN,
-            rank=rank, store=RunStore(root, RUN))
+            rank=rank, store=RunStore(root, RUN), _keys=None)
         try:
             out[rank] = pull_from_remote(threads.member(rank), client)
         except Exception as e:   # the test looks at it
