@@ -197,6 +197,31 @@ class ThreadCollective:
         return Member()
 
 
+def pull_on_rank_threads(clients, join_s: float = 60):
+    """snapd_client.fromremote.pull_from_remote on one thread per rank (``clients``:
+    each rank's stand-in client, in rank order), met by a ThreadCollective; each
+    rank's result (or the error it raised) and the FallbackWarnings said."""
+    import warnings
+    from snapd_client.fromremote import pull_from_remote
+    from snapd_client.restore import FallbackWarning
+    threads, out = ThreadCollective(len(clients)), [None] * len(clients)
+
+    def one(rank):
+        try:
+            out[rank] = pull_from_remote(threads.member(rank), clients[rank])
+        except Exception as e:   # the test looks at it
+            out[rank] = e
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        workers = [threading.Thread(target=one, args=(r,)) for r in range(len(clients))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(join_s)
+    assert not any(w.is_alive() for w in workers)
+    return out, [str(w.message) for w in seen if w.category is FallbackWarning]
+
 def record_puts(remote, run: str) -> list:
     """Every write to ``remote`` (a RemoteRoot) from now on, in order, as a path
     relative to ``run``'s directory there."""

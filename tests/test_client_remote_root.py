@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 import warnings
 from types import SimpleNamespace
 
 import pytest
 
-from helpers import ThreadCollective, file_remote_of, small_model_and_opt, small_train_step
+from helpers import pull_on_rank_threads, file_remote_of, small_model_and_opt, small_train_step
 from snapd import roots
 from snapd.options import Options
 from snapd.store import RunStore, SnapshotId
 from snapd_client import Client
-from snapd_client.fromremote import RemoteWarning, pull_from_remote
-from snapd_client.restore import FallbackWarning
+from snapd_client.fromremote import RemoteWarning
 
 RUN = "gpt"
 NEWEST = SnapshotId(0, 4)
@@ -100,26 +98,11 @@ def test_restore_reads_the_remote_through_a_store_root(remote_url, acts, tmp_pat
 def pull_on_two_ranks(root, url, remote_timeout, **options):
     """pull_from_remote on two rank threads sharing ``root``; each rank's result (or
     error) and the FallbackWarnings said."""
-    threads, out = ThreadCollective(2), [None] * 2
-
-    def one(rank):
-        client = SimpleNamespace(
-            options=Options(remote=url, remote_timeout=remote_timeout, **options), run=RUN,
-            rank=rank, store=RunStore(root, RUN), _keys=None)
-        try:
-            out[rank] = pull_from_remote(threads.member(rank), client)
-        except Exception as e:   # the test looks at it
-            out[rank] = e
-
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        workers = [threading.Thread(target=one, args=(r,)) for r in range(2)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join(60)
-    assert not any(w.is_alive() for w in workers)
-    return out, [str(w.message) for w in seen if w.category is FallbackWarning]
+    return pull_on_rank_threads(
+        [SimpleNamespace(options=Options(remote=url, remote_timeout=remote_timeout,
+                                         **options),
+                         run=RUN, rank=rank, store=RunStore(root, RUN), _keys=None)
+         for rank in range(2)])
 
 
 def test_many_ranks_read_the_remote_through_a_store_root(remote_url, acts, tmp_path):

@@ -6,14 +6,12 @@ accepts."""
 from __future__ import annotations
 
 import os
-import threading
-import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import ThreadCollective
+from helpers import pull_on_rank_threads
 from snapd import format as fmt
 from snapd.globalcommit import DanglingReference
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
@@ -25,7 +23,6 @@ from snapd.statelog import read_records
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import write_snapshot
 from snapd_client import Client
-from snapd_client.restore import FallbackWarning
 
 LINEAGE = {"id": 0, "mode": "fresh", "parent": None}
 WHOLE = torch.arange(32, dtype=torch.float32).reshape(8, 4)   # sharded on dim 0
@@ -237,25 +234,10 @@ def pulled(remote: RemoteRoot, root: str):
 def pull_on_ranks(roots, url):
     """fromremote.pull_from_remote on 4 rank threads, ranks 0-1 on roots[0], 2-3 on
     roots[1]; each rank's result (or error) and the FallbackWarnings."""
-    from snapd_client.fromremote import pull_from_remote
-    threads, out = ThreadCollective(4), [None] * 4
-
-    def one(rank):
-        client = SimpleNamespace(options=Options(remote=url), run="r", rank=rank,
-                                 store=RunStore(roots[rank // 2], "r"), _keys=None)
-        try:
-            out[rank] = pull_from_remote(threads.member(rank), client)
-        except Exception as e:
-            out[rank] = e
-
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        workers = [threading.Thread(target=one, args=(r,)) for r in range(4)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join(30)
-    return out, [str(w.message) for w in seen if w.category is FallbackWarning]
+    return pull_on_rank_threads(
+        [SimpleNamespace(options=Options(remote=url), run="r", rank=rank,
+                         store=RunStore(roots[rank // 2], "r"), _keys=None)
+         for rank in range(4)], join_s=30)
 
 
 def committed_remotely(remote, nodes):

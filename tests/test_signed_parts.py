@@ -10,14 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
-import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import ThreadCollective, wait_for
+from helpers import pull_on_rank_threads, wait_for
 from snapd import format as fmt
 from snapd.globalsnap import GlobalSnapshot
 from snapd.options import Options
@@ -28,8 +26,6 @@ from snapd.remote.layout import RemoteRoot, decode_record, encode_record
 from snapd.signing import KEY_VARIABLE, Keys, key_id, load_keys
 from snapd.store import RunStore, SnapshotId
 from snapd.writer import write_snapshot
-from snapd_client.fromremote import pull_from_remote
-from snapd_client.restore import FallbackWarning
 
 KEY = "k" * 16 + "0123456789abcdef"
 OTHER = "o" * 16 + "fedcba9876543210"
@@ -176,24 +172,10 @@ def forge(remote, how: str) -> None:
 def pull_on_two_roots(roots, url, client_keys):
     """fromremote.pull_from_remote on 2 rank threads, one per root; each rank's
     result (or error) and the FallbackWarnings."""
-    threads, out = ThreadCollective(2), [None] * 2
-
-    def one(rank):
-        client = SimpleNamespace(options=Options(remote=url), run="r", rank=rank,
-                                 store=RunStore(roots[rank], "r"), _keys=client_keys)
-        try:
-            out[rank] = pull_from_remote(threads.member(rank), client)
-        except Exception as e:
-            out[rank] = e
-
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        workers = [threading.Thread(target=one, args=(r,)) for r in range(2)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join(30)
-    return out, [str(w.message) for w in seen if w.category is FallbackWarning]
+    return pull_on_rank_threads(
+        [SimpleNamespace(options=Options(remote=url), run="r", rank=rank,
+                         store=RunStore(roots[rank], "r"), _keys=client_keys)
+         for rank in range(2)], join_s=30)
 
 
 @pytest.mark.parametrize("forged", ["unsigned", "other key", "changed after signing"])
