@@ -181,11 +181,19 @@ def test_one_damaged_part_makes_every_rank_fall_back_together(base, resumed):
     assert int(os.path.basename(newest).split(".")[0]) == 24, newest
     victim = part_files(newest, 1)[0]
     flip_byte(victim, os.path.getsize(victim) // 2)
+    before = tree(newest)
     steps, job = restore_only(base, root, resumed["run"], "damaged")
     assert steps == [RESUMED_AT, RESUMED_AT]
     lines = [line for line in job.output(200_000).splitlines()
              if os.path.basename(victim) in line]
-    assert any("rank 1" in line or "rank-00001" in line for line in lines), job.output()
+    assert any("rank 1" in line or "rank-00001" in line for line in lines), \
+        f"{job.output()}\nbefore the job: {before}\nafter it: {tree(newest)}"
+
+
+def tree(path: str) -> list:
+    """Every file under ``path``, relative: what a failure message shows of a snapshot."""
+    return sorted(os.path.relpath(os.path.join(d, f), path)
+                  for d, _, files in os.walk(path) for f in files)
 
 
 MISSING_ENV = {"SNAPD_GLOBAL_COMMIT_TIMEOUT": "5"}
