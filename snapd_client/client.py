@@ -141,11 +141,8 @@ class Client:
         ranks = detect(rank, world_size)
         self.rank, self.world_size, self.local_rank = \
             ranks.rank, ranks.world_size, ranks.local_rank
-        if self._repro is not None and self.world_size > 1:
-            raise InvalidOption(f"snapd repro of run {run!r} at world size "
-                                f"{self.world_size} (rank {self.rank}): reproducing a "
-                                "step of many ranks is not supported yet; run the "
-                                "command on one rank (a one-rank run)", field="world_size")
+        if self._repro is not None:   # the run's own world size only
+            self._repro.on_ranks(self.rank, self.world_size)
         # The attempt this client's parts belong to; restore() may replace it, and every
         # later capture takes the value current then.
         self.session = default_session()

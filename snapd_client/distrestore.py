@@ -244,9 +244,11 @@ class Agreed:
     session: str
 
 
-def plan(store: RunStore, reached: Optional[int], verify_steps: int) -> Dict[str, Any]:
-    """Rank 0's list: restore.py's order, and a fresh session for this attempt."""
-    order, pick = resume_order(store, reached, verify_steps)
+def plan(store: RunStore, reached: Optional[int], verify_steps: int,
+         at_most: Optional[int] = None) -> Dict[str, Any]:
+    """Rank 0's list: restore.py's order (``at_most``, snapd repro: the snapshots of
+    steps up to it only), and a fresh session for this attempt."""
+    order, pick = resume_order(store, reached, verify_steps, at_most)
     return {"order": [sid.name for sid in order],
             "passed_over": order[1].name if pick is not None else None,
             "session": secrets.token_hex(8)}
@@ -329,15 +331,19 @@ def restore_ranks(client: Any, omit: set, world_size: int,
     :func:`_start_overlap`)."""
     require_process_group(world_size)
     from snapd.progress import read_progress
-    client._settle_daemon_writes()
+    # snapd repro: what is committed, at or before its step (snapd_client/repro.py)
+    repro = getattr(client, "_repro", None)
+    if repro is None:
+        client._settle_daemon_writes()
     client.recovery = read_progress(client.store, client.rank)
     # The group is not destroyed here: see GlooGroup.
     coll = GlooGroup()
-    pulled = pull_from_remote(coll, client) if client.options.remote \
-        else set()
+    pulled = pull_from_remote(coll, client) \
+        if client.options.remote and repro is None else set()
     agreed = agree(coll,
                    lambda: plan(client.store, client.recovery.furthest,
-                                client.options.verify_steps),
+                                client.options.verify_steps,
+                                at_most=None if repro is None else repro.step),
                    lambda name: _read_candidate(client, name, omit, world_size,
                                                 set(defer)),
                    client.store.snapshots_path)
@@ -378,6 +384,13 @@ def _read_candidate(client: Any, name: str, omit: set, world_size: int,
     sid = SnapshotId.parse(name)
     path = client.store.snapshot_path(sid)
     parts = Parts(path)
+    repro = getattr(client, "_repro", None)
+    if repro is not None and parts.world_size != world_size:
+        repro.refuse(
+            f"{path}: snapd repro at world size {world_size}: snapshot {name} was saved "
+            f"on {parts.world_size} rank(s), and a step is reproduced exactly only at the "
+            f"snapshot's own world size: run the command on {parts.world_size} rank(s)",
+            field="world_size")
     if defer and parts.world_size != world_size:
         raise InvalidOption(
             f"restore(overlap=True): snapshot {name} was saved on {parts.world_size} "

@@ -61,41 +61,81 @@ def check_target(root: str, run: str, step: int, before: bool, steps: int = 1) -
 
 
 def run_command(command: Tuple[str, ...], asked: Dict[str, Any]
-                ) -> Tuple[int, Optional[Dict[str, Any]]]:
+                ) -> Tuple[int, List[Dict[str, Any]]]:
     """Run ``command`` with the reproduction asked in its environment; (its exit code,
-    the outcome its client reported, or None)."""
+    the outcome each rank's client reported, in rank order: none when it reached no
+    client)."""
     scratch = tempfile.mkdtemp(prefix="snapd-repro-")   # outside the root: writes nothing there
     report = os.path.join(scratch, "outcome.json")
     env = dict(os.environ, **{VARIABLE: json.dumps({**asked, "report": report})})
     try:
         code = subprocess.run(list(command), env=env).returncode
-        try:
-            with open(report) as f:
-                return code, json.load(f)
-        except FileNotFoundError:
-            return code, None
+        # One rank: outcome.json; many (under torchrun): outcome.json.rank-R each.
+        names = [n for n in os.listdir(scratch) if n == "outcome.json"
+                 or n.startswith("outcome.json.rank-") and not n.endswith(".tmp")]
+        outcomes = []
+        for name in sorted(names, key=lambda n: int(n.rpartition("-")[2]) if "rank-" in n
+                           else 0):
+            with open(os.path.join(scratch, name)) as f:
+                outcomes.append(json.load(f))
+        return code, outcomes
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def report_lines(outcome: Dict[str, Any], step: int, batches: Dict[str, Any],
+def verdict(outcomes: List[Dict[str, Any]], run: str, step: int) -> Dict[str, Any]:
+    """The one outcome the report is made of: a failure of any rank (the ranks agreed
+    on it, so the first is every rank's), else rank 0's with each rank's counts, once
+    every rank of the world reported."""
+    failed = [o for o in outcomes if not o["ok"]]
+    if failed:
+        fail(f"{failed[0].get('type', 'ReplayDivergence')}: {failed[0]['error']}", 1)
+    world = outcomes[0].get("world_size", 1)
+    ranks = sorted(o.get("rank", 0) for o in outcomes)
+    if ranks != list(range(world)):
+        fail(f"repro of {run}@{step}: {world} ranks ran, but only rank(s) "
+             f"{', '.join(map(str, ranks))} reported the state written: the command "
+             "ended on the others first", 1)
+    return {**outcomes[0], "ranks": outcomes}
+
+
+def consumed_text(batches: Dict[str, Any]) -> str:
+    """One rank's batches of a step, from its log (snapd/commands/batch.py)."""
+    where = [f"epoch {e} batch {i}" for e, i in batches.get("batches", [])]
+    return (", ".join(where) or "no batch logged") + \
+        (f"; samples {batches['samples']}" if batches.get("samples") is not None else "")
+
+
+def report_lines(outcome: Dict[str, Any], step: int, batches: List[Dict[str, Any]],
                  anomaly: Optional[Dict[str, Any]]) -> List[str]:
+    """The report: ``outcome`` as :func:`verdict` makes it, ``batches`` each rank's
+    of STEP, in rank order."""
     run, before = outcome["run"], outcome["step"] < step
     start = outcome.get("start")
+    world = len(outcome.get("ranks", [outcome]))
     lines = [f"repro of {run}@{step}" + (" --before" if before else "")
+             + (f" on {world} ranks" if world > 1 else "")
              + (f" (the anomaly: {anomaly.get('cause')}, value {anomaly.get('value')!r})"
                 if anomaly else "")]
     lines.append("  started from: " + (f"snapshot {start['snapshot']} (step {start['step']})"
                                        if start else "the start (no snapshot at or before "
                                        "it)"))
-    lines.append(f"  recomputed: {outcome['recomputed']} steps, {outcome['checked']} "
-                 "checked against the log, all matched"
-                 + (f" ({outcome['missing']} without a valid record to check)"
-                    if outcome.get("missing") else ""))
-    where = [f"epoch {e} batch {i}" for e, i in batches.get("batches", [])]
-    lines.append(f"  step {step} consumed: " + (", ".join(where) or "no batch logged")
-                 + (f"; samples {batches['samples']}" if batches.get("samples") is not None
-                    else ""))
+    ranks = outcome.get("ranks", [outcome])
+    if len(ranks) == 1:
+        lines.append(f"  recomputed: {outcome['recomputed']} steps, {outcome['checked']} "
+                     "checked against the log, all matched"
+                     + (f" ({outcome['missing']} without a valid record to check)"
+                        if outcome.get("missing") else ""))
+        lines.append(f"  step {step} consumed: " + consumed_text(batches[0]))
+    else:
+        missing = sum(o.get("missing", 0) for o in ranks)
+        lines.append(f"  recomputed: {outcome['recomputed']} steps on each of {len(ranks)} "
+                     f"ranks, {sum(o['checked'] for o in ranks)} checked against each "
+                     "rank's own log, all matched"
+                     + (f" ({missing} without a valid record to check)" if missing else ""))
+        lines.append(f"  step {step} consumed:")
+        lines += [f"    rank {o.get('rank', 0)}: " + consumed_text(b)
+                  for o, b in zip(ranks, batches)]
     written = outcome.get("snapshots") or [outcome["snapshot"]]
     if len(written) == 1:
         lines.append((f"  state before step {step}'s update (after step {step - 1})"
@@ -138,15 +178,15 @@ def repro(root: str, target: str, command: Tuple[str, ...], before: bool,
     run, step, anomaly = resolve_step(base, target)
     check_target(base, run, step, before, count)
     write_at = step - 1 if before else step
-    code, outcome = run_command(command, {"root": base, "run": run, "step": write_at,
-                                          "count": count,
-                                          "out": out_run(run, step, before)})
-    if outcome is None:
+    code, outcomes = run_command(command, {"root": base, "run": run, "step": write_at,
+                                           "count": count,
+                                           "out": out_run(run, step, before)})
+    if not outcomes:
         fail(f"repro of {run}@{step}: the command exited with code {code} before "
              f"reaching step {write_at}: it must create Client({base!r}, {run!r}), "
              "restore() and log() each step", 1)
-    if not outcome["ok"]:
-        fail(f"ReplayDivergence: {outcome['error']}", 1)
-    for line in report_lines(outcome, step, consumed(os.path.join(base, run), 0, step),
-                             anomaly):
+    outcome = verdict(outcomes, run, step)
+    batches = [consumed(os.path.join(base, run), o.get("rank", 0), step)
+               for o in outcome["ranks"]]
+    for line in report_lines(outcome, step, batches, anomaly):
         click.echo(line)

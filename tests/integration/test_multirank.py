@@ -11,6 +11,9 @@ and tests/integration/jobs.py kills them whole. Issue 14's acceptance cases:
 4. One damaged part makes every rank fall back together, the warning naming the
    rank and the file.
 5. A 4-rank DDP snapshot takes about one copy of model and optimizer on disk.
+6. ``snapd repro`` of step 19 of the killed-and-resumed DDP run, under torchrun with
+   2 ranks: every rank's state after step 19, bit for bit, committed globally in a new
+   run; the run's files untouched; the report names each rank's batch.
 
 Jobs are slow to start (torch on every rank): each module-scoped fixture runs its
 jobs once and several tests read their output, and jobs that do not depend on each
@@ -21,6 +24,7 @@ its bounded wait beside a 4-rank one).
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import math
 import os
@@ -28,22 +32,27 @@ import re
 import secrets
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 
 import numpy as np
 import psutil
 import pytest
+import torch
 
 from helpers import flip_byte, stop_daemons_under
-from jobs import (Job, files_exist, job_env, logged_step, newest_snapshot, part_files,
-                  parts_dir, run_job, snapshot_dir, tensor_file_bytes)
+from jobs import (MULTIRANK, Job, files_exist, job_env, logged_step, newest_snapshot,
+                  part_files, parts_dir, run_job, snapshot_dir, tensor_file_bytes)
 from rankstate import (load_close, load_progress, load_state, sample_differences,
                        state_differences, with_prefix)
 from snapd.progress import read_progress
 from snapd.store import RunStore
+from snapd_client.distrestore import Parts
 
 DDP = {"steps": 30, "snapshot_every": 8, "batch_size": 4, "samples": 96}
 KILL_AT, RESUMED_AT = 20, 16       # killed after step 20: between snapshots 16 and 24
+REPRO_AT = 19                      # reproduced from 16; the killed job dumps its state
 FINAL = ("param/", "opt/", "rng/", "lr", "step")
 TAG = f"mr{secrets.token_hex(3)}"   # run names' prefix: this session's hot copies only
 
@@ -88,7 +97,7 @@ def ddp_runs(base):
 
 
 def killed_and_resumed(base: str) -> dict:
-    cfg, n = ddp(base, "killed", "cut", pause_at=KILL_AT)
+    cfg, n = ddp(base, "killed", "cut", pause_at=KILL_AT, dump_at=REPRO_AT)
     job = Job("ddp_job.py", n, cfg, os.path.join(base, "killed.log"))
     committed = os.path.join(snapshot_dir(cfg["root"], cfg["run"], RESUMED_AT), "commit.snapd")
     job.wait_until(files_exist(committed, *(os.path.join(cfg["out"], f"paused-{r}")
@@ -160,6 +169,88 @@ def test_ddp_ranks_saw_each_sample_once_per_epoch(reference):
     assert first == list(range(DDP["samples"]))
     assert sorted(second) == first
     assert second != [i for r in (0, 1) for s in steps[r][:per_epoch] for i in s["samples"]]
+
+
+# --- snapd repro under torchrun ---------------------------------------------------
+
+def run_files(path: str) -> dict:
+    """Every file under ``path``, relative, with the SHA-256 of its bytes."""
+    found = {}
+    for folder_, _dirs, names in os.walk(path):
+        for name in names:
+            with open(os.path.join(folder_, name), "rb") as f:
+                found[os.path.relpath(os.path.join(folder_, name), path)] = \
+                    hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+@pytest.fixture(scope="module")
+def reproduced(base, resumed):
+    """``snapd repro ROOT RUN@19 -- python -m torch.distributed.run ... ddp_job.py``
+    with the job's own settings (its side files to a folder of its own): the finished
+    command, and the run's files before and after."""
+    root, run = resumed["root"], resumed["run"]
+    cfg, n = ddp(base, "repro", "cut")
+    before = run_files(os.path.join(root, run))
+    argv = [sys.executable, "-m", "snapd", "repro", root, f"{run}@{REPRO_AT}", "--",
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(n), os.path.join(MULTIRANK, "ddp_job.py"),
+            json.dumps(cfg)]
+    done = subprocess.run(argv, env=job_env(), capture_output=True, text=True,
+                          timeout=120)
+    return done, before, run_files(os.path.join(root, run))
+
+
+def part_arrays(snapshot: str, rank: int) -> dict:
+    """Rank ``rank``'s state in a multi-rank snapshot, keyed as dump.py's
+    tracked_arrays keys it: a replicated tensor read from the part that stores it."""
+    parts = Parts(snapshot)
+    part = parts.part(rank)
+    arrays = {f"{name}/{i}": parts.tensor(rank, name, t).contiguous().reshape(-1)
+              .view(torch.uint8).numpy()
+              for name in ("model", "optimizer", "scheduler")
+              for i, t in enumerate(part.objects[name]["tensors"])}
+    arrays.update({f"rng:{k}": np.frombuffer(v, dtype=np.uint8)
+                   for k, v in part.manifest["rng"].items()})
+    return arrays
+
+
+def test_repro_of_a_ddp_step_writes_every_ranks_state_after_it(resumed, reproduced):
+    """The run was killed after step 20 and resumed from 16: its log holds steps 17 to
+    20 twice. repro @19 restores 16 on both ranks, checks 17-19 against each rank's
+    own log, and commits the state after 19 as one snapshot of both ranks' parts:
+    each equal, bit for bit, to what that rank dumped after step 19 (tensors and RNG
+    streams); nothing of the run changed."""
+    done, before, after = reproduced
+    assert done.returncode == 0, done.stderr[-4000:]
+    root, run = resumed["root"], resumed["run"]
+    snapshot = snapshot_dir(root, f"{run}.repro-{REPRO_AT}", REPRO_AT)
+    consumed = [load_progress(resumed["killed"], r)[REPRO_AT - 1]["samples"]
+                for r in range(2)]
+    # 96 samples, 2 ranks, batches of 4: 12 steps an epoch; step 19 is epoch 1's 7th
+    assert done.stdout.splitlines() == [
+        f"repro of {run}@{REPRO_AT} on 2 ranks",
+        f"  started from: snapshot 00000016 (step {RESUMED_AT})",
+        "  recomputed: 3 steps on each of 2 ranks, 6 checked against each rank's own "
+        "log, all matched",
+        f"  step {REPRO_AT} consumed:",
+        f"    rank 0: epoch 1 batch 6; samples {consumed[0]}",
+        f"    rank 1: epoch 1 batch 6; samples {consumed[1]}",
+        f"  state after step {REPRO_AT}: run {run}.repro-{REPRO_AT}, {snapshot}"]
+    assert after == before
+    assert sorted(os.listdir(os.path.dirname(snapshot))) == [f"{REPRO_AT:08d}"]
+    assert sorted(os.listdir(snapshot)) == ["commit.snapd", "rank-00000", "rank-00001"]
+    for rank in range(2):
+        with np.load(os.path.join(resumed["killed"], f"rank-{rank}.at-{REPRO_AT}.npz"),
+                     allow_pickle=False) as z:
+            want = {k: z[k].tobytes() for k in z.files}
+        got = {k: v.tobytes() for k, v in part_arrays(snapshot, rank).items()}
+        assert len(with_prefix(want, "optimizer/")) >= 12 and "rng:numpy" in want
+        assert got == want, sorted(k for k in want if got.get(k) != want[k])
+    manifest = Parts(snapshot).part(1).manifest
+    assert (manifest["step"], manifest["world_size"], manifest["lineage"]) == (
+        REPRO_AT, 2, {"id": 0, "mode": "repro",
+                      "parent": {"run": run, "snapshot": "00000016", "step": RESUMED_AT}})
 
 
 def restore_only(base: str, root: str, run: str, name: str, nproc: int = 2,

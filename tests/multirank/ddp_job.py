@@ -14,7 +14,9 @@ step k (its log and snapshot), write ``paused-<rank>`` in out and wait forever, 
 the test to SIGKILL the job; ``skip_part_at``: rank 1 does not take the snapshot of
 step k (a rank that never submits its part); ``roots``: node-local roots, the ranks
 split evenly over them in order (rank R uses roots[R * len(roots) // world]), each
-with its daemon, as on nodes of their own. At the end each rank writes
+with its daemon, as on nodes of their own; ``dump_at``: after step k (its log and
+snapshot) each rank writes ``rank-<R>.at-<k>.npz``, its tracked state as a snapshot
+would hold it (dump.py, ``tracked_arrays``). At the end each rank writes
 ``rank-<R>.npz`` (dump.py's keys) and ``rank-<R>.close.json`` (what close() raised,
 and how long it took); every step appends a line to ``rank-<R>.steps.jsonl``.
 """
@@ -37,11 +39,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from dump import (Progress, as_array, config, leave_job, optimizer_arrays, rng_arrays,
-                  write_marker)
+                  tracked_arrays, write_marker)
 
 DEFAULTS = {"steps": 30, "snapshot_every": 8, "batch_size": 4, "samples": 96,
             "hidden": 64, "dim": 16, "snapd": True, "pause_at": None,
-            "skip_part_at": None, "data_version": "points-v1"}
+            "skip_part_at": None, "dump_at": None, "data_version": "points-v1"}
 
 
 class Points(Dataset):
@@ -154,6 +156,10 @@ def main() -> None:
             skip = step == cfg["skip_part_at"] and rank == 1
             if step % cfg["snapshot_every"] == 0 and not skip:
                 ckpt.snapshot(step)
+        if ckpt is not None and step == cfg["dump_at"]:
+            np.savez(os.path.join(out, f"rank-{rank}.at-{step}.npz"),
+                     **tracked_arrays(ckpt.rng.capture(), model=ddp, optimizer=opt,
+                                      scheduler=sched))
         if step == cfg["pause_at"]:
             write_marker(out, f"paused-{rank}")
             while True:

@@ -62,6 +62,19 @@ def optimizer_arrays(state: Dict[int, Dict[str, Any]], full=lambda t: t) -> Dict
     return out
 
 
+def tracked_arrays(rng_state: Dict[str, bytes], **objects: Any) -> Dict[str, np.ndarray]:
+    """What a snapshot taken now would hold, bit for bit: every tensor leaf of each
+    object's state dict as snapd flattens it, keyed ``<name>/<i>``, as raw bytes; and
+    each RNG stream's state (``rng_state``: the client's capture), keyed ``rng:<stream>``."""
+    from snapd_client.state import flatten
+    arrays = {f"{name}/{i}": t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+              for name, obj in objects.items()
+              for i, t in enumerate(flatten(obj.state_dict(), name).tensors)}
+    arrays.update({f"rng:{k}": np.frombuffer(v, dtype=np.uint8).copy()
+                   for k, v in rng_state.items()})
+    return arrays
+
+
 class Progress:
     """One JSON line per step, written at once (a SIGKILL loses none that were
     written): what a killed job did before it died."""
