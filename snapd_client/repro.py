@@ -102,11 +102,14 @@ class Repro:
         self.rank, self.world_size = 0, 1
         self._ranks: Optional[Collective] = None   # many ranks: their verdicts, each step
 
-    def on_ranks(self, rank: int, world_size: int) -> None:
+    def on_ranks(self, rank: int, world_size: int,
+                 ranks: Optional[Collective] = None) -> None:
         """The command's rank and world size, refused (InvalidOption, field
         ``world_size``) when the run did not log STEP on exactly that many ranks: a
-        reproduction is exact at the run's own world size only."""
-        self.rank, self.world_size = rank, world_size
+        reproduction is exact at the run's own world size only. ``ranks``: what the
+        ranks exchange their verdicts over (default: a private gloo group, made when
+        the recompute begins)."""
+        self.rank, self.world_size, self._ranks = rank, world_size, ranks
         logged = [r for r in statelog.list_ranks(self.store.path)
                   if statelog.find_step(self.store.path, r, self.step) is not None]
         if logged and logged != list(range(world_size)):

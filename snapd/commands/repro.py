@@ -9,6 +9,10 @@ the newest anomaly the run logged), refuses what cannot work before anything run
 and prints the outcome: the start snapshot, the steps recomputed and checked, the
 batches STEP consumed (from the run's log) and where the state now is.
 
+Many ranks: COMMAND is the job's ``torchrun`` line, at the run's world size; each rank
+reports its own outcome (``outcome.json.rank-R``), and the report names each rank's
+batches. A failure on any rank is every rank's (they agree before writing).
+
 Exit 0 when the state was written; 1 on a divergence (``ReplayDivergence``, naming the
 step and the field), or when the command ended without reaching STEP.
 """
@@ -171,6 +175,9 @@ def repro(root: str, target: str, command: Tuple[str, ...], before: bool,
     state is written. With --before, the state before STEP's update instead (after
     STEP - 1, checked up to there), to run RUN.repro-STEP-before. With --steps K,
     the states after each of K steps from there, each checked first.
+
+    Many ranks: COMMAND starts torchrun with the run's world size; every rank checks
+    its own rank's log, and the state is one snapshot of every rank's part.
 
     Example: snapd repro checkpoints gpt-small@48211 -- python train.py --config c.yaml
     """
