@@ -66,7 +66,11 @@ def ddp_fits(tmp_path_factory, warm):
 
 
 def _final(output):
-    return [line for line in output.splitlines() if line.startswith(("weights ", "optimizer "))]
+    """Each rank's two digest lines, sorted: the ranks print at once into one pipe, so
+    their lines interleave in any order (under DDP the ranks' states are equal, so a
+    rank that ended elsewhere still shows as a line of its own)."""
+    return sorted(line for line in output.splitlines()
+                  if line.startswith(("weights ", "optimizer ")))
 
 
 def test_a_two_rank_fit_killed_whole_resumes_bit_for_bit_on_both_ranks(ddp_fits):
