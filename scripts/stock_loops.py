@@ -51,6 +51,43 @@ def window(every: int, steps: int) -> tuple:
     return every + 1, k * every + 1
 
 
+class Stamps:
+    """Each step's start (``perf_counter``), and at the window's two ends the CPU
+    time this process and the run's snapd daemon (when there is one) have used: what
+    the daemon's writing takes from a machine's cores while training runs."""
+
+    def __init__(self, root: str, marks: tuple) -> None:
+        self.root, self.marks = root, marks
+        self.starts: Dict[int, float] = {}
+        self.cpu: Dict[int, Dict[str, Any]] = {}
+
+    def start(self, step: int) -> None:
+        self.starts[step] = time.perf_counter()
+        if step in self.marks:
+            self.cpu[step] = {"trainer": time.process_time(), "daemon": self._daemon()}
+
+    def _daemon(self) -> Any:
+        import psutil
+        pid = benchlib.daemon_pid_of(self.root)
+        try:
+            return sum(psutil.Process(pid).cpu_times()[:2]) if pid else None
+        except psutil.Error:
+            return None
+
+    def figures(self) -> Dict[str, Any]:
+        first, last = self.marks
+        steps = sorted(self.starts)
+        a, b = self.cpu[first], self.cpu[last]
+        return {"window_s": self.starts[last] - self.starts[first],
+                "step_s": (self.starts[last] - self.starts[first]) / (last - first),
+                # each step's time, from its start to the next one's (its checkpoint in)
+                "step_times": [self.starts[j] - self.starts[i]
+                               for i, j in zip(steps, steps[1:])],
+                "trainer_cpu_s": b["trainer"] - a["trainer"],
+                "daemon_cpu_s": None if a["daemon"] is None or b["daemon"] is None
+                else b["daemon"] - a["daemon"]}
+
+
 def snapshot_stalls(root: str) -> List[Dict[str, Any]]:
     """What snapshot() cost the training thread, as the client logged it: the
     ``staged`` event of each snapshot (``stall``: the call's time; ``waited``: the part
@@ -85,18 +122,13 @@ def run_way(cfg: Dict[str, Any]) -> Dict[str, Any]:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     os.makedirs(cfg["dir"], exist_ok=True)
     cfg.setdefault("root", os.path.join(cfg["dir"], "snapd"))
+    stamps = Stamps(cfg["root"], window(cfg["every"], cfg["steps"]))
     loop = lightning_fit if cfg["framework"] == "lightning" else trainer_train
-    res = loop(cfg)
-    first, last = window(cfg["every"], cfg["steps"])
-    starts = res.pop("starts")
-    steps = sorted(starts)
+    res = loop(cfg, stamps)
     res.update(framework=cfg["framework"], way=cfg["way"],
                state_bytes=benchlib.nbytes_of(res["tensors"]),
-               n_tensors=len(res["tensors"]), window=[first, last],
-               window_s=starts[last] - starts[first],
-               step_s=(starts[last] - starts[first]) / (last - first),
-               # each step's time, from its start to the next one's (its checkpoint in)
-               step_times=[starts[b] - starts[a] for a, b in zip(steps, steps[1:])])
+               n_tensors=len(res["tensors"]), window=list(stamps.marks),
+               **stamps.figures())
     res["snapshots"] = snapshot_stalls(cfg["root"]) if cfg["way"] == "snapd" else []
     res["copy_s"] = copy_stalls(res.pop("tensors"), cfg.get("copy_reps", 3))
     return res
@@ -104,7 +136,7 @@ def run_way(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 # --- Lightning ----------------------------------------------------------------------
 
-def lightning_fit(cfg: Dict[str, Any]) -> Dict[str, Any]:
+def lightning_fit(cfg: Dict[str, Any], stamps: Stamps) -> Dict[str, Any]:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -125,12 +157,11 @@ def lightning_fit(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
     class Clock(Callback):
         def __init__(self, saves: bool) -> None:
-            self.starts: Dict[int, float] = {}
             self.saves: List[int] = []
             self.record_saves = saves   # snapd's snapshots dump Lightning's state too
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.starts[trainer.global_step + 1] = time.perf_counter()
+            stamps.start(trainer.global_step + 1)
 
         def on_save_checkpoint(self, trainer, pl_module, checkpoint):
             if self.record_saves:
@@ -163,7 +194,7 @@ def lightning_fit(cfg: Dict[str, Any]) -> Dict[str, Any]:
     trainer.fit(model, loader)
     fit_s = time.perf_counter() - t0
     opt = trainer.optimizers[0]
-    return {"fit_s": fit_s, "starts": clock.starts, "saves": clock.saves,
+    return {"fit_s": fit_s, "saves": clock.saves,
             "global_step": trainer.global_step, "layers": layers,
             "tensors": benchlib.state_tensors(model, opt)}
 
@@ -179,7 +210,7 @@ def gpt2_layers(size: int, width: int, vocab: int, positions: int) -> int:
     return max(1, math.ceil(rest / block))
 
 
-def trainer_train(cfg: Dict[str, Any]) -> Dict[str, Any]:
+def trainer_train(cfg: Dict[str, Any], stamps: Stamps) -> Dict[str, Any]:
     import torch
     from transformers import (GPT2Config, GPT2LMHeadModel, TrainerCallback,
                               TrainingArguments, set_seed)
@@ -197,11 +228,10 @@ def trainer_train(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:
-            self.starts: Dict[int, float] = {}
             self.saves: List[int] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.starts[state.global_step + 1] = time.perf_counter()
+            stamps.start(state.global_step + 1)
 
         def on_save(self, args, state, control, **kwargs):   # the Trainer's own saves
             self.saves.append(state.global_step)
@@ -233,6 +263,6 @@ def trainer_train(cfg: Dict[str, Any]) -> Dict[str, Any]:
     trainer.train()
     fit_s = time.perf_counter() - t0
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)   # accelerate's wrapper
-    return {"fit_s": fit_s, "starts": clock.starts, "saves": clock.saves,
+    return {"fit_s": fit_s, "saves": clock.saves,
             "global_step": trainer.state.global_step, "layers": layers,
             "tensors": benchlib.state_tensors(model, opt)}

@@ -52,6 +52,7 @@ def test_each_way_trains_every_step_and_checkpoints_as_it_says(runs):
             assert res["window_s"] == pytest.approx(sum(res["step_times"][2:4]))
             assert 0 < res["window_s"] < res["fit_s"], where
             assert len(res["copy_s"]) == 1 and min(res["copy_s"]) > 0, where
+            assert res["trainer_cpu_s"] > 0 and res["daemon_cpu_s"] is None, where
         assert ways["none"]["saves"] == [] and ways["snapd"]["saves"] == []
         # the Trainer saves at the last step too, whatever save_steps says
         assert ways["own"]["saves"] == ([2, 4] if framework == "lightning" else [2, 4, 5])
@@ -70,8 +71,9 @@ def test_the_summary_and_its_section_hold_every_figure(runs):
     for framework, s in summary.items():
         assert s["rounds"] == 1 and s["in_window"] == 1 and s["saves_in_window"] == 1
         assert s["snapshots"] == [2, 4]
-        for group in ("fit_s", "window_s"):
+        for group in ("fit_s", "window_s", "trainer_cpu_s"):
             assert set(s[group]) == set(WAYS) and min(s[group].values()) > 0
+        assert s["daemon_cpu_per_snapshot_s"] is None   # no daemon in this lane
         for group in ("fit_ratio", "window_ratio"):
             assert min(s[group].values()) > 0
             assert s[group]["snapd"] == pytest.approx(
@@ -99,10 +101,12 @@ def test_the_summary_and_its_section_hold_every_figure(runs):
 
 def test_a_failed_way_leaves_its_round_out_and_the_error_is_reported():
     ok = {"fit_s": 2.0, "window_s": 1.0, "step_s": 0.5, "window": [3, 5], "saves": [],
-          "snapshots": [], "copy_s": [0.1], "state_bytes": 10, "layers": 1}
+          "snapshots": [], "copy_s": [0.1], "state_bytes": 10, "layers": 1,
+          "trainer_cpu_s": 0.9, "daemon_cpu_s": None}
     failed = [{"none": ok, "own": {**ok, "saves": [2, 4]}, "snapd": {"error": "exit 1: boom"}}]
     assert bf.summarize(failed) == {"error": "exit 1: boom"}
     snapd = {**ok, "window_s": 1.3, "fit_s": 3.0, "copy_s": [0.2, 0.4, 0.3],
+             "daemon_cpu_s": 0.125,
              "snapshots": [{"step": 2, "stall_s": 0.5, "waited_s": 0.0},
                            {"step": 4, "stall_s": 0.25, "waited_s": 0.01}]}
     s = bf.summarize(failed + [{"none": ok, "own": {**ok, "window_s": 3.0, "saves": [2, 4]},
@@ -112,7 +116,8 @@ def test_a_failed_way_leaves_its_round_out_and_the_error_is_reported():
     assert s["own_per_checkpoint_s"] == pytest.approx(2.0)
     assert s["copy_s"] == pytest.approx(0.3) and s["overhead_vs_copy"] == pytest.approx(1.0)
     assert s["stall_s"] == 0.25 and s["first_stall_s"] == 0.5 and s["waited_s"] == 0.01
-    assert s["target_met"] is True
+    assert s["target_met"] is True and s["daemon_cpu_per_snapshot_s"] == 0.125
+    assert s["trainer_cpu_s"] == {"none": 0.9, "own": 0.9, "snapd": 0.9}
     assert s["window_ratio"] == pytest.approx({"own": 3.0, "snapd": 1.3})
 
 
