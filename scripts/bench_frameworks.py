@@ -25,7 +25,7 @@ Figures, per framework (medians over the rounds):
   in the window, each round's ways compared with each other;
 - snapd's stall: what each ``snapshot()`` call cost the training thread, as the
   client logs it (the ``staged`` event of the state log; the first snapshot, which
-  starts the daemon and touches the staging arena first, apart);
+  may start the daemon and touches the staging arena first, apart);
 - the reference: ``copy_`` of the same state into preallocated memory, timed in the
   snapd child after its fit (each copy after 50 ms of matmuls);
 - the target: snapd's overhead per snapshot at most 1.1x that copy.
@@ -100,6 +100,9 @@ def run_child(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def child_main(spec: str, out: str) -> None:
+    import logging
+    for name in ("lightning.pytorch", "transformers"):   # their banners, not errors
+        logging.getLogger(name).setLevel(logging.ERROR)
     with open(spec) as f:
         cfg = json.load(f)
     res = run_way(cfg)
@@ -223,7 +226,8 @@ def summarize(rounds: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
 def model_text(framework: str, s: Dict[str, Any], cfg: Dict[str, Any]) -> str:
     width = cfg["width"] or DEFAULT_WIDTH[framework]
     what = (f"MLP, {s['layers']} × `Linear({width}, {width})`" if framework == "lightning"
-            else f"GPT-2, {s['layers']} layers, `n_embd={width}`")
+            else f"GPT-2, {s['layers']} layer{'s' if s['layers'] > 1 else ''}, "
+            f"`n_embd={width}`")
     return f"{what}; {benchlib.fg(s['state_bytes'])} GiB"
 
 
@@ -247,7 +251,7 @@ def report(data: Dict[str, Any]) -> str:
              f"moments); {cfg['steps']} steps, a batch of {batch_text(cfg)}, "
              f"`torch.set_num_threads({cfg['threads']})`, CPU. *Window*: from the start "
              f"of step {first} to the start of step {last}, {last - first} steps with "
-             f"the checkpoints of steps {', '.join(str(s) for s in range(2 * n, last, n))} "
+             f"the checkpoints at steps {', '.join(str(s) for s in range(2 * n, last, n))} "
              "and what each costs the steps after it (the daemon's start and the first "
              "checkpoint, the first to touch its staging memory or files, are before "
              "it; the first snapshot's stall is shown apart). *Per checkpoint*: (the way's window - none's) / "

@@ -13,23 +13,22 @@ not run on its own.
   ``snapd_client.transformers.Trainer(snapd_options={"every": N})``).
 
 The models are sized to a state (weights + AdamW's two moments) of at least ``size``
-bytes:
-Lightning trains a wide MLP (``Linear(width, width)`` layers, benchlib's state), the
-Trainer a GPT-2 built from its config (``n_embd=width``, as many layers as fit).
+bytes: Lightning trains a wide MLP (``Linear(width, width)`` layers, benchlib's
+state), the Trainer a GPT-2 built from its config (``n_embd=width``, as many layers
+as it takes).
 
 **The clock.** Each step's start is stamped when the framework starts it
 (Lightning's ``on_train_batch_start``, the Trainer's ``on_step_begin``): after the
 previous step's checkpoint or snapshot has returned. The timed *window* runs from
-the start of step N+1 (the first checkpoint, whose cost includes a daemon start, an
-arena's first touch or a folder's creation, is before it) to the start of step kN+1,
-the last stamped period boundary: k-1 periods of N steps, each with one checkpoint
-at its end, and each of those checkpoints followed by the period's steps (snapd's
-background write runs beside them).
+the start of step N+1 to the start of step kN+1, the last period boundary stamped:
+k-1 periods of N steps, each ending with a checkpoint (steps 2N, ..., kN), and the
+background write of each snapd snapshot from N to (k-1)N runs beside the next
+period's steps. The first checkpoint, whose cost holds a daemon's start, an
+arena's first touch or a folder's creation, is before the window.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -46,8 +45,8 @@ def window(every: int, steps: int) -> tuple:
     """The first and the last stamped step of the timed window: (N+1, kN+1)."""
     k = (steps - 1) // every
     if k < 2:
-        raise ValueError(f"steps={steps}, every={every}: the window needs two "
-                         "checkpoints after the first (steps >= 2*every + 1)")
+        raise ValueError(f"steps={steps}, every={every}: the window needs a "
+                         "checkpoint after the first (steps >= 2*every + 1)")
     return every + 1, k * every + 1
 
 
@@ -117,9 +116,6 @@ def run_way(cfg: Dict[str, Any]) -> Dict[str, Any]:
     checkpoints taken, snapd's logged stalls and the reference copy's."""
     import torch
     torch.set_num_threads(cfg["threads"])
-    logging.getLogger("lightning").setLevel(logging.ERROR)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
     os.makedirs(cfg["dir"], exist_ok=True)
     cfg.setdefault("root", os.path.join(cfg["dir"], "snapd"))
     stamps = Stamps(cfg["root"], window(cfg["every"], cfg["steps"]))

@@ -121,7 +121,7 @@ def test_a_failed_way_leaves_its_round_out_and_the_error_is_reported():
     assert s["window_ratio"] == pytest.approx({"own": 3.0, "snapd": 1.3})
 
 
-def test_rounds_alternate_and_the_window_needs_two_checkpoints_after_the_first():
+def test_rounds_alternate_and_the_window_needs_a_checkpoint_after_the_first():
     assert bf.order(0) == WAYS and bf.order(1) == tuple(reversed(WAYS))
     assert bf.window(5, 41) == (6, 41) and bf.window(10, 45) == (11, 41)
     with pytest.raises(SystemExit):
