@@ -1,0 +1,130 @@
+"""scripts/bench_frameworks.py on a tiny state, in this process: each way of each
+framework's stock loop (scripts/stock_loops.py; snapd without a daemon, as no process
+may start here), then the figures and the section made of them. Not a timing
+assertion: each figure is there, counts what it says, and lies in its range."""
+
+import math
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("lightning.pytorch")
+pytest.importorskip("transformers")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+import bench_frameworks as bf  # noqa: E402  (a script, not a package)
+import benchlib  # noqa: E402
+from stock_loops import WAYS, run_way  # noqa: E402
+
+# 5 steps, a checkpoint every 2: checkpoints at 2 and 4, the window from the start of
+# step 3 to the start of step 5 holds the one of step 4.
+TINY = ["--size", "200K", "--every", "2", "--steps", "5", "--rounds", "1",
+        "--width", "32", "--batch", "2", "--seq", "8", "--vocab", "32",
+        "--copy-reps", "1", "--no-probe"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One round of every way of both frameworks, run as a child would run it."""
+    args = bf.parse(TINY)
+    base = str(tmp_path_factory.mktemp("fw"))
+    out = {}
+    for framework in args.frameworks:
+        ways = {}
+        for way in bf.order(0):
+            cfg = bf.child_config(args, framework, way, base, 0)
+            cfg["client"]["daemon"] = False   # no daemon process in this lane
+            ways[way] = run_way(cfg)
+        out[framework] = [ways]
+    return args, out
+
+
+def test_each_way_trains_every_step_and_checkpoints_as_it_says(runs):
+    args, out = runs
+    for framework, (ways,) in out.items():
+        for way, res in ways.items():
+            where = f"{framework}/{way}"
+            assert res["framework"] == framework and res["way"] == way
+            assert res["global_step"] == 5, where
+            assert res["state_bytes"] >= args.size, where   # weights + both moments
+            assert res["window"] == [3, 5], where
+            assert len(res["step_times"]) == 4 and min(res["step_times"]) > 0, where
+            assert res["window_s"] == pytest.approx(sum(res["step_times"][2:4]))
+            assert 0 < res["window_s"] < res["fit_s"], where
+            assert len(res["copy_s"]) == 1 and min(res["copy_s"]) > 0, where
+            assert res["trainer_cpu_s"] > 0 and res["daemon_cpu_s"] is None, where
+        assert ways["none"]["saves"] == [] and ways["snapd"]["saves"] == []
+        # the Trainer saves at the last step too, whatever save_steps says
+        assert ways["own"]["saves"] == ([2, 4] if framework == "lightning" else [2, 4, 5])
+        assert ways["none"]["snapshots"] == ways["own"]["snapshots"] == []
+        snaps = ways["snapd"]["snapshots"]
+        assert [s["step"] for s in snaps] == [2, 4], framework
+        assert all(s["stall_s"] > 0 and s["waited_s"] >= 0 for s in snaps)
+        assert len({ways[w]["state_bytes"] for w in WAYS}) == 1   # the same model
+
+
+def test_the_summary_and_its_section_hold_every_figure(runs):
+    args, out = runs
+    info = benchlib.start_run(probe=False)
+    benchlib.end_run(info, "bench_frameworks.py", TINY, probe=False)
+    summary = {fw: bf.summarize(rounds) for fw, rounds in out.items()}
+    for framework, s in summary.items():
+        assert s["rounds"] == 1 and s["in_window"] == 1 and s["saves_in_window"] == 1
+        assert s["snapshots"] == [2, 4]
+        for group in ("fit_s", "window_s", "trainer_cpu_s"):
+            assert set(s[group]) == set(WAYS) and min(s[group].values()) > 0
+        assert s["daemon_cpu_per_snapshot_s"] is None   # no daemon in this lane
+        for group in ("fit_ratio", "window_ratio"):
+            assert min(s[group].values()) > 0
+            assert s[group]["snapd"] == pytest.approx(
+                s[group.replace("ratio", "s")]["snapd"] / s[group.replace("ratio", "s")]["none"])
+        (ways,) = out[framework]
+        assert s["snapd_per_snapshot_s"] == pytest.approx(
+            ways["snapd"]["window_s"] - ways["none"]["window_s"])
+        assert s["own_per_checkpoint_s"] == pytest.approx(
+            ways["own"]["window_s"] - ways["none"]["window_s"])
+        for key in ("stall_s", "first_stall_s", "copy_s", "step_s"):
+            assert s[key] > 0, (framework, key)
+        assert math.isfinite(s["overhead_vs_copy"])
+        assert s["target_met"] is (s["overhead_vs_copy"] <= bf.TARGET)
+    config = {k: getattr(args, k) for k in ("size", "every", "steps", "rounds", "threads",
+                                            "mode", "batch", "seq", "vocab", "width")}
+    text = bf.report({"machine": info, "config": config, "summary": summary})
+    assert text.startswith(bf.SECTION)
+    assert "the start of step 3 to the start of step 5" in text
+    for framework, s in summary.items():
+        row = next(line for line in text.splitlines()
+                   if line.startswith(f"| {bf.LABEL[framework]} | {bf.OWN[framework]}"))
+        assert row.endswith("| pass |" if s["target_met"] else "| **fail** |")
+        assert f"{s['overhead_vs_copy']:.2f}×" in row
+
+
+def test_a_failed_way_leaves_its_round_out_and_the_error_is_reported():
+    ok = {"fit_s": 2.0, "window_s": 1.0, "step_s": 0.5, "window": [3, 5], "saves": [],
+          "snapshots": [], "copy_s": [0.1], "state_bytes": 10, "layers": 1,
+          "trainer_cpu_s": 0.9, "daemon_cpu_s": None}
+    failed = [{"none": ok, "own": {**ok, "saves": [2, 4]}, "snapd": {"error": "exit 1: boom"}}]
+    assert bf.summarize(failed) == {"error": "exit 1: boom"}
+    snapd = {**ok, "window_s": 1.3, "fit_s": 3.0, "copy_s": [0.2, 0.4, 0.3],
+             "daemon_cpu_s": 0.125,
+             "snapshots": [{"step": 2, "stall_s": 0.5, "waited_s": 0.0},
+                           {"step": 4, "stall_s": 0.25, "waited_s": 0.01}]}
+    s = bf.summarize(failed + [{"none": ok, "own": {**ok, "window_s": 3.0, "saves": [2, 4]},
+                                "snapd": snapd}])
+    assert s["rounds"] == 1
+    assert s["snapd_per_snapshot_s"] == pytest.approx(0.3)   # 1.3 - 1.0, one in window
+    assert s["own_per_checkpoint_s"] == pytest.approx(2.0)
+    assert s["copy_s"] == pytest.approx(0.3) and s["overhead_vs_copy"] == pytest.approx(1.0)
+    assert s["stall_s"] == 0.25 and s["first_stall_s"] == 0.5 and s["waited_s"] == 0.01
+    assert s["target_met"] is True and s["daemon_cpu_per_snapshot_s"] == 0.125
+    assert s["trainer_cpu_s"] == {"none": 0.9, "own": 0.9, "snapd": 0.9}
+    assert s["window_ratio"] == pytest.approx({"own": 3.0, "snapd": 1.3})
+
+
+def test_rounds_alternate_and_the_window_needs_a_checkpoint_after_the_first():
+    assert bf.order(0) == WAYS and bf.order(1) == tuple(reversed(WAYS))
+    assert bf.window(5, 41) == (6, 41) and bf.window(10, 45) == (11, 41)
+    with pytest.raises(SystemExit):
+        bf.parse(["--every", "10", "--steps", "20"])
+    with pytest.raises(SystemExit):
+        bf.parse(["--frameworks", "keras"])
