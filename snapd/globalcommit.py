@@ -3,7 +3,7 @@
 Each rank's part is written like a one-rank snapshot, but into
 ``snapshots/.parts-<name>/rank-NNNNN/`` (snapd/writer.py). After its part lands, the
 writer calls :func:`try_commit`. Whoever completes the set commits: under an
-exclusive ``flock`` on ``.parts-<name>/.commit.lock``, when every rank's part is there
+exclusive ``flock`` on the run's ``snapshots/.commit.lock``, when every rank's part is there
 (same run, step, lineage, world size, session, data version) and every ``ref`` entry
 resolves, it writes ``commit.snapd`` (each part's manifest size and digest), and
 publishes ``.parts-<name>`` as ``<name>`` (snapd/commit.py, :func:`publish`, as every
@@ -32,27 +32,32 @@ from snapd.store import RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".commit.lock"
+LOCK_NAME = ".commit.lock"   # in snapshots/: the run's, made once, never removed
 # The fields every part of one snapshot shares; a part that differs belongs to another
 # attempt (a session) or another job shape and is never joined with the others.
 SHARED_FIELDS = ("run", "step", "lineage", "world_size", "session", "data_version")
 
 
 @contextmanager
-def _commit_lock(parts_dir: str) -> Iterator[bool]:
-    """Hold the parts' commit lock; yields False when the parts dir is gone (another
-    writer committed it, or gc removed it)."""
+def _commit_lock(store: RunStore, parts_dir: str) -> Iterator[bool]:
+    """Hold the run's commit lock; yields False when the parts dir is gone (another
+    writer committed it, or gc removed it).
+
+    The lock file is the run's, outside every parts dir, and stays: a lock file
+    inside ``.parts-<name>`` has to be gone before the rename that commits (it would
+    ride into the snapshot), and a writer that came between its unlink and the
+    rename made a new one, held it at once, and committed the same parts a second
+    time, racing the first writer's rename (seen with two ranks' parts landing
+    together: the second writer's part failed on the vanished directory)."""
     try:
-        fd = os.open(os.path.join(parts_dir, LOCK_NAME),
+        fd = os.open(os.path.join(store.snapshots_path, LOCK_NAME),
                      os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except FileNotFoundError:
+    except FileNotFoundError:   # the run's snapshots dir is gone: nothing to commit
         yield False
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        # The lock file is unlinked just before the rename: a waiter that gets it
-        # afterwards holds a lock on a file no longer in the directory.
-        yield os.path.isdir(parts_dir) and os.path.exists(os.path.join(parts_dir, LOCK_NAME))
+        yield os.path.isdir(parts_dir)
     finally:
         os.close(fd)
 
@@ -140,7 +145,7 @@ def try_commit(store: RunStore, sid: SnapshotId, want: Dict[str, Any], *,
     but disagree (nothing is committed then).
     """
     parts_dir, final = store.parts_path(sid), store.snapshot_path(sid)
-    with _commit_lock(parts_dir) as held:
+    with _commit_lock(store, parts_dir) as held:
         if not held or os.path.exists(final):
             return os.path.exists(final)
         found = present_parts(parts_dir, want["world_size"], want)
@@ -151,7 +156,6 @@ def try_commit(store: RunStore, sid: SnapshotId, want: Dict[str, Any], *,
         # 2. The record, durable, inside the parts dir.
         fsio.write_file_durable(os.path.join(parts_dir, fmt.COMMIT_NAME),
                                 fmt.encode_commit(commit_record(found), signer))
-        os.unlink(os.path.join(parts_dir, LOCK_NAME))
         fsio.fsync_dir(parts_dir)
         # 3-4. The rename that commits every part at once, then LATEST.
         publish(store, parts_dir, sid, superseded=superseded)
@@ -163,7 +167,7 @@ def try_commit(store: RunStore, sid: SnapshotId, want: Dict[str, Any], *,
 def _remove_strays(store: RunStore, parts_dir: str, world_size: int) -> None:
     """Parts of other attempts (another session or a larger world size), and tmp dirs,
     must not ride into the committed snapshot: moved out, then removed."""
-    keep = {fmt.part_dir_name(r) for r in range(world_size)} | {LOCK_NAME}
+    keep = {fmt.part_dir_name(r) for r in range(world_size)}
     for name in os.listdir(parts_dir):
         if name not in keep:
             store.discard(os.path.join(parts_dir, name), "stray")

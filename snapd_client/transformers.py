@@ -37,6 +37,16 @@ and its RNG resynchronisation after the skip) from a snapshot instead of a
   save that follow), so that a resume there starts the next epoch as the
   uninterrupted run did.
 
+Several ranks (``torchrun``): each rank's ``train()`` makes its own client, which
+takes its rank from the process group ``TrainingArguments`` set up; each rank writes
+its own part of every snapshot and a snapshot is committed once every part is
+durable (docs/multirank.md). Under torchrun accelerate shards the training loader:
+a ``BatchSamplerShard`` deals each rank its batches of one seeded shuffle, the same
+number on every rank, so the global step gives every rank's position, and the skip
+above skips the rank's own consumed batches. The model is tracked bare (accelerate
+wraps it in DDP after restore() ran), so each part holds the whole model and
+optimizer state.
+
 Exactness needs the sampler to shuffle from its own seed, not from the global RNG
 at the epoch's start: accelerate's ``SeedableRandomSampler``
 (``accelerator_config.use_seedable_sampler``, the Trainer's default) or a sequential

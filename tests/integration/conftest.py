@@ -5,6 +5,7 @@
 ``harness``: starts such daemons and makes arenas; all of it cleaned up.
 ``warm``: two warm parents (warm.py) that fork trainers without an import of torch
 each, "first" for the runs a resume is compared with, "resumed" for the resumes.
+``hf_warm``: the same with the Hugging Face Trainer imported too.
 Everything under this folder is marked ``integration`` (tests/conftest.py).
 """
 
@@ -72,6 +73,21 @@ def warm():
     compared with, "resumed" the resumes (a hash seed of their own). Both import torch
     once, side by side, from the first test that asks."""
     parents = {"first": Warm(), "resumed": Warm()}
+    yield parents
+    for parent in parents.values():
+        parent.close()
+
+
+# What the Hugging Face Trainer's jobs import (hf_job.py), and torchrun's launcher
+HF_PRELOAD = ("transformers", "transformers.trainer", "accelerate", "safetensors.torch",
+              "torch.distributed.run")
+
+
+@pytest.fixture(scope="session")
+def hf_warm():
+    """As ``warm``, the parents importing transformers too (about 10 s each here):
+    shared by the Trainer's tests on one rank and on two."""
+    parents = {"first": Warm(HF_PRELOAD), "resumed": Warm(HF_PRELOAD)}
     yield parents
     for parent in parents.values():
         parent.close()

@@ -16,13 +16,22 @@ records it, so that the same command, started again, goes past it):
 ``["step_end", k]`` (on_step_end of step k, before its snapshot), ``["substep", k]``
 (in step k+1's accumulation window), ``["step_begin", k]`` (right after step k's
 snapshot was handed off, while it is written), ``["save", k]`` (own mode: in
-``_save_checkpoint`` of step k, after the weights, before the optimizer). At the end
-it writes ``final.safetensors`` (weights and optimizer state), ``final.json`` (the
-global step, the log history) and ``fetched.json`` (how many samples this process
-fetched from the dataset, with 0 workers).
+``_save_checkpoint`` of step k, after the weights, before the optimizer),
+``["pause", k]`` (in step k+1's accumulation window: write ``paused-<rank>`` in
+``out`` and wait for the test's SIGKILL of the whole job). At the end it writes
+``final.safetensors`` (weights and optimizer state), ``final.json`` (the global
+step, the log history) and ``fetched.json`` (how many samples this process fetched
+from the dataset, with 0 workers).
+
+Under torchrun (``WORLD_SIZE`` > 1: DDP over gloo on CPU processes) each rank seeds
+its own streams (``set_seed(seed + rank)``, as accelerate's ``device_specific``
+seeding: each rank its own dropout masks, so a rank given another's RNG streams
+would train otherwise) and writes its results as ``final-rank<R>.*`` and
+``fetched-rank<R>.json``.
 """
 
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -33,6 +42,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 from transformers.trainer_utils import get_last_checkpoint
 
 cfg = json.loads(sys.argv[1])
+RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 if cfg["mode"] == "snapd":
     from snapd_client.transformers import Trainer  # snapd
 else:
@@ -66,12 +76,24 @@ def kill_once(kind, step):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def pause_once(step):
+    """Every rank stops here and says so; the test SIGKILLs the whole job."""
+    if ["pause", step] in cfg.get("kills", []):
+        mark = os.path.join(cfg["out"], f"paused-{RANK}")
+        if not os.path.exists(mark):
+            open(mark + ".tmp", "w").close()
+            os.replace(mark + ".tmp", mark)
+            while True:
+                signal.pause()
+
+
 class Kills(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         kill_once("step_end", state.global_step)
 
     def on_substep_end(self, args, state, control, **kw):
         kill_once("substep", state.global_step)
+        pause_once(state.global_step)
 
     def on_step_begin(self, args, state, control, **kw):
         kill_once("step_begin", state.global_step)
@@ -106,18 +128,37 @@ args = TrainingArguments(
 train = Tokens()
 trainer = Trainer(model=model, args=args, train_dataset=train,
                   eval_dataset=Tokens(n=16, seed=8), callbacks=[Kills()])
+if WORLD > 1:
+    set_seed(args.seed + args.process_index)   # each rank its own dropout masks
 resume = own and get_last_checkpoint(args.output_dir) is not None
 trainer.train(resume_from_checkpoint=True if resume else None)
 
 # --- what the test compares ------------------------------------------------------------
 
+
+def result(name, ext):
+    """``out/name.ext``, or ``out/name-rank<R>.ext`` on many ranks."""
+    return os.path.join(cfg["out"], f"{name}-rank{RANK}.{ext}" if WORLD > 1 else
+                        f"{name}.{ext}")
+
+
 tensors = {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}  # tied once
 for p, state in trainer.optimizer.state_dict()["state"].items():
     for k, v in state.items():
         tensors[f"optimizer.{p}.{k}"] = torch.as_tensor(v).detach().contiguous()
-save_file(tensors, os.path.join(cfg["out"], "final.safetensors"))
-with open(os.path.join(cfg["out"], "fetched.json"), "w") as f:
+save_file(tensors, result("final", "safetensors"))
+with open(result("fetched", "json"), "w") as f:
     json.dump(train.fetched, f)
-with open(os.path.join(cfg["out"], "final.json"), "w") as f:
+with open(result("final", "json"), "w") as f:
     json.dump({"global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history[:-1]}, f)
+if WORLD > 1:   # every rank's results written before any rank leaves
+    torch.distributed.barrier()
+    if multiprocessing.current_process().name == "MainProcess":
+        # A worker of its own interpreter leaves without tearing the process groups
+        # down, as tests/multirank/dump.py's leave_job: gloo's teardown may abort.
+        # A worker torchrun forked (--run-path) returns to torchrun, which waits for
+        # its return and ends it without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

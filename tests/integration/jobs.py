@@ -7,7 +7,8 @@ launcher's group does not reach them: :meth:`Job.kill` SIGKILLs the launcher's g
 and then each worker's (a worker's own children, a DataLoader's, die with it). A
 daemon a worker started is not part of the job (it detaches) and survives, as it
 would on a node whose trainers crashed. ``--standalone`` picks a free port for each
-rendezvous, so jobs in a row do not collide.
+rendezvous, so jobs in a row do not collide. :class:`WarmJob` is the same launch from
+a warm parent, its workers forked.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from snapd import statelog
 MULTIRANK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          "multirank")
 REPO = os.path.dirname(os.path.dirname(MULTIRANK))
+TORCHRUN_GROUP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_group.py")
 _NAME = re.compile(r"^(\d{8,})(?:\.L(\d+))?$")   # a snapshot name (docs/format.md)
 
 
@@ -126,6 +128,22 @@ class Job:
                 pass
         self.proc.wait(30)
         wait_exited(workers, 30)   # orphans now: init may reap them late
+
+
+class WarmJob(Job):
+    """A :class:`Job` whose torchrun is forked by a warm parent (warm.py) and forks
+    its workers (``--run-path --start-method fork``, torchrun_group.py): each worker
+    starts with what the parent imported, where ``Job`` starts a new interpreter per
+    worker (about 10 s of imports each for transformers). ``script``: a path; the
+    launcher leads the job's process group, which :meth:`Job.kill` SIGKILLs whole."""
+
+    def __init__(self, parent: Any, script: str, nproc: int, cfg: Dict[str, Any],
+                 log: str, env: Optional[Dict[str, str]] = None) -> None:
+        self.script, self.nproc, self.cfg, self.log = script, nproc, cfg, log
+        argv = ["--standalone", "--nproc-per-node", str(nproc), "--run-path",
+                "--start-method", "fork", os.path.abspath(script), json.dumps(cfg)]
+        open(log, "ab").close()   # there before the child opens it: output() reads it
+        self.proc = parent.start(TORCHRUN_GROUP, argv, env or job_env(), log)
 
 
 def run_job(script: str, nproc: int, cfg: Dict[str, Any], log: str,

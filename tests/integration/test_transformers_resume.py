@@ -10,9 +10,9 @@ exact after a kill mid-epoch, and broken by a kill during its save, at every sta
 
 The runs go in three rounds, side by side: the uninterrupted runs and every first
 attempt; every restart; the third attempts. Each is a child of a warm parent that
-imported transformers once (warm.py), the restarts of another parent than the runs
-they are compared with. The trials share one root (a run each) and its daemon,
-except the one whose daemon is killed.
+imported transformers once (warm.py; the session's ``hf_warm``), the restarts of
+another parent than the runs they are compared with. The trials share one root (a
+run each) and its daemon, except the one whose daemon is killed.
 """
 
 from __future__ import annotations
@@ -26,14 +26,12 @@ import sys
 import tempfile
 
 import pytest
-import torch
 
 from helpers import stop_daemons_under, wait_until
-from warm import Warm
+from hf_results import assert_same_bits, read_final
 
 JOB = os.path.join(os.path.dirname(__file__), "hf_job.py")
 GATED = os.path.join(os.path.dirname(__file__), "gated_daemon.py")
-PRELOAD = ("transformers", "transformers.trainer", "accelerate", "safetensors.torch")
 EVERY = 3   # SNAPD_EVERY: 24 steps, 12 per epoch
 
 # trial: (kill points, loader workers, the step each restart resumes from)
@@ -112,10 +110,9 @@ def held_write_attempt(runs, cfg, root):
 
 
 @pytest.fixture(scope="module")
-def hf_runs():
+def hf_runs(hf_warm):
     base = tempfile.mkdtemp(prefix="sdhf-", dir="/tmp")   # daemon sockets: 107 bytes
-    parents = {"first": Warm(PRELOAD), "resumed": Warm(PRELOAD)}
-    runs = Runs(base, parents)
+    runs = Runs(base, hf_warm)
     configs = {name: job_config(base, name, kills=kills, workers=workers)
                for name, (kills, workers, _) in TRIALS.items()}
     configs[HELD] = job_config(base, HELD, kills=[["step_end", 8]], own_root=True)
@@ -145,8 +142,9 @@ def hf_runs():
         runs.configs = {**wholes, **configs}
         yield runs
     finally:
-        for parent in parents.values():
-            parent.close()
+        for parent in hf_warm.values():   # the session's: only this module's children
+            for child in parent.children.values():
+                child.kill()
         stop_daemons_under(base)
         shutil.rmtree(base, ignore_errors=True)
 
@@ -156,28 +154,10 @@ def _read(path):
         return f.read().strip()
 
 
-WALL_CLOCK = ("_runtime", "_samples_per_second", "_steps_per_second")
-
-
 def final(runs, name):
     """The run's final weights and optimizer state, and its log history without the
     wall-clock figures (an evaluation's runtime and throughput)."""
-    from safetensors.torch import load_file
-    out = runs.configs[name]["out"]
-    with open(os.path.join(out, "final.json")) as f:
-        logged = json.load(f)
-    logged["log_history"] = [{k: v for k, v in entry.items() if not k.endswith(WALL_CLOCK)}
-                             for entry in logged["log_history"]]
-    return load_file(os.path.join(out, "final.safetensors")), logged
-
-
-def assert_same_bits(got, want):
-    assert sorted(got) == sorted(want)
-    for key, tensor in want.items():
-        other = got[key]
-        assert (other.dtype, other.shape) == (tensor.dtype, tensor.shape), key
-        assert torch.equal(other.reshape(-1).view(torch.uint8),
-                           tensor.reshape(-1).view(torch.uint8)), key
+    return read_final(runs.configs[name]["out"])
 
 
 def max_weight_difference(got, want):
