@@ -3,7 +3,7 @@
 Each rank's part is written like a one-rank snapshot, but into
 ``snapshots/.parts-<name>/rank-NNNNN/`` (snapd/writer.py). After its part lands, the
 writer calls :func:`try_commit`. Whoever completes the set commits: under an
-exclusive ``flock`` on the run's ``snapshots/.commit.lock``, when every rank's part is there
+exclusive ``flock`` on the run's ``<run>/.commit.lock``, when every rank's part is there
 (same run, step, lineage, world size, session, data version) and every ``ref`` entry
 resolves, it writes ``commit.snapd`` (each part's manifest size and digest), and
 publishes ``.parts-<name>`` as ``<name>`` (snapd/commit.py, :func:`publish`, as every
@@ -32,7 +32,7 @@ from snapd.store import RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".commit.lock"   # in snapshots/: the run's, made once, never removed
+LOCK_NAME = ".commit.lock"   # in the run dir, beside the writer locks: made once, kept
 # The fields every part of one snapshot shares; a part that differs belongs to another
 # attempt (a session) or another job shape and is never joined with the others.
 SHARED_FIELDS = ("run", "step", "lineage", "world_size", "session", "data_version")
@@ -43,16 +43,17 @@ def _commit_lock(store: RunStore, parts_dir: str) -> Iterator[bool]:
     """Hold the run's commit lock; yields False when the parts dir is gone (another
     writer committed it, or gc removed it).
 
-    The lock file is the run's, outside every parts dir, and stays: a lock file
+    The lock file is the run's (in the run dir, so that snapshots/ holds snapshots
+    only), outside every parts dir, and stays: a lock file
     inside ``.parts-<name>`` has to be gone before the rename that commits (it would
     ride into the snapshot), and a writer that came between its unlink and the
     rename made a new one, held it at once, and committed the same parts a second
     time, racing the first writer's rename (seen with two ranks' parts landing
     together: the second writer's part failed on the vanished directory)."""
     try:
-        fd = os.open(os.path.join(store.snapshots_path, LOCK_NAME),
+        fd = os.open(os.path.join(store.path, LOCK_NAME),
                      os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except FileNotFoundError:   # the run's snapshots dir is gone: nothing to commit
+    except FileNotFoundError:   # the run dir is gone: nothing to commit
         yield False
         return
     try:
