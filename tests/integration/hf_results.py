@@ -1,6 +1,6 @@
 """What hf_job.py leaves, read back for the Trainer's tests: a run's (or a rank's)
 final weights and optimizer state, its log history without wall-clock figures, and
-the bit-for-bit comparison of two such states."""
+the bit-for-bit comparison of two such states (the Accelerate tests use it too)."""
 
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ import signal
 import tempfile
 
 import pytest
-import torch
 
 from helpers import stop_daemons_under
+from hf_results import assert_same_bits
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate_job.py")
 BATCHES, SAMPLES = 15, 60   # an epoch; 3 epochs, 24 updates, a snapshot every 4
@@ -101,15 +101,6 @@ def final(runs, name):
     out = runs.configs[name]["out"]
     with open(os.path.join(out, "final.json")) as f:
         return load_file(os.path.join(out, "final.safetensors")), json.load(f)
-
-
-def assert_same_bits(got, want):
-    assert sorted(got) == sorted(want)
-    for key, tensor in want.items():
-        other = got[key]
-        assert (other.dtype, other.shape) == (tensor.dtype, tensor.shape), key
-        assert torch.equal(other.reshape(-1).view(torch.uint8),
-                           tensor.reshape(-1).view(torch.uint8)), key
 
 
 def test_the_stock_loop_gains_the_plain_clients_lines():
