@@ -7,7 +7,8 @@ sum, from delta and the mean time between failures M. Nothing here is configured
 ahead: the step time comes from the clock between calls, delta from the stalls the
 client reports, the time to durable D from the writer, so a slower disk or a growing
 model moves the interval with them. Three bounds keep the formula from hurting: an
-overhead budget (never stall more than that fraction of training), the writer's pace
+overhead budget (never cost more than that fraction of training, kept as a ledger
+over the process: :meth:`Cadence._owed`), the writer's pace
 (never snapshot faster than snapshots become durable) and ``max_loss`` (never risk
 more than that many seconds of training). docs/operations.md "Snapshot cadence"
 states every rule, with the formula.
@@ -114,13 +115,19 @@ class Unreachable:
 
 
 def bounded_interval(delta: float, durable: float, mtbf: float, overhead: float,
-                     max_loss: Optional[float]
+                     max_loss: Optional[float], owed: float = 0.0
                      ) -> Tuple[float, str, Optional[Unreachable]]:
-    """(tau, the rule that set it, the conflict when max_loss could not be met)."""
+    """(tau, the rule that set it, the conflict when max_loss could not be met).
+    ``owed``: seconds of training the overhead budget is still owed for snapshots
+    already taken (:meth:`Cadence.owed_s`), added to its floor."""
     tau, bound = daly_interval(delta, mtbf), "young-daly"
-    # The larger lower bound is the one that binds; on a tie, the overhead budget.
-    name, floor = max((("overhead", delta / overhead), ("writer", durable)),
-                      key=lambda b: b[1])
+
+    def lower_bound(owed: float) -> Tuple[str, float]:
+        # The larger lower bound is the one that binds; on a tie, the overhead budget.
+        return max((("overhead", delta / overhead + owed), ("writer", durable)),
+                   key=lambda b: b[1])
+
+    name, floor = lower_bound(owed)
     if floor > tau:
         tau, bound = floor, name
     if max_loss is None:
@@ -129,9 +136,12 @@ def bounded_interval(delta: float, durable: float, mtbf: float, overhead: float,
     ceiling = max_loss - durable - delta
     if tau <= ceiling:
         return tau, bound, None
-    if ceiling >= floor:
+    # max_loss is a promise: what the budget is owed gives way to it (and stays owed),
+    # the budget's own rate does not.
+    steady_name, steady_floor = lower_bound(0.0)
+    if ceiling >= steady_floor:
         return ceiling, "max_loss", None
-    return floor, name, Unreachable(name, floor, ceiling)
+    return floor, name, Unreachable(steady_name, steady_floor, ceiling)
 
 
 def unreachable_sentence(max_loss: float, durable: float, conflict: Unreachable) -> str:
@@ -181,6 +191,12 @@ class Cadence:
         self._previous_call: Optional[Tuple[int, float]] = None  # (step, clock)
         self._stalled_since_call = 0.0   # stall inside the interval being timed
         self._last_taken: Optional[int] = None
+        # The overhead budget's ledger: the training timed so far, what the snapshots
+        # after the process's first cost (stalls, then slowdowns as they settle), and
+        # the training timed when the newest was taken.
+        self._trained = 0.0
+        self._spent = 0.0
+        self._trained_at_last = 0.0
         self._own_steps = 1              # this rank's interval in steps
         self._applied_steps: Optional[int] = None  # rank 0's, once set
         self._warning: Optional[str] = None
@@ -220,7 +236,8 @@ class Cadence:
                                 self.mtbf_from, delta)
             durable = self._durable[1]
             tau, bound, conflict = bounded_interval(
-                delta, durable, self.mtbf_s, self.overhead, self.max_loss)
+                delta, durable, self.mtbf_s, self.overhead, self.max_loss,
+                owed=self._owed())
             if conflict is not None and not self._warned and self._warning is None:
                 self._warning = unreachable_sentence(self.max_loss, durable, conflict)
             # Under max_loss the steps are rounded down: the bound is a promise.
@@ -239,6 +256,9 @@ class Cadence:
             stall = max(0.0, float(stall_s))
             if self._first_stall is None:
                 self._first_stall, self._first_step = stall, step
+            else:
+                self._spent += stall
+            self._trained_at_last = self._trained
             self._in_flight[step] = _InFlight(stall)
             self._busy_in_sample = True
             self._last_taken = step
@@ -270,6 +290,22 @@ class Cadence:
                              "step")
         with self._lock:
             self._applied_steps = n
+
+    @property
+    def owed_s(self) -> float:
+        """Seconds of training the overhead budget is still owed (see :meth:`_owed`)."""
+        with self._lock:
+            return self._owed()
+
+    def _owed(self) -> float:
+        """The budget kept over the whole process, not per interval: the snapshots
+        since the first have cost ``spent``, which ``spent / overhead`` seconds of
+        training pay for. Beyond the training timed up to the newest snapshot, that
+        much more must run before the next one's own ``delta / overhead`` starts:
+        the probe (one snapshot more, once) is paid back, and an interval cut short by
+        rounding to whole steps is made up at the next. Never negative: training run
+        under the budget earns no burst of snapshots later."""
+        return max(0.0, self._spent / self.overhead - self._trained_at_last)
 
     def warning(self) -> Optional[str]:
         """Once: the sentence saying max_loss cannot be met and why; else None."""
@@ -309,6 +345,7 @@ class Cadence:
             if step > previous_step:
                 steps = step - previous_step
                 training = max(0.0, now - previous_time - self._stalled_since_call)
+                self._trained += training
                 self._step_times.append(training / steps)
                 charged = {**self._settled, **self._in_flight}
                 if self._busy_in_sample and charged:
@@ -317,7 +354,9 @@ class Cadence:
                     self._idle_times.append(training / steps)
         for settled_step, done in self._settled.items():
             if settled_step != self._first_step:
-                self._costs.append(done.stall + done.slowdown(self._idle_step()))
+                slowdown = done.slowdown(self._idle_step())
+                self._costs.append(done.stall + slowdown)
+                self._spent += slowdown
         self._settled.clear()
         self._previous_call = (step, now)
         self._stalled_since_call = 0.0

@@ -137,8 +137,12 @@ def test_a_restarted_run_takes_at_its_first_call_too():
 def test_the_overhead_budget_takes_over_when_dalys_interval_stalls_too_much():
     clock = Clock()
     cadence = Cadence(overhead=0.005, mtbf=86400.0, clock=clock)
-    _, decisions = train(cadence, clock, 4, step_s=1.0, stall_s=10.0)
+    taken, decisions = train(cadence, clock, 6001, step_s=1.0, stall_s=10.0)
     assert daly(10.0, 86400.0) < 10.0 / 0.005
+    # The first, the probe, then the probe's 10 s paid back (2000 s of training less
+    # the 2 s run before it), then one every 2000 s.
+    assert taken == [0, 2, 4000, 6000]
+    assert (decisions[3].bound, decisions[3].interval_s) == ("overhead", 3998.0)
     assert (decisions[-1].bound, decisions[-1].interval_s) == ("overhead", 2000.0)
     assert decisions[-1].interval_steps == 2000
     # A budget the formula already meets leaves the formula in charge.
@@ -176,7 +180,9 @@ def test_an_unreachable_max_loss_yields_to_the_overhead_budget_with_one_warning(
     clock = Clock()
     cadence = Cadence(max_loss=600.0, mtbf=86400.0, clock=clock)
     _, decisions = train(cadence, clock, 4, step_s=1.0, stall_s=10.0, durable_s=20.0)
-    assert (decisions[-1].bound, decisions[-1].interval_s) == ("overhead", 1000.0)
+    # Right after the probe the budget is still owed its cost; the warning names the
+    # steady figure, the one an option can change.
+    assert (decisions[-1].bound, decisions[-1].interval_s) == ("overhead", 1000.0 + 998.0)
     assert cadence.warning() == (
         "max_loss=600 s cannot be met: the overhead bound needs at least 1000.0 s "
         "between snapshots, but max_loss allows at most 570.0 s (max_loss less the "
@@ -336,13 +342,19 @@ def test_a_probe_right_after_the_first_is_durable_measures_a_steady_stall():
     assert decisions[probe].delta_s == 5.0     # what it knew when it took it
     assert [d.bound for d in decisions[1:probe]] == ["overhead"] * (probe - 1)
     assert decisions[1].interval_s == 5.0 / 0.01
-    # From then on the steady stall is delta: Daly's interval for 0.05 s, about
-    # sqrt(2 * 0.05 * 600) = 7.7 s (above the budget's 5 s), 154 steps.
+    # From then on the steady stall is delta. The probe itself is paid back first:
+    # the budget's 5 s for the next one plus 5 s for the probe, less the 0.55 s of
+    # training before it (steps 0-10).
     after = decisions[probe + 1]
     assert after.delta_s == 0.05
-    assert (after.bound, after.interval_s, after.interval_steps) == (
+    assert (after.bound, after.interval_s) == ("overhead", pytest.approx(10.0 - 0.55))
+    assert taken[2] - taken[1] == after.interval_steps == 189
+    # Then Daly's interval for 0.05 s, about sqrt(2 * 0.05 * 600) = 7.7 s (above the
+    # budget's 5 s), 154 steps.
+    steady = decisions[taken[2] + 1]
+    assert (steady.bound, steady.interval_s, steady.interval_steps) == (
         "young-daly", pytest.approx(daly(0.05, 600.0)), round(daly(0.05, 600.0) / 0.05))
-    assert taken[2] - taken[1] == after.interval_steps
+    assert taken[3] - taken[2] == steady.interval_steps
 
 
 def test_the_slowdown_while_a_snapshot_is_written_counts_as_its_cost():
@@ -361,6 +373,45 @@ def test_the_slowdown_while_a_snapshot_is_written_counts_as_its_cost():
     # The snapshots taken cost at most the budget of the training between them.
     gaps = [b - a for a, b in zip(taken[2:], taken[3:])]
     assert gaps and all(last.delta_s / (g * 0.05) <= 0.01 + 1e-9 for g in gaps)
+
+
+@pytest.mark.parametrize("overhead, step_s, stall, slow", [
+    (0.01, 0.05, 0.1, 1.5),      # a budget that binds from the probe on
+    (0.05, 0.05, 0.05, 1.2),
+    (0.01, 0.5, 2.0, 1.0),
+    (0.002, 0.02, 0.01, 2.0),
+])
+def test_over_the_whole_run_snapshots_cost_no_more_than_the_budget(overhead, step_s,
+                                                                   stall, slow):
+    # The budget is a ledger over the process, not a rate per interval: the probe (one
+    # snapshot more) is paid back, so that when each snapshot after the probe is
+    # taken, what every snapshot since the first cost (stall and slowdown, its own
+    # included) is within the budget of the training run so far, to a step's rounding.
+    # A rate per interval alone would stay one snapshot's cost over it for good.
+    clock = Clock()
+    cadence = Cadence(overhead=overhead, mtbf=10.0, clock=clock)   # Daly's: shorter
+    taken, decisions, slowdown = train_writing(
+        cadence, clock, 20000, step_s=step_s,
+        stalls=lambda n: 50 * stall if n == 0 else stall, durable_s=0.3, slow=slow)
+    assert len(taken) >= 4 and decisions[taken[1]].bound == "probe"
+    assert decisions[-1].bound == "overhead"
+    cost = {t: stall + slowdown.get(t, 0.0) for t in taken[1:]}
+    for k, t in enumerate(taken[2:], start=2):
+        spent = sum(cost[u] for u in taken[1:k + 1])
+        trained = t * step_s + sum(slowdown.get(u, 0.0) for u in taken[:k])
+        assert spent <= overhead * (trained + step_s * slow) + 1e-9, (k, t)
+
+
+def test_what_the_budget_is_owed_gives_way_to_max_loss_and_its_rate_does_not():
+    # Right after the probe the budget asks 1000 s (above Daly's 632 s) + what the
+    # probe is owed; max_loss allows 1200 s: it wins, and no warning (the steady
+    # 1000 s fits under it).
+    clock = Clock()
+    cadence = Cadence(overhead=0.01, max_loss=1250.0, mtbf=20000.0, clock=clock)
+    _, decisions = train(cadence, clock, 4, step_s=1.0, stall_s=10.0, durable_s=40.0)
+    assert cadence.owed_s == pytest.approx(998.0)
+    assert (decisions[-1].bound, decisions[-1].interval_s) == ("max_loss", 1200.0)
+    assert cadence.warning() is None
 
 
 def test_a_snapshot_that_never_becomes_durable_stops_counting_as_written():
