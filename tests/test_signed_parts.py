@@ -139,6 +139,11 @@ def test_a_committer_with_a_key_never_joins_a_part_no_accepted_key_signed(
     said = "is not signed" if part_key is None else "which this client does not accept"
     assert any("rank 1's part is not joined" in r.message and said in r.message and
                "rank-00001/manifest.snapd" in r.message for r in caplog.records)
+    # The committer polls again and again: the same part is warned of once.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="snapd.remote.parts"):
+        assert not parts.try_remote_commit(remote, nodes[0], OLD.name, signer)
+    assert not [r for r in caplog.records if "is not joined" in r.message]
     # Its node, given the key, writes the part anew and sends it: the set commits.
     shutil.rmtree(os.path.join(nodes[1].parts_path(OLD), fmt.part_dir_name(1)))
     write_part(nodes[1], 1, OLD, keys)

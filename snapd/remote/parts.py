@@ -276,9 +276,27 @@ def _one_part(remote: RemoteRoot, run: str, name: str, rank: int, want: Dict[str
         try:
             keys.check(data, path=manifest_where, what=f"manifest of rank {rank}'s part")
         except UntrustedSnapshot as e:   # never joined; its uploader may send it again
-            log.warning("run %r: %s: rank %d's part is not joined: %s", run, name, rank, e)
+            _warn_once(f"run {run!r}: {name}: rank {rank}'s part is not joined: {e}")
             return None
     return manifest, data, part
+
+
+# The committer polls every part until the snapshot commits: an unsigned part would
+# be warned of at every poll. Once per distinct sentence is enough; later ones go to
+# debug. Bounded: a long-lived daemon forgets the oldest half.
+_WARNED: Dict[str, None] = {}
+_WARNED_MAX = 1024
+
+
+def _warn_once(sentence: str) -> None:
+    if sentence in _WARNED:
+        log.debug(sentence)
+        return
+    if len(_WARNED) >= _WARNED_MAX:
+        for old in list(_WARNED)[:_WARNED_MAX // 2]:
+            del _WARNED[old]
+    _WARNED[sentence] = None
+    log.warning(sentence)
 
 
 def _part_files(part: Dict[str, Any], rank: int, where: str) -> List[Tuple[str, int]]:
