@@ -421,6 +421,9 @@ def check_logged(reader: SnapshotReader, logged: Optional[LoggedDigests]) -> Non
     if logged is None:
         return
     name = os.path.basename(reader.path)
+    if SnapshotId.parse(name) is None:   # a pull not committed yet (Pending): its tmp
+        lineage = reader.manifest["lineage"].get("id", 0)   # dir, checked against
+        name = SnapshotId(lineage, reader.manifest["step"]).name   # the name it pulls
     want = logged.get(name)
     if want is not None and want != reader.manifest_sha256:
         source = os.path.join(reader.path, "manifest.snapd")
