@@ -62,15 +62,17 @@ def split(pulled: Any) -> Tuple[Optional[SnapshotId], Any]:
 
 
 def candidate(pending: Any) -> Optional[Pending]:
-    """The pending pull as restore's first candidate."""
+    """The pending pull as restore's first candidate; refused as damaged there, it
+    is set aside as damage found later would be."""
     if pending is None:
         return None
-    return Pending(pending.sid, pending.tmp, tuple(pending.later))
+    return Pending(pending.sid, pending.tmp, tuple(pending.later),
+                   refused=lambda: set_aside_pulled(pending))
 
 
 def settle_unused(pending: Any, loaded: Optional[Loaded]) -> None:
-    """A pending pull restore did not resume from: removed when restore refused it
-    as damaged, else (``verify_steps`` chose an older snapshot) finished now, verified
+    """A pending pull restore did not resume from: gone already when restore refused
+    it as damaged (:func:`candidate`), else (``verify_steps`` chose an older snapshot) finished now, verified
     whole, so that it is committed as a pull without overlap would have left it."""
     if loaded is None or pending.sid.name in loaded.refused:
         pending.abandon()
@@ -130,8 +132,8 @@ class RemoteStepState:
 
 
 def set_aside_pulled(pending: Any) -> str:
-    """The pulled snapshot whose optimizer files failed verification, kept aside
-    (never committed); the sentence that says what was done."""
+    """The pulled snapshot found damaged (its optimizer files, or by restore's own
+    checks), kept aside, never committed; the sentence that says what was done."""
     try:
         away = pending.set_aside()
     except OSError as e:   # the error to raise is the damage, not this

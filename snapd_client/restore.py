@@ -209,6 +209,9 @@ class Pending:
     sid: SnapshotId
     path: str
     later: Tuple[str, ...]
+    # Called when restore refuses it as damaged: keeps it out of the way (it is never
+    # committed); returns the sentence that says what became of it.
+    refused: Optional[Callable[[], str]] = None
 
 
 def resume_order(store: RunStore, reached: Optional[int], verify_steps: int,
@@ -535,9 +538,11 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
         except CorruptSnapshot as e:
             written |= in_place
             refused[sid.name] = str(e)
+            left = "the refused snapshot is left on disk"
+            if first is not None and sid == first.sid and first.refused is not None:
+                left = first.refused()
             warnings.warn(f"snapshot {path} refused: {e}; trying an older one "
-                          "(the refused snapshot is left on disk)", FallbackWarning,
-                          stacklevel=3)
+                          f"({left})", FallbackWarning, stacklevel=3)
             continue
         except BaseException:
             # Any other stop (an older snapshot that does not fit, an interrupt): a

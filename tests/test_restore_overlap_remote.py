@@ -23,6 +23,7 @@ from snapd.statelog import read_records
 from snapd.store import RunStore, SnapshotId
 from snapd_client import Client, remotearrival
 from snapd_client.fromremote import RemoteWarning
+from snapd_client.restore import FallbackWarning
 
 RUN = "r"
 
@@ -212,3 +213,29 @@ def test_a_download_that_fails_in_the_background_commits_nothing_and_the_next_st
     again.step()
     again.client.close()
     assert store.committed() == [SnapshotId(0, 6)]
+
+
+def test_a_pull_not_committed_yet_is_checked_against_the_logs_manifest_digest(
+        remote, tmp_path, monkeypatch):
+    # The state log recorded another manifest for 00000006 than the remote holds
+    # (rewritten since): the pending pull is refused by name, set aside, never
+    # committed, and the next start passes it over.
+    from snapd import logdigests
+    real = logdigests.LoggedDigests.get
+    monkeypatch.setattr(logdigests.LoggedDigests, "get", lambda self, name: "0" * 64
+                        if name == "00000006" else real(self, name))
+    root = str(tmp_path / "node-b")
+    job = Job(root, remote=remote)
+    with pytest.raises(CorruptSnapshot) as caught, \
+            pytest.warns(FallbackWarning, match="passes that remote snapshot over"):
+        job.client.restore(overlap=True)
+    assert "manifest_sha256" in str(caught.value) and "00000006" in str(caught.value)
+    job.client.close()
+    store = RunStore(root, RUN)
+    assert store.committed() == [] and store.tmp_dirs() == []
+    assert len(glob.glob(os.path.join(store.snapshots_path,
+                                      ".damaged-00000006-remote-*"))) == 1
+    again = Job(root, remote=remote)
+    with pytest.warns(RemoteWarning, match="00000006 passed over"):
+        assert again.client.restore(overlap=True) == 3
+    again.client.close()
