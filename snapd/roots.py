@@ -325,6 +325,13 @@ class StoreRoot(Root):
     def pull(self, snap: Snap, store: RunStore, **how: Any) -> str:
         return pull(self.remote, store, snap.name, **how)
 
+    def begin_pull(self, snap: Snap, store: RunStore, later: Any, **how: Any) -> Any:
+        """A pull in two halves (snapd/remote/pendingpull.py): every file but those of
+        the objects ``later`` names brought down and verified; the PendingPull, whose
+        finish() commits it, or None when the snapshot is to be pulled whole."""
+        from snapd.remote.pendingpull import begin_pull
+        return begin_pull(self.remote, store, snap.name, later, **how)
+
     def pull_log(self, store: RunStore, **how: Any) -> List[int]:
         """The run's replicated state log brought into ``store`` for each rank whose
         local log has no segment (a new node's restore); returns those ranks. ``how``:

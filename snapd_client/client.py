@@ -20,6 +20,7 @@ writer in this process, synchronously.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
 import time
@@ -57,6 +58,7 @@ from snapd_client.staging import layout
 from snapd_client.lostdaemon import settle_writes
 from snapd_client.journal import Journal
 from snapd_client.overlaprestore import StepStateArrival, set_aside
+from snapd_client import remotearrival
 from snapd_client.snapshot_outcomes import Outcomes
 from snapd_client.ranks import default_session, detect
 from snapd_client.replicas import with_writers
@@ -569,7 +571,8 @@ class Client:
         with self._paused_warm_up():   # the restore has the machine to itself
             if self._repro is None:   # a repro reads what is committed, at or before STEP
                 self._settle_daemon_writes()
-            pulled = self._pull_from_remote()
+            pulled, pending = remotearrival.split(
+                self._pull_from_remote(self._deferred(overlap), _omit))
             hot, self.not_hot = None, None
             if self._handoff is not None and self.options.hot_restore:
                 hot, self.not_hot = hot_offer(lambda: self._handoff.connect(spawn=False),
@@ -587,16 +590,22 @@ class Client:
                                          base=self._base,
                                          defer=self._deferred(overlap),
                                          at_most=self._repro and self._repro.step,
-                                         logged=logged, keys=self._keys)
+                                         logged=logged, keys=self._keys,
+                                         first=remotearrival.candidate(pending))
             except BaseException:
                 if hot is not None:
                     hot.close()
+                if pending is not None:   # nothing committed: the next start pulls again
+                    pending.abandon()
                 raise
             finally:
                 if logged is not None:
                     logged.close()
             if hot is not None and not (loaded is not None and loaded.deferred):
                 hot.close()   # else the background read closes it when it ends
+            if pending is not None and (loaded is None or loaded.sid != pending.sid):
+                remotearrival.settle_unused(pending, loaded)
+                pending = None
             if loaded is None:
                 return self._nothing_to_resume()
             self.restored_from = "remote" if loaded.sid == pulled else \
@@ -606,7 +615,8 @@ class Client:
             if self.restored_from != "disk":
                 self.not_hot = None
             with self._replacing_arrival():
-                self._start_arrival(loaded, hot)   # read from now, applied at the first step
+                # read from now (a pull's rest too), applied at the first step
+                self._start_arrival(loaded, hot, pending)
                 self._apply(loaded, set(_omit))
             if hot is not None and not self.read_only:   # the old arena may go now,
                 self._handoff.release_hot()              # before this one's is made
@@ -642,22 +652,31 @@ class Client:
         applied yet (its first step(), or the next snapshot(), waits for it)."""
         return self._arrival is not None and not self._arrival.complete
 
-    def _start_arrival(self, loaded: Loaded, hot: Any, **many: Any) -> None:
+    def _start_arrival(self, loaded: Loaded, hot: Any, pending: Any = None,
+                       **many: Any) -> None:
         """The background read of ``loaded``'s deferred state (from the daemon's copy
         ``hot`` where it serves, which the read closes, else the files); called
-        inside :meth:`_replacing_arrival`. ``many``: on many ranks, the read of this
+        inside :meth:`_replacing_arrival`. ``pending``: a pull whose optimizers' files
+        are still remote (remotearrival.py). ``many``: on many ranks, the read of this
         rank's part and the ranks' join (distrestore.py)."""
         self._drop_arrival()
         if not loaded.deferred:
             return
         mark, journal = (None, None) if self.read_only else (self._set_aside, self.journal)
+        if pending is not None:
+            many["read"] = remotearrival.RemoteStepState(
+                pending, loaded, self._tracked, threads=self.options.remote_upload_threads,
+                timeout=self.options.remote_timeout)
+            mark = functools.partial(self._set_aside, pending=pending)
         self._arrival = StepStateArrival(loaded, self._tracked, mark, source=hot,
                                          journal=journal, **many)
 
-    def _set_aside(self, sid: SnapshotId) -> str:
+    def _set_aside(self, sid: SnapshotId, pending: Any = None) -> str:
         """A snapshot whose optimizer state failed verification after restore returned:
-        set aside, and the log says so (status stops counting its commit record)."""
-        said = set_aside(self.store, sid)
+        set aside (a pull's download, when ``pending``), and the log says so (status
+        stops counting its commit record)."""
+        said = remotearrival.set_aside_pulled(pending) if pending is not None \
+            else set_aside(self.store, sid)
         self.journal.set_aside(snapshot=sid.name, by=self.rank, said=said)
         return said
 
@@ -702,15 +721,19 @@ class Client:
             self._arrival.discard()
             self._arrival = None
 
-    def _pull_from_remote(self) -> Optional[SnapshotId]:
+    def _pull_from_remote(self, defer: List[str], omit: Iterable[str]) -> Any:
         """With ``remote`` set, a newer remote commit (and an empty log's replica)
-        brought down first (snapd_client/fromremote.py); a read-only client writes
-        nothing, so it restores from what is local."""
+        brought down first (snapd_client/fromremote.py); with ``defer``
+        (restore(overlap=True)), left pending without those optimizers' files
+        (remotearrival.py). A read-only client writes nothing, so it restores from
+        what is local."""
         if not self.options.remote or self.read_only:
             return None
+        later = remotearrival.later_objects(defer, omit) if defer else None
         return pull_newer(self.store, self.options.remote,
                           min_free_bytes=self.options.min_free_bytes,
-                          timeout=self.options.remote_timeout, keys=self._keys)
+                          timeout=self.options.remote_timeout, keys=self._keys,
+                          later=later)
 
     def _paused_warm_up(self):
         return self._handoff.paused() if self._handoff is not None else nullcontext()

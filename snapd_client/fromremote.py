@@ -10,6 +10,14 @@ local ones is tried. A remote that cannot be reached is warned of, and restore g
 from the local disk: a lost network never stops a job that has what it needs on the
 node.
 
+With ``later`` (``restore(overlap=True)``, snapd_client/remotearrival.py) the commit
+chosen is pulled in two halves (snapd/remote/pendingpull.py): every file but those of
+the objects ``later`` names, verified, is in a local tmp dir when :func:`pull_newer`
+returns the PendingPull; restore reads from it, and the background thread finishes
+the pull and commits it. A remote commit whose later files were found damaged on this
+node is passed over by every later pull (its set-aside copy,
+``.damaged-<name>-remote-<nonce>``, says so), as a damaged one is here.
+
 The replicated state log is brought down too when the local log of this rank has no
 segment, before the log is read: recovery planning and the replay check then see
 what the lost node logged.
@@ -35,7 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Union
 
 from snapd.errors import CorruptSnapshot, InsufficientSpace, RemoteUnavailable, SnapdError
 from snapd.store import RunStore, SnapshotId
@@ -44,6 +52,7 @@ from snapd_client.restore import FallbackWarning
 
 if TYPE_CHECKING:   # the remote modules are imported only when a remote is set
     from snapd.remote.deadline import Deadline
+    from snapd.remote.pendingpull import PendingPull
     from snapd.roots import StoreRoot
 
 
@@ -56,9 +65,13 @@ class RemoteWarning(UserWarning):
 
 
 def pull_newer(store: RunStore, url: str, *, min_free_bytes: int, threads: int = 4,
-               timeout: Optional[float] = None, keys: Any = None) -> Optional[SnapshotId]:
+               timeout: Optional[float] = None, keys: Any = None,
+               later: Optional[Callable[[Any], Any]] = None
+               ) -> Union[SnapshotId, "PendingPull", None]:
     """Pull the newest remote commit newer than every local committed snapshot, and
-    the log when the local one is empty; returns the snapshot pulled, or None.
+    the log when the local one is empty; returns the snapshot pulled, or None. With
+    ``later`` (the objects whose files may come last, from a manifest), a one-rank
+    commit is left pending: the PendingPull is returned, its finish() to be called.
 
     ``timeout`` (``Options.remote_timeout``) bounds all of it, pushed out only while
     a pull's bytes keep arriving: past it, one RemoteWarning, and restore goes on from
@@ -68,10 +81,13 @@ def pull_newer(store: RunStore, url: str, *, min_free_bytes: int, threads: int =
     from snapd.remote.pull import refuse_credentials
     from snapd.roots import StoreRoot
     refuse_credentials(url, where="Client(remote=...)")
-    job = _Pull(store, url, min_free_bytes, threads, Deadline(timeout, redact(url)), keys)
+    job = _Pull(store, url, min_free_bytes, threads, Deadline(timeout, redact(url)), keys,
+                later)
     outcome = job.deadline.run(job, name=f"snapd-remote-pull-{store.run}",   # a slow
                                progress=lambda: StoreRoot.arrived(store))  # pull goes on
     if outcome.timed_out:
+        if job.pending is not None:   # handed over before the deadline stopped it
+            job.pending.abandon()
         _warn(f"the remote tier {redact(url)} did not answer within remote_timeout="
               f"{timeout:g} s ({job.doing}); restoring from the local disk only. Raise "
               "remote_timeout if the store is slow rather than silent")
@@ -88,14 +104,18 @@ class _Pull:
     (a late one would warn after restore went on without it)."""
 
     def __init__(self, store: RunStore, url: str, min_free_bytes: int, threads: int,
-                 deadline: "Deadline", keys: Any = None) -> None:
+                 deadline: "Deadline", keys: Any = None,
+                 later: Optional[Callable[[Any], Any]] = None) -> None:
         self.store, self.url, self.deadline = store, url, deadline
+        self.later = later
+        self.pending: Optional["PendingPull"] = None   # a pull left for the background
         self.keys = keys   # snapd/signing.py: a record no accepted key signed is refused
         self.min_free_bytes, self.threads = min_free_bytes, threads
         self.doing = "connecting"   # for the timeout's message
         self.notes: List[str] = []
 
-    def __call__(self) -> Optional[SnapshotId]:
+    def __call__(self) -> Union[SnapshotId, "PendingPull", None]:
+        from snapd.remote.pendingpull import set_aside_remotely
         from snapd.roots import open_root   # opened here: opening may wait on the store
         store = self.store
         try:
@@ -111,9 +131,18 @@ class _Pull:
             return None
         local = store.committed()
         newer = [sid for sid in reversed(commits) if not local or sid > local[-1]]
+        aside = set_aside_remotely(store)
         for sid in newer:
+            if sid.name in aside:
+                self.notes.append(f"remote snapshot {store.run}/{sid.name} passed over: "
+                                  "a restore on this node found it damaged (its copy is "
+                                  f"set aside in {store.snapshots_path}); trying an "
+                                  "older one")
+                continue
             self._next(f"pulling {store.run}/{sid.name}")
             verdict = self._pull(root, sid)
+            if verdict == "pending":
+                return self.pending
             if verdict == "pulled":
                 return sid
             if verdict == "failed":   # unreachable or no space: no older one either
@@ -126,10 +155,12 @@ class _Pull:
         self.doing = doing
 
     def _pull(self, root: "StoreRoot", sid: SnapshotId) -> str:
-        """One remote commit pulled: "pulled", "damaged" (an older one may do) or
-        "failed"."""
+        """One remote commit pulled: "pulled", "pending" (its later files still to come:
+        ``self.pending``), "damaged" (an older one may do) or "failed"."""
         store = self.store
         try:
+            if self.later is not None and self._begin(root, sid):
+                return "pending"
             root.pull(root.snap(store.run, sid), store, threads=self.threads,
                       min_free_bytes=self.min_free_bytes, deadline=self.deadline,
                       keys=self.keys)
@@ -143,6 +174,26 @@ class _Pull:
             self.notes.append(f"remote snapshot {store.run}/{sid.name} could not be "
                               f"pulled, restoring from the local disk only: {e}")
             return "failed"
+
+
+    def _begin(self, root: "StoreRoot", sid: SnapshotId) -> bool:
+        """The first half of a pull in two (snapd/remote/pendingpull.py), handed over
+        under the deadline's lock: a caller that went on never gets it, and it is
+        abandoned. False when the snapshot is to be pulled whole."""
+        pending = root.begin_pull(root.snap(self.store.run, sid), self.store, self.later,
+                                  threads=self.threads, min_free_bytes=self.min_free_bytes,
+                                  deadline=self.deadline, keys=self.keys)
+        if pending is None:
+            return False
+        try:
+            with self.deadline.publishing(f"handing over {self.store.run}/{sid.name}"):
+                self.pending = pending
+        except BaseException:
+            pending.abandon()
+            raise
+        logger.info(f"run {self.store.run}: pulled {sid.name} from {root.where} but for "
+                    f"the files of {', '.join(pending.later)}, verified; those follow")
+        return True
 
 
 def _warn(message: str) -> None:
@@ -206,13 +257,17 @@ def _root_key(client: Any) -> str:
 def _pull_newest(client: Any, names: List[str]) -> Optional[str]:
     """The first of ``names`` (newest first) newer than this root's newest committed
     snapshot, pulled; None when the local one is as new, or none could be pulled."""
+    from snapd.remote.pendingpull import set_aside_remotely
     store = client.store
     local = store.committed()
     root = _open_remote(client)
+    aside = set_aside_remotely(store)   # found damaged by a restore on this node
     for name in names:
         sid = SnapshotId.parse(name)
         if sid is None or (local and sid <= local[-1]):
             return None
+        if name in aside:
+            continue
         try:
             root.pull(root.snap(store.run, sid), store,
                       threads=client.options.remote_upload_threads,

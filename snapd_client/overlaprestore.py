@@ -9,7 +9,8 @@ rest), and :class:`StepStateArrival` reads the rest on a background thread:
 1. the thread reads the deferred optimizers' state into new memory and verifies it
    (``restore.read_step_state``), from the daemon's copy where it serves (a restart
    on the same node: snapd_client/hotrestore.py; the copy is kept open until then),
-   else from the files; it touches nothing live;
+   else from the files (after a pull from the remote tier, downloaded first and
+   committed after: snapd_client/remotearrival.py); it touches nothing live;
 2. a step pre-hook on each deferred optimizer waits for the thread and, on the
    trainer's thread, loads every deferred optimizer's state (keeping the
    param_groups as they are now: a learning rate set since restore() stays), then

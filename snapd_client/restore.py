@@ -201,12 +201,27 @@ def verify_pick(order: List[SnapshotId], reached: Optional[int],
     return max(older, default=None)
 
 
+@dataclass
+class Pending:
+    """A candidate not committed yet (snapd/remote/pendingpull.py): the newest, in a
+    tmp dir holding every file but those of the objects in ``later``."""
+
+    sid: SnapshotId
+    path: str
+    later: Tuple[str, ...]
+    # Called when restore refuses it as damaged: keeps it out of the way (it is never
+    # committed); returns the sentence that says what became of it.
+    refused: Optional[Callable[[], str]] = None
+
+
 def resume_order(store: RunStore, reached: Optional[int], verify_steps: int,
-                 at_most: Optional[int] = None
+                 at_most: Optional[int] = None, first: Optional[Pending] = None
                  ) -> Tuple[List[SnapshotId], Optional[SnapshotId]]:
     """The candidates in the order a resume tries them, and the one ``verify_steps``
-    put first (None when it did not)."""
+    put first (None when it did not). ``first``: tried before every committed one."""
     order = candidates(store, at_most)
+    if first is not None and (at_most is None or first.sid.step <= at_most):
+        order.insert(0, first.sid)
     pick = verify_pick(order, reached, verify_steps)
     if pick is not None:
         order.remove(pick)
@@ -409,6 +424,9 @@ def check_logged(reader: SnapshotReader, logged: Optional[LoggedDigests]) -> Non
     if logged is None:
         return
     name = os.path.basename(reader.path)
+    if SnapshotId.parse(name) is None:   # a pull not committed yet (Pending): its tmp
+        lineage = reader.manifest["lineage"].get("id", 0)   # dir, checked against
+        name = SnapshotId(lineage, reader.manifest["step"]).name   # the name it pulls
     want = logged.get(name)
     if want is not None and want != reader.manifest_sha256:
         source = os.path.join(reader.path, "manifest.snapd")
@@ -467,7 +485,8 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                     verify_steps: int = 0, base: Optional[LiveBase] = None,
                     defer: Iterable[str] = (), at_most: Optional[int] = None,
                     logged: Optional[LoggedDigests] = None,
-                    keys: Optional[Keys] = None) -> Optional[Loaded]:
+                    keys: Optional[Keys] = None,
+                    first: Optional[Pending] = None) -> Optional[Loaded]:
     """The newest snapshot that verifies and fits, fully read; None if the run is new.
     Objects named in ``omit`` are checked but not read (their states are absent);
     ``rng:<stream>`` in it is neither checked nor (by :func:`apply`) restored.
@@ -478,6 +497,8 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
     ``at_most`` (``snapd repro``): the newest snapshot of a step up to it, LATEST aside.
     ``logged``: each manifest is checked against the SHA-256 the log recorded;
     ``keys``: with a signing key, each must be signed with an accepted one.
+    ``first``: a pulled snapshot not committed yet, tried first (restore(overlap=True)
+    with the remote tier: its ``later`` objects must be the deferred ones).
 
     Live tensors are read into only when something can undo it (the module
     docstring): a fallback, the next candidate, passes every check that needs no
@@ -486,12 +507,12 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
     refused: Dict[str, str] = {}
     before: Optional[Before] = None
     written: Set[str] = set()   # left partly written by a refused snapshot
-    order, pick = resume_order(store, reached, verify_steps, at_most)
+    order, pick = resume_order(store, reached, verify_steps, at_most, first)
     fallbacks = _Fallbacks(store, order, lambda r: check_candidate(
         r, tracked, rng, data_version=data_version, need_cursor=need_cursor, omit=omit,
-        base=base, logged=logged, keys=keys))
+        base=base, logged=logged, keys=keys), first)
     for i, sid in enumerate(order):
-        path = store.snapshot_path(sid)
+        path = fallbacks.path(i)
         in_place: Set[str] = set()
         try:
             reader = fallbacks.reader(i)
@@ -503,6 +524,11 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
                 # a hot read lands in live tensors
                 before = Before(tracked, rng, reads_in_place=True)
             deferred = step_only_names(reader, set(defer) - set(omit))
+            if first is not None and sid == first.sid and set(deferred) != set(first.later):
+                raise CorruptSnapshot(f"{path}: objects {sorted(first.later)} were left "
+                                      f"to arrive later, but {sorted(deferred)} can be; "
+                                      "the snapshot is not used", path=path,
+                                      field="objects")
             states = _read_states(reader, {n: o for n, o in tracked.items()
                                            if n not in omit and n not in deferred},
                                   tensor_source,
@@ -512,9 +538,11 @@ def load_for_resume(store: RunStore, tracked: Dict[str, Any], rng: RngStreams, *
         except CorruptSnapshot as e:
             written |= in_place
             refused[sid.name] = str(e)
+            left = "the refused snapshot is left on disk"
+            if first is not None and sid == first.sid and first.refused is not None:
+                left = first.refused()
             warnings.warn(f"snapshot {path} refused: {e}; trying an older one "
-                          "(the refused snapshot is left on disk)", FallbackWarning,
-                          stacklevel=3)
+                          f"({left})", FallbackWarning, stacklevel=3)
             continue
         except BaseException:
             # Any other stop (an older snapshot that does not fit, an interrupt): a
@@ -581,14 +609,25 @@ class _Fallbacks:
     refused as damaged between (an incompatible one stops the restore)."""
 
     def __init__(self, store: RunStore, order: List[SnapshotId],
-                 check: Callable[[SnapshotReader], None]) -> None:
+                 check: Callable[[SnapshotReader], None],
+                 first: Optional[Pending] = None) -> None:
         self.store, self.order, self.check = store, order, check
+        self.first = first
         self.readers: Dict[int, SnapshotReader] = {}
         self.verdict: Dict[int, bool] = {}
 
+    def path(self, i: int) -> str:
+        if self.first is not None and self.order[i] == self.first.sid:
+            return self.first.path
+        return self.store.snapshot_path(self.order[i])
+
     def reader(self, i: int) -> SnapshotReader:
         if i not in self.readers:
-            self.readers[i] = SnapshotReader(self.store.snapshot_path(self.order[i]))
+            objects = None
+            if self.first is not None and self.order[i] == self.first.sid:
+                manifest = SnapshotReader(self.first.path, objects=[]).objects
+                objects = [n for n in manifest if n not in self.first.later]
+            self.readers[i] = SnapshotReader(self.path(i), objects=objects)
         return self.readers[i]
 
     def after(self, i: int) -> bool:

@@ -52,8 +52,8 @@ from snapd.options import Options
 from snapd.reader import SnapshotReader
 from snapd.remote import transfer
 from snapd.remote.deadline import NO_DEADLINE, Deadline
-from snapd.remote.layout import (RemoteRoot, SharedFile, check_relpath, decode_record,
-                                 record_files, record_shared, redact)
+from snapd.remote.layout import (RemoteFile, RemoteRoot, SharedFile, check_relpath,
+                                 decode_record, record_files, record_shared, redact)
 from snapd.store import DIR_MODE, TMP_PREFIX, RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
         log.info("run %r: %s is already committed locally; not pulled", store.run, name)
         return final
     with reaching(remote, f"reading the record of {store.run}/{name}"):
-        record = _read_record(remote, store.run, name, keys)                # 1.
+        record = read_record(remote, store.run, name, keys)                # 1.
         wanted = missing_shared(store, record, progress)
         check_listing(remote, store.run, name, record, wanted)             # 2.
     deadline.check(f"pulling {store.run}/{name}")
@@ -128,14 +128,14 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
     diskguard.ensure_space(store.root, need, min_free)                     # 3.
     tmp = store.new_tmp_dir(sid)
     try:
-        _download(remote, store.run, name, record, tmp, threads, progress,  # 4.
-                  keys)
+        download(remote, store.run, name, record, tmp, threads, progress,   # 4.
+                 keys)
         brought = pull_shared(remote, store, wanted, threads, progress)
         with deadline.local_work():   # the local disk's time, not the store's
-            _verify(remote, store.run, sid, record, tmp, brought)           # 5.
-            _fsync_tree(tmp)                                                # 6.
+            verify_pulled(remote, store.run, sid, record, tmp, brought)    # 5.
+            fsync_tree(tmp)                                                # 6.
         with deadline.publishing(f"committing {store.run}/{name} locally"):
-            if not _publish(store, tmp, sid):
+            if not publish_pulled(store, tmp, sid):
                 return final
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -164,7 +164,7 @@ def arrived(store: RunStore) -> int:
     return total
 
 
-def _publish(store: RunStore, tmp: str, sid: SnapshotId) -> bool:
+def publish_pulled(store: RunStore, tmp: str, sid: SnapshotId) -> bool:
     """Step 6's commit; False when another pull (a second rank of this node) committed
     the same snapshot first: ours is dropped and theirs kept."""
     try:
@@ -282,7 +282,7 @@ def _settle(tmp: str, size: int, where: str) -> None:
         os.close(fd)
 
 
-def _read_record(remote: RemoteRoot, run: str, name: str, keys: Any) -> Dict[str, Any]:
+def read_record(remote: RemoteRoot, run: str, name: str, keys: Any) -> Dict[str, Any]:
     """The remote commit record, decoded; with ``keys``, its signature checked."""
     if keys is None:
         return remote.read_record(run, name)
@@ -293,13 +293,15 @@ def _read_record(remote: RemoteRoot, run: str, name: str, keys: Any) -> Dict[str
     return record
 
 
-def _download(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
-              tmp: str, threads: int, progress: Progress, keys: Any = None) -> None:
-    """Step 4: every file into ``tmp``, owner-only, each size checked after; the top
-    file against the record's digests (and with ``keys``, its own signature)."""
-    files = record_files(record)
+def download(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
+             tmp: str, threads: int, progress: Progress, keys: Any = None,
+             files: Optional[List[RemoteFile]] = None) -> None:
+    """Step 4: every file (or ``files``) into ``tmp``, owner-only, each size checked
+    after; the top file, when among them, against the record's digests (and with
+    ``keys``, its own signature)."""
+    files = record_files(record) if files is None else files
     for sub in sorted({f.relpath.split("/")[0] for f in files if "/" in f.relpath}):
-        os.mkdir(os.path.join(tmp, sub), DIR_MODE)
+        os.makedirs(os.path.join(tmp, sub), DIR_MODE, exist_ok=True)
     pairs = [(remote.file_path(run, name, f.relpath),
               os.path.join(tmp, check_relpath(f.relpath, where=remote.url)))
              for f in files]
@@ -315,6 +317,13 @@ def _download(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
             raise CorruptSnapshot(f"{where}: {size} bytes downloaded, the remote commit "
                                   f"record says {f.size}; the remote snapshot changed or "
                                   "is damaged, use an older one", path=where, field="size")
+    if any(f.relpath == record["top"] for f in files):
+        _check_top(remote, run, name, record, tmp, keys)
+
+
+def _check_top(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
+               tmp: str, keys: Any) -> None:
+    """The downloaded top file against the record's digests (and its signature)."""
     top = os.path.join(tmp, record["top"])
     with open(top, "rb") as handle:
         top_bytes = handle.read()
@@ -331,21 +340,37 @@ def _download(remote: RemoteRoot, run: str, name: str, record: Dict[str, Any],
         keys.check(top_bytes, path=where, what=record["top"])
 
 
-def _verify(remote: RemoteRoot, run: str, sid: SnapshotId, record: Dict[str, Any],
-            tmp: str, brought: Optional[Dict[str, str]] = None) -> None:
-    """Step 5: every checksum, as ``snapd verify`` checks them; damage is named by the
-    remote file it came from."""
-    base = remote.where(remote.snapshot_path(run, sid.name))
-    try:
+def verify_pulled(remote: RemoteRoot, run: str, sid: SnapshotId,
+                  record: Dict[str, Any], tmp: str,
+                  brought: Optional[Dict[str, str]] = None,
+                  objects: Optional[List[str]] = None) -> None:
+    """Step 5: every checksum, as ``snapd verify`` checks them (of ``objects`` only,
+    when given: a one-rank snapshot whose other files are not downloaded yet); damage
+    is named by the remote file it came from."""
+    with named_remotely(remote, run, sid, tmp, brought):
         if record["world_size"] > 1:
             snap = GlobalSnapshot(tmp)
             snap.verify()
             found = snap.record
+        elif objects is not None:
+            reader = SnapshotReader(tmp, objects=objects)
+            reader.load_objects(objects)
+            found = reader.manifest
         else:
             reader = SnapshotReader(tmp)
             reader.verify()
             found = reader.manifest
         _check_identity(found, run, sid, record, os.path.join(tmp, record["top"]))
+
+
+@contextmanager
+def named_remotely(remote: RemoteRoot, run: str, sid: SnapshotId, tmp: str,
+                   brought: Optional[Dict[str, str]] = None) -> Iterator[None]:
+    """A CorruptSnapshot raised inside about a file in ``tmp`` (or a shared file this
+    pull brought down) raised again naming the remote file it came from."""
+    base = remote.where(remote.snapshot_path(run, sid.name))
+    try:
+        yield
     except CorruptSnapshot as e:
         if e.path in (brought or {}):   # a shared file this pull brought down
             where = (brought or {})[e.path]
@@ -377,7 +402,7 @@ def _remote_name(path: Optional[str], tmp: str, base: str) -> str:
     return base
 
 
-def _fsync_tree(tmp: str) -> None:
+def fsync_tree(tmp: str) -> None:
     """Step 6's first half: each file's bytes and each directory's entries durable
     before the rename publishes them."""
     for directory, _, names in os.walk(tmp, topdown=False):
