@@ -5,7 +5,10 @@ and tests/integration/jobs.py kills them whole. Issue 14's acceptance cases:
    on an uninterrupted run without snapd: every rank's weights, optimizer state, RNG
    streams and the samples it consumed.
 2. FSDP2 saved at 4 ranks restores at 2, and saved at 2 restores at 4: the full
-   tensors equal those saved, and training goes on.
+   tensors equal those saved, and training goes on. Restored at 2 with overlap, it
+   ends 4 steps later bit for bit as without; with one byte of a saved optimizer
+   shard flipped, both ranks raise CorruptSnapshot at their first step, no weight
+   moved, and both fall back at the next start.
 3. A snapshot one rank never submitted its part of is never restored; close() on the
    other rank says so within its bounded wait.
 4. One damaged part makes every rank fall back together, the warning naming the
