@@ -18,9 +18,10 @@ from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.store import RunStore
 from snapd.writer import write_snapshot
 from snapd_client import reshard
+from snapd_client.agreement import agree
 from snapd_client.capture import tensor_bytes
 from snapd_client.client import Client
-from snapd_client.distrestore import Parts, agree, deferred_read, prepare
+from snapd_client.distrestore import Parts, deferred_read, prepare
 from snapd_client.journal import Journal
 from snapd_client.restore import FallbackWarning, ddp_prefix, type_name, with_prefix
 from snapd_client.rng import RngStreams
