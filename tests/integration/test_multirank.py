@@ -455,6 +455,7 @@ def test_fsdp_reshard_with_overlap_ends_bit_for_bit_as_without(base, fsdp):
     saved = full_tensors(fsdp["at4"], "final.npz")
     assert with_prefix(restored, "opt/") == []   # the moments not applied yet
     params = with_prefix(saved, "param/")
+    assert len(with_prefix(got, "opt/")) >= 3 * len(params)   # compared above, too
     assert state_differences(restored, saved, params) == []
     went_on(fsdp["overlap"], 2, 4, 8)
     with open(os.path.join(base, "fsdp-at2.log")) as f:
