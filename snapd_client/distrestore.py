@@ -19,10 +19,13 @@ a private gloo group (snapd_client/ranks.py), as bytes. In order:
    that does not fit on some rank stops every rank with the same error.
 5. None left after refusals: every rank raises the same CorruptSnapshot.
 
-With overlap (same world size only; a reshard refuses it), step 4 leaves each
-tracked optimizer's per-parameter state unread; after the agreement each rank reads
-its own in the background, and the ranks join once before the first update
-(:func:`_start_overlap`, snapd_client/overlaprestore.py).
+Steps 3 to 5 are snapd_client/agreement.py's; the reading of step 4 is here.
+
+With overlap, step 4 leaves each tracked optimizer's per-parameter state unread
+(its size and tiling checked, its bytes not); after the agreement each rank reads its
+piece in the background, as step 4 would have (its own part's, or at another world
+size assembled from every saved shard that overlaps it), and the ranks join once
+before the first update (:func:`_start_overlap`, snapd_client/overlaprestore.py).
 
 Same world size: exact (RNG streams and cursor of the rank's own part). Another
 world size: tensors exact, RNG streams left as they are (fresh), the cursor from the
@@ -32,33 +35,29 @@ global count of consumed samples, the resume logged as mode "reshard".
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
-import secrets
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from snapd import format as fmt
-from snapd.errors import (CorruptSnapshot, DistributedNotReady, IncompatibleState,
-                          InvalidOption, SnapdError)
+from snapd.errors import CorruptSnapshot, DistributedNotReady
 from snapd.globalcommit import shard_offset
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.reader import SnapshotReader, check_name_matches
 from snapd.signing import Keys
 from snapd.skeleton import unflatten
-from snapd.store import RunStore, SnapshotId
+from snapd.store import SnapshotId
 from snapd_client import reshard
+from snapd_client.agreement import agree, plan
 from snapd_client.cursor import reshard_cursor
 from snapd_client.fromremote import pull_from_remote
 from snapd_client.overlaprestore import RankJoin
 from snapd_client.ranks import Collective, GlooGroup
-from snapd_client.restore import (FallbackWarning, Loaded, apply, check_candidate,
-                                  groups_only, live_tensors, resume_order, saved_cursor,
-                                  step_only_names)
+from snapd_client.restore import (Loaded, apply, check_candidate, groups_only,
+                                  live_tensors, saved_cursor, step_only_names)
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +163,9 @@ def prepare(parts: Parts, rank: int, world_size: int, tracked: Dict[str, Any], r
             defer: Iterable[str] = (), keys: Optional[Keys] = None) -> Prepared:
     """Check and read what this rank needs of ``parts`` (CorruptSnapshot when a byte
     fails verification, IncompatibleState when it does not fit). Optimizers in
-    ``defer`` (same world size only) are checked like every object, but their
-    per-parameter state is not read: their states hold the param_groups only.
+    ``defer`` are checked like every object, but their per-parameter state is not
+    read: their states hold the param_groups only (:func:`deferred_read` reads the
+    rest, at this world size or another).
     ``keys`` (snapd/signing.py): the commit record and this rank's part must be signed
     with an accepted key."""
     same = parts.world_size == world_size
@@ -181,7 +181,7 @@ def prepare(parts: Parts, rank: int, world_size: int, tracked: Dict[str, Any], r
     check_omit = omit if same else omit | {f"rng:{n}" for n in rng.names()}
     check_candidate(view, tracked, rng, data_version=data_version,
                     need_cursor=same and stream is not None, omit=check_omit, keys=keys)
-    deferred = step_only_names(own, set(defer) - omit) if same else ()
+    deferred = step_only_names(own, set(defer) - omit)
     states = {name: groups_only(own, name) if name in deferred else
               _read_object(parts, own_rank, name, obj)
               for name, obj in tracked.items() if name not in omit}
@@ -191,7 +191,8 @@ def prepare(parts: Parts, rank: int, world_size: int, tracked: Dict[str, Any], r
     cursor = None
     if stream is not None and "cursor" not in omit:
         cursor = _reshard_cursor(own, world_size, stream)
-    return Prepared("reshard", own.manifest, states, parts.world_size, cursor, {})
+    return Prepared("reshard", own.manifest, states, parts.world_size, cursor, {},
+                    deferred)
 
 
 def _reshard_cursor(own: SnapshotReader, world_size: int, stream: Any) -> Dict[str, Any]:
@@ -200,10 +201,28 @@ def _reshard_cursor(own: SnapshotReader, world_size: int, stream: Any) -> Dict[s
                           new_batch_size=getattr(stream.loader, "batch_size", None))
 
 
-def _read_object(parts: Parts, own_rank: int, name: str, obj: Any) -> Any:
+def deferred_read(parts: Parts, rank: int, tracked: Dict[str, Any],
+                  names: Iterable[str]) -> Callable[[], Dict[str, Any]]:
+    """The background read of the deferred optimizers' state (``names``) on ``rank``:
+    what :func:`prepare` would have read, into new memory, every byte verified; at
+    another world size each piece assembled from the saved shards that overlap it.
+    The layouts wanted (each parameter's DTensor: mesh and placements) are taken here,
+    on the trainer's thread; the read itself touches nothing live."""
+    own_rank = rank % parts.world_size   # at the same world size, the rank itself
+    found = {n: reshard.templates(tracked[n], live_tensors(tracked[n], n)) for n in names}
+    return lambda: {n: _read_object(parts, own_rank, n, tracked[n], found[n])
+                    for n in names}
+
+
+def _read_object(parts: Parts, own_rank: int, name: str, obj: Any,
+                 found: Optional[Dict[str, Any]] = None) -> Any:
+    """Object ``name`` as this rank restores it, from the part of ``own_rank`` (and
+    the pieces other parts store); ``found``: the layouts wanted
+    (reshard.templates), taken from ``obj`` now when not given."""
     entry = parts.part(own_rank).objects[name]
     source = f"{parts.part(own_rank).path}/{entry.get('file') or fmt.MANIFEST_NAME}"
-    found = reshard.templates(obj, live_tensors(obj, name))
+    if found is None:
+        found = reshard.templates(obj, live_tensors(obj, name))
     tensors = [_leaf(parts, own_rank, name, t, found, source) for t in entry["tensors"]]
     state = unflatten(entry["skeleton"], tensors, source=source)
     if entry.get("metadata") is not None:
@@ -229,95 +248,6 @@ def _leaf(parts: Parts, own_rank: int, name: str, t: Dict[str, Any],
                    for c in copies}
         data = reshard.assemble(want[1], fmt.DTYPES[t["dtype"]], data_of, copies)
     return reshard.as_template(data, template) if template is not None else data
-
-
-# --- agreement ----------------------------------------------------------------------
-
-@dataclass
-class Agreed:
-    """The candidate every rank read, with what the refused newer ones were."""
-
-    name: Optional[str]            # None: the run has no snapshot
-    prepared: Any
-    refused: Dict[str, str]
-    passed_over: Optional[str]
-    session: str
-
-
-def plan(store: RunStore, reached: Optional[int], verify_steps: int,
-         at_most: Optional[int] = None) -> Dict[str, Any]:
-    """Rank 0's list: restore.py's order (``at_most``, snapd repro: the snapshots of
-    steps up to it only), and a fresh session for this attempt."""
-    order, pick = resume_order(store, reached, verify_steps, at_most)
-    return {"order": [sid.name for sid in order],
-            "passed_over": order[1].name if pick is not None else None,
-            "session": secrets.token_hex(8)}
-
-
-def agree(coll: Collective, make_plan: Callable[[], Dict[str, Any]],
-          try_one: Callable[[str], Any], where: str) -> Agreed:
-    """Steps 3 to 5 of the module docstring, over ``coll``. ``try_one(name)`` reads
-    candidate ``name`` on this rank; ``where`` names the snapshots dir in errors."""
-    listed = json.loads(coll.broadcast_bytes(_plan_bytes(make_plan) if coll.rank == 0
-                                             else None, src=0))
-    if "error" in listed:  # rank 0 could not list the snapshots: nobody may wait on it
-        raise SnapdError(f"{where}: rank 0 could not list the snapshots: "
-                         f"{listed['error']}", path=where, field="snapshots")
-    refused: Dict[str, str] = {}
-    for name in listed["order"]:
-        result, error, verdict = None, None, {"status": "ok"}
-        try:
-            result = try_one(name)
-        except Exception as e:  # every rank must hear of it, or the others wait
-            error, verdict = e, _verdict(e)
-        gathered = coll.allgather_bytes(json.dumps(verdict).encode())
-        verdicts = [json.loads(v) for v in gathered]
-        if all(v["status"] == "ok" for v in verdicts):
-            return Agreed(name, result, refused, listed["passed_over"]
-                          if name == listed["order"][0] else None, listed["session"])
-        _stop_if_not_damage(verdicts, error, name)
-        refused[name] = "; ".join(f"rank {r}: {v['path']}: {v['message']}"
-                                  for r, v in enumerate(verdicts) if v["status"] != "ok")
-        warnings.warn(f"snapshot {name} refused by every rank: {refused[name]}; trying an "
-                      "older one (the refused snapshot is left on disk)", FallbackWarning,
-                      stacklevel=4)
-    if refused:
-        raise CorruptSnapshot(f"{where}: no snapshot verifies on every rank; refused: "
-                              + "; ".join(f"{n}: {why}" for n, why in refused.items())
-                              + ". To start over, use a new run name (the damaged "
-                              "snapshots are kept for inspection). Every tracked object "
-                              "is untouched", path=where, field="snapshots")
-    return Agreed(None, None, refused, None, listed["session"])
-
-
-def _plan_bytes(make_plan: Callable[[], Dict[str, Any]]) -> bytes:
-    try:
-        return json.dumps(make_plan()).encode()
-    except Exception as e:  # sent, so that the other ranks stop too
-        return json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
-
-
-def _verdict(e: Exception) -> Dict[str, Any]:
-    status = "corrupt" if isinstance(e, CorruptSnapshot) else \
-        "incompatible" if isinstance(e, IncompatibleState) else "error"
-    return {"status": status, "message": str(e), "path": getattr(e, "path", None),
-            "field": getattr(e, "field", None), "type": type(e).__name__}
-
-
-def _stop_if_not_damage(verdicts: List[Dict[str, Any]], mine: Optional[Exception],
-                        name: str) -> None:
-    """A candidate that does not fit (or a failure other than damage) on any rank
-    stops every rank: an older snapshot would not fit either."""
-    stops = [(r, v) for r, v in enumerate(verdicts) if v["status"] not in ("ok", "corrupt")]
-    if not stops:
-        return
-    if mine is not None and not isinstance(mine, CorruptSnapshot):
-        raise mine
-    rank, v = stops[0]
-    cls = IncompatibleState if v["status"] == "incompatible" else SnapdError
-    raise cls(f"snapshot {name}: rank {rank} cannot restore it: {v['message']} "
-              f"({v['type']}); every rank stops, untouched", path=v["path"],
-              field=v["field"])
 
 
 # --- the client's side ----------------------------------------------------------------
@@ -363,20 +293,20 @@ def restore_ranks(client: Any, omit: set, world_size: int,
 
 
 def _start_overlap(client: Any, loaded: Loaded, parts: Parts, coll: Collective) -> None:
-    """Restore with overlap on many ranks: this rank reads its part of the deferred
-    optimizers' state in the background, through ``parts`` (a tensor another rank's
-    part stores is read there, as at restore), verified; the first update on each
-    rank waits for it, then every rank exchanges one verdict over ``coll``
-    (overlaprestore.RankJoin): a rank whose part failed makes every rank raise at that
-    step, and sets the whole snapshot aside (one directory for all ranks: the next
-    start of every rank falls back past it together)."""
+    """Restore with overlap on many ranks: this rank reads its piece of the deferred
+    optimizers' state in the background, through ``parts`` (:func:`deferred_read`: a
+    tensor another rank's part stores is read there, and after a reshard each piece
+    is assembled from every saved shard that overlaps it, as at restore), verified;
+    the first update on each rank waits for it, then every rank exchanges one verdict
+    over ``coll`` (overlaprestore.RankJoin): a rank whose read failed makes every rank
+    raise at that step, and sets the whole snapshot aside (one directory for all
+    ranks: the next start of every rank falls back past it together). Called before
+    apply(): the layouts are the live objects' as restore read them."""
     if not loaded.deferred:
         return
-    tracked, names = client._tracked, loaded.deferred
     parts._stored.clear()   # what restore read is in ``loaded``: not kept twice
-    client._start_arrival(loaded, None, read=lambda: {
-        name: _read_object(parts, client.rank, name, tracked[name]) for name in names},
-        join=RankJoin(coll))
+    client._start_arrival(loaded, None, read=deferred_read(
+        parts, client.rank, client._tracked, loaded.deferred), join=RankJoin(coll))
 
 
 def _read_candidate(client: Any, name: str, omit: set, world_size: int,
@@ -391,11 +321,6 @@ def _read_candidate(client: Any, name: str, omit: set, world_size: int,
             f"on {parts.world_size} rank(s), and a step is reproduced exactly only at the "
             f"snapshot's own world size: run the command on {parts.world_size} rank(s)",
             field="world_size")
-    if defer and parts.world_size != world_size:
-        raise InvalidOption(
-            f"restore(overlap=True): snapshot {name} was saved on {parts.world_size} "
-            f"rank(s), this job has {world_size}; overlap with a reshard is not "
-            "supported for now: drop overlap=True to reshard", field="overlap")
     prepared = prepare(parts, client.rank, world_size, client._tracked, client.rng,
                        data_version=client.data_version, stream=client._stream, omit=omit,
                        defer=defer, keys=client._keys)
@@ -408,7 +333,8 @@ def _read_candidate(client: Any, name: str, omit: set, world_size: int,
 
 def begin_reshard(client: Any, loaded: Loaded, omitted: List[str], world_size: int) -> int:
     """Log a resume at another world size: not the same run bit for bit, so no
-    replay check; the operator is told so."""
+    replay check; the operator is told so. With overlap the record carries its
+    phases as a resume's does (``called``, ``overlap``; a "restored" record follows)."""
     step = loaded.manifest["step"]
     if not client.read_only:
         client.journal.resume(step=step, snapshot=loaded.sid.name, mode="reshard",
@@ -416,9 +342,13 @@ def begin_reshard(client: Any, loaded: Loaded, omitted: List[str], world_size: i
                               recompute=0, restored_from=client.restored_from,
                               refused=loaded.refused,
                               omitted=omitted, world_size=world_size,
-                              old_world_size=loaded.old_world_size)
+                              old_world_size=loaded.old_world_size,
+                              called=client._restore_called,
+                              **({"overlap": True} if loaded.deferred else {}))
+    arrives = f"; the state of {', '.join(loaded.deferred)} arrives before the first " \
+        "step" if loaded.deferred else ""
     logger.info(f"run {client.run}: rank {client.rank}: resharded step {step} saved on "
                 f"{loaded.old_world_size} rank(s) onto {world_size}: tensors exact, RNG "
                 "streams fresh, the data cursor continued from the global count of "
-                "consumed samples; not an exact resume, so no replay check")
+                f"consumed samples; not an exact resume, so no replay check{arrives}")
     return step

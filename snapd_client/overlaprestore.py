@@ -22,8 +22,9 @@ rest), and :class:`StepStateArrival` reads the rest on a background thread:
    (:func:`set_aside`; the caller logs a "set_aside" record), so the next start
    resumes from an older one.
 
-On many ranks (snapd_client/distrestore.py) each rank reads its own part, and step 2
-ends with one exchange (:class:`RankJoin`): a rank whose part failed makes every rank
+On many ranks (snapd_client/distrestore.py) each rank reads its own part (after a
+reshard, its piece assembled from the saved shards that overlap it), and step 2
+ends with one exchange (:class:`RankJoin`): a rank whose read failed makes every rank
 raise at that same step, before any update. Then (every rank's read has ended, so
 none is reading the files it moves) the lowest rank that found damage sets the whole
 global snapshot aside (one directory), so every rank's next start falls back past it

@@ -2,6 +2,7 @@
 arithmetic of resharding, the DDP prefix, reading parts (refs, shards) and the
 agreement of every rank on one candidate, over a fake collective of threads."""
 
+import os
 import threading
 import warnings
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import snapd.errors
-from helpers import ThreadCollective
+from helpers import ThreadCollective, assert_equal, flip_byte, read_manifest
 from snapd.errors import CorruptSnapshot, IncompatibleState, ReplayDivergence
 from snapd.logwriter import LogWriter
 from snapd.options import Options
@@ -17,9 +18,10 @@ from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
 from snapd.store import RunStore
 from snapd.writer import write_snapshot
 from snapd_client import reshard
+from snapd_client.agreement import agree
 from snapd_client.capture import tensor_bytes
 from snapd_client.client import Client
-from snapd_client.distrestore import Parts, agree, prepare
+from snapd_client.distrestore import Parts, deferred_read, prepare
 from snapd_client.journal import Journal
 from snapd_client.restore import FallbackWarning, ddp_prefix, type_name, with_prefix
 from snapd_client.rng import RngStreams
@@ -121,21 +123,23 @@ def test_warm_start_loads_weights_across_the_ddp_prefix(tmp_path, saved_wrapped)
 
 # --- reading parts --------------------------------------------------------------------
 
-def _write_parts(root, world, states, placements, step=5):
+def _write_parts(root, world, states, placements, step=5, name="model",
+                 like=torch.nn.Linear(1, 1)):
     """One part per rank, committed globally by the last: ``states[r]`` is rank r's
-    state dict of object "model", ``placements[r]`` its path -> {"shard"/"ref"}."""
+    state dict of object ``name`` (of ``like``'s type), ``placements[r]`` its
+    path -> {"shard"/"ref"}."""
     store = RunStore(str(root), "r")
     store.ensure()
     rng = RngStreams().capture()
     for rank in range(world):
-        flat = flatten(states[rank], "model")
+        flat = flatten(states[rank], name)
         tensors = [TensorSource(p, str(t.dtype).split(".")[1], list(t.shape),
                                 tensor_bytes(t), **placements[rank].get(p, {}))
                    for p, t in zip(flat.paths, flat.tensors)]
         plan = SnapshotPlan(run="r", step=step, lineage={"id": 0, "mode": "fresh",
                                                         "parent": None},
-                            objects=[ObjectPlan("model", type_name(torch.nn.Linear(1, 1)),
-                                                flat.skeleton, tensors)],
+                            objects=[ObjectPlan(name, type_name(like), flat.skeleton,
+                                                tensors)],
                             rng=rng, rank=rank, world_size=world, session="s")
         write_snapshot(store, plan, Options())
     return store.snapshot_path(store.committed()[-1])
@@ -178,6 +182,69 @@ def test_a_flipped_byte_in_the_part_that_stores_a_replicated_tensor_is_caught(tm
         prepare(Parts(path), 1, 2, {"model": torch.nn.Linear(64, 64)}, RngStreams(),
                 data_version=None, stream=None, omit=set())
     assert "rank-00000" in caught.value.path
+
+
+# --- restore(overlap=True) after a reshard: the optimizer's moments read later ----------
+
+def _adam_sharded_on_4(tmp_path):
+    """Adam's state of a Linear(3, 4) saved by 4 ranks: each moment of the weight
+    row-sharded (rank r holds row r), the bias's moments and every ``step`` written
+    by rank 0 (the others refer to it). The full moments and the snapshot's path."""
+    full = {key: torch.randn(shape) for key, shape in (
+        ("w_avg", (4, 3)), ("w_sq", (4, 3)), ("b_avg", (4,)), ("b_sq", (4,)))}
+    groups = [{"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0,
+               "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+               "differentiable": False, "fused": None, "params": [0, 1]}]
+    states, placements = [], []
+    for r in range(4):
+        states.append({"state": {
+            0: {"step": torch.tensor(7.0), "exp_avg": full["w_avg"][r:r + 1].clone(),
+                "exp_avg_sq": full["w_sq"][r:r + 1].clone()},
+            1: {"step": torch.tensor(7.0), "exp_avg": full["b_avg"].clone(),
+                "exp_avg_sq": full["b_sq"].clone()}}, "param_groups": groups})
+        shard = {"shard": {"global_shape": [4, 3], "offset": [r, 0]}}
+        placements.append({".state.0.exp_avg": shard, ".state.0.exp_avg_sq": shard,
+                           **({p: {"ref": 0} for p in (".state.0.step", ".state.1.step",
+                              ".state.1.exp_avg", ".state.1.exp_avg_sq")} if r else {})})
+    path = _write_parts(tmp_path, 4, states, placements, name="optimizer",
+                        like=torch.optim.Adam(torch.nn.Linear(3, 4).parameters()))
+    return full, path
+
+
+def _prepare_adam(path, defer=()):
+    opt = torch.optim.Adam(torch.nn.Linear(3, 4).parameters(), lr=0.01)
+    got = prepare(Parts(path), 1, 2, {"optimizer": opt}, RngStreams(), data_version=None,
+                  stream=None, omit=set(), defer=defer)
+    return opt, got
+
+
+def test_a_reshard_with_overlap_reads_the_moments_later_as_a_reshard_without(tmp_path):
+    full, path = _adam_sharded_on_4(tmp_path)
+    _, whole = _prepare_adam(path)
+    opt, got = _prepare_adam(path, defer={"optimizer"})
+    assert got.mode == "reshard" and got.deferred == ("optimizer",)
+    assert got.states["optimizer"]["state"] == {}   # restore read the param_groups only
+    assert got.states["optimizer"]["param_groups"] == whole.states["optimizer"]["param_groups"]
+    later = deferred_read(Parts(path), 1, {"optimizer": opt}, got.deferred)()
+    assert list(later) == ["optimizer"]
+    assert_equal(later["optimizer"], whole.states["optimizer"], "resharded moments")
+    moments = later["optimizer"]["state"]   # the weight's rows from the 4 parts, whole
+    assert torch.equal(moments[0]["exp_avg"], full["w_avg"])
+    assert torch.equal(moments[0]["exp_avg_sq"], full["w_sq"])
+    assert torch.equal(moments[1]["exp_avg"], full["b_avg"])
+
+
+def test_a_flipped_byte_in_one_saved_shard_fails_the_later_read_naming_its_file(tmp_path):
+    _, path = _adam_sharded_on_4(tmp_path)
+    part = os.path.join(path, "rank-00002")
+    entry = read_manifest(part)["objects"]["optimizer"]
+    damaged = os.path.join(part, entry["file"])
+    moment = next(t for t in entry["tensors"] if t["path"] == ".state.0.exp_avg")
+    flip_byte(damaged, moment["chunks"][0][0] + 3)   # this rank's row of the weight's
+    opt, got = _prepare_adam(path, defer={"optimizer"})   # restore reads no moment
+    with pytest.raises(CorruptSnapshot) as caught:
+        deferred_read(Parts(path), 1, {"optimizer": opt}, got.deferred)()
+    assert caught.value.path == damaged and damaged in str(caught.value)
 
 
 # --- agreement over a fake collective ----------------------------------------------------

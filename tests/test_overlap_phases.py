@@ -2,8 +2,8 @@
 to train, optimizer state complete), the "set_aside" record that stops status from
 counting a snapshot found damaged after restore(overlap=True) returned, and the one
 exchange of ranks before the first update (overlaprestore.RankJoin, over a fake
-collective; the real 2-rank job is tests/integration/test_overlap_ranks.py), and the
-refusal of overlap with a reshard."""
+collective; the real 2-rank job is tests/integration/test_overlap_ranks.py), and a
+reshard with overlap (the real one: tests/integration/test_multirank.py)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import flip_byte, private_copy, read_manifest, small_model_and_opt, text_of
+from helpers import (assert_equal, flip_byte, private_copy, read_manifest,
+                     small_model_and_opt, text_of)
 from snapd import liveview as view
 from snapd import statelog
 from snapd.commands import status
-from snapd.errors import CorruptSnapshot, InvalidOption
+from snapd.errors import CorruptSnapshot
 from snapd.progress import read_progress
 from snapd.store import RunStore
 from snapd_client import Client
-from snapd_client.distrestore import _read_candidate
+from snapd_client.distrestore import _read_candidate, deferred_read
 from snapd_client.overlaprestore import RankJoin, StepStateArrival
 from snapd_client.restore import load_for_resume
 from snapd_client.rng import RngStreams
@@ -259,14 +260,19 @@ def test_every_rank_whole_applies_the_state_after_one_exchange(root):
     assert logged[0][1]["objects"] == ["optimizer"]
 
 
-def test_overlap_with_a_reshard_is_refused_before_anything_is_read(root):
-    model, opt = small_model_and_opt()   # the run's snapshots are of one rank; 2 now
+def test_a_reshard_with_overlap_leaves_the_moments_to_the_background_read(root):
+    """The run's snapshots are of one rank; restored on 2 ranks (rank 1 here), with
+    overlap: restore reads the param_groups only, and the background read is what a
+    reshard without overlap reads."""
+    model, opt = small_model_and_opt()
     client = SimpleNamespace(store=RunStore(root, "r"), rank=1, rng=RngStreams(),
                              _tracked={"model": model, "optimizer": opt},
-                             data_version=None, _stream=None)
-    with pytest.raises(InvalidOption) as caught:
-        _read_candidate(client, "00000006", set(), 2, {"optimizer"})
-    assert caught.value.field == "overlap"
-    assert str(caught.value) == (
-        "restore(overlap=True): snapshot 00000006 was saved on 1 rank(s), this job has 2; "
-        "overlap with a reshard is not supported for now: drop overlap=True to reshard")
+                             data_version=None, _stream=None, _keys=None)
+    loaded, parts = _read_candidate(client, "00000006", set(), 2, {"optimizer"})
+    assert (loaded.mode, loaded.old_world_size, loaded.deferred) == \
+        ("reshard", 1, ("optimizer",))
+    assert loaded.states["optimizer"]["state"] == {} and "model" in loaded.states
+    later = deferred_read(parts, 1, client._tracked, loaded.deferred)()
+    whole, _ = _read_candidate(client, "00000006", set(), 2, set())
+    assert whole.deferred == ()
+    assert_equal(later["optimizer"], whole.states["optimizer"], "optimizer")

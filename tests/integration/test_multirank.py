@@ -5,7 +5,10 @@ and tests/integration/jobs.py kills them whole. Issue 14's acceptance cases:
    on an uninterrupted run without snapd: every rank's weights, optimizer state, RNG
    streams and the samples it consumed.
 2. FSDP2 saved at 4 ranks restores at 2, and saved at 2 restores at 4: the full
-   tensors equal those saved, and training goes on.
+   tensors equal those saved, and training goes on. Restored at 2 with overlap, it
+   ends 4 steps later bit for bit as without; with one byte of a saved optimizer
+   shard flipped, both ranks raise CorruptSnapshot at their first step, no weight
+   moved, and both fall back at the next start.
 3. A snapshot one rank never submitted its part of is never restored; close() on the
    other rank says so within its bounded wait.
 4. One damaged part makes every rank fall back together, the warning naming the
@@ -41,7 +44,7 @@ import psutil
 import pytest
 import torch
 
-from helpers import flip_byte, stop_daemons_under
+from helpers import flip_byte, read_manifest, stop_daemons_under
 from jobs import (MULTIRANK, Job, files_exist, job_env, logged_step, newest_snapshot,
                   part_files, parts_dir, run_job, snapshot_dir, tensor_file_bytes)
 from rankstate import (load_close, load_progress, load_state, sample_differences,
@@ -348,17 +351,52 @@ def test_a_4_rank_ddp_snapshot_takes_about_one_copy(side_by_side):
 
 # --- FSDP2: saved at one world size, restored at another -------------------------------
 
+FSDP_RUN = f"{TAG}-fsdp"
+
+
 @pytest.fixture(scope="module")
 def fsdp(base):
-    """Trained to 4 at 4 ranks; restored at 2, trained to 8; restored at 4, to 10."""
-    root, run, outs = os.path.join(base, "fsdp-root"), f"{TAG}-fsdp", {}
-    for name, nproc, steps in (("at4", 4, 4), ("at2", 2, 8), ("back4", 4, 10)):
-        outs[name] = folder(base, f"fsdp-{name}")
-        cfg = {"root": root, "run": run, "out": outs[name], "steps": steps,
-               "snapshot_every": 4}
-        run_job("fsdp_job.py", nproc, cfg, os.path.join(base, f"fsdp-{name}.log"),
-                timeout=180)
+    """Trained to 4 at 4 ranks (snapshots 2 and 4); restored at 2, trained to 8;
+    restored at 4, to 10. The launch at 2 ranks also restores, with overlap, two
+    copies of the run as at4 left it: ``overlap`` trains to 8 as at2 does;
+    ``damaged`` (one byte of rank 3's optimizer part of snapshot 4 flipped) tries
+    its first step, and is then started again without overlap (``fallback``)."""
+    root, outs = os.path.join(base, "fsdp-root"), {}
+    cfgs = {name: {"root": root, "run": FSDP_RUN, "out": folder(base, f"fsdp-{name}"),
+                   "steps": steps, "snapshot_every": 4}
+            for name, steps in (("at4", 4), ("at2", 8), ("back4", 10), ("overlap", 8),
+                                ("damaged", 4), ("fallback", 2))}
+    cfgs["at4"]["snapshot_every"] = 2
+    run_job("fsdp_job.py", 4, cfgs["at4"], os.path.join(base, "fsdp-at4.log"), timeout=180)
+    outs["damaged_file"] = overlap_roots(base, root, cfgs)
+    phases = [cfgs["at2"]] + [{**cfgs[name], "overlap": name != "fallback",
+                               "daemon": False, "snapshot_every": 100,
+                               "first_step_only": name == "damaged"}
+                              for name in ("overlap", "damaged", "fallback")]
+    run_job("fsdp_job.py", 2, {"phases": phases}, os.path.join(base, "fsdp-at2.log"),
+            timeout=180)
+    run_job("fsdp_job.py", 4, cfgs["back4"], os.path.join(base, "fsdp-back4.log"),
+            timeout=180)
+    outs.update({name: cfg["out"] for name, cfg in cfgs.items()})
     return outs
+
+
+def overlap_roots(base: str, root: str, cfgs: dict) -> str:
+    """Two copies of the run as at4 left it (its daemon still serves ``root``: the
+    run's folder is copied), for the phases that restore with overlap; in the one
+    for ``damaged``, one byte of a moment in rank 3's optimizer part of snapshot 4
+    flipped (a piece only the new rank 1 reads). The damaged file."""
+    for name, copy in (("overlap", "fsdp-overlap-root"), ("damaged", "fsdp-damaged-root")):
+        cfgs[name]["root"] = os.path.join(base, copy)
+        shutil.copytree(os.path.join(root, FSDP_RUN), os.path.join(base, copy, FSDP_RUN))
+    cfgs["fallback"]["root"] = cfgs["damaged"]["root"]
+    part = os.path.join(snapshot_dir(cfgs["damaged"]["root"], FSDP_RUN, 4), "rank-00003")
+    entry = read_manifest(part)["objects"]["optimizer"]
+    moment = next(t for t in entry["tensors"]
+                  if t["path"].endswith(".exp_avg") and "ref" not in t and t["chunks"])
+    damaged = os.path.join(part, entry["file"])
+    flip_byte(damaged, moment["chunks"][0][0] + 3)
+    return damaged
 
 
 def full_tensors(out: str, name: str) -> dict:
@@ -392,13 +430,67 @@ def test_fsdp_restores_at_another_world_size(base, fsdp, saved, restored, was, w
     went_on(fsdp[restored], world, first, last)
     with open(os.path.join(base, f"fsdp-{restored}.log")) as f:   # every rank says so
         said = f.read()
-    assert said.count(f"resharded step {first} saved on {was} rank(s) onto {world}") \
-        == world, said[-3000:]
+    lines = [line for line in said.splitlines()   # the phases with overlap say more
+             if f"resharded step {first} saved on {was} rank(s) onto {world}" in line
+             and "arrives before the first step" not in line]
+    assert len(lines) == world, said[-3000:]
 
 
 def test_each_rank_logs_how_it_resumed(base, fsdp):
     """The state log keeps the last resume of every rank: back4's, a reshard from 2."""
-    store = RunStore(os.path.join(base, "fsdp-root"), f"{TAG}-fsdp")
+    store = RunStore(os.path.join(base, "fsdp-root"), FSDP_RUN)
     for rank in range(4):
         resume = read_progress(store, rank).last_resume
         assert (resume["mode"], resume["old_world_size"]) == ("reshard", 2), resume
+
+
+def test_fsdp_reshard_with_overlap_ends_bit_for_bit_as_without(base, fsdp):
+    """Saved at 4, restored at 2 with overlap: restore returns with the weights in
+    place and the moments still arriving; 4 steps later weights and optimizer state
+    equal the same reshard's without overlap, bit for bit."""
+    want = full_tensors(fsdp["at2"], "final.npz")
+    got = full_tensors(fsdp["overlap"], "final.npz")
+    assert int(got["step"]) == 8 and state_differences(got, want) == []
+    restored = full_tensors(fsdp["overlap"], "restored.npz")   # before the first step
+    saved = full_tensors(fsdp["at4"], "final.npz")
+    assert with_prefix(restored, "opt/") == []   # the moments not applied yet
+    params = with_prefix(saved, "param/")
+    assert len(with_prefix(got, "opt/")) >= 3 * len(params)   # compared above, too
+    assert state_differences(restored, saved, params) == []
+    went_on(fsdp["overlap"], 2, 4, 8)
+    with open(os.path.join(base, "fsdp-at2.log")) as f:
+        said = f.read()
+    assert said.count("resharded step 4 saved on 4 rank(s) onto 2: tensors exact, RNG "
+                      "streams fresh, the data cursor continued from the global count of "
+                      "consumed samples; not an exact resume, so no replay check; the "
+                      "state of optimizer arrives before the first step") == 4, said[-3000:]
+    store = RunStore(os.path.join(base, "fsdp-overlap-root"), FSDP_RUN)
+    for rank in range(2):
+        progress = read_progress(store, rank)
+        assert progress.last_resume["mode"] == "reshard"
+        phases = progress.resume_phases
+        assert phases["overlap"] is True and phases["state"] == "complete", phases
+        assert phases["started"] <= phases["ready"] <= phases["optimizer_state"]
+
+
+def test_fsdp_reshard_with_a_damaged_shard_stops_every_rank_and_both_fall_back(base, fsdp):
+    """Rank 3's optimizer part of snapshot 4 damaged, read by the new rank 1 only:
+    both ranks raise CorruptSnapshot at their first step with no weight moved, the
+    whole snapshot is set aside, and the next start of both resumes from 2."""
+    damaged = fsdp["damaged_file"]
+    for rank in range(2):
+        info = load_json(os.path.join(fsdp["damaged"], f"rank-{rank}.json"))
+        refused = info["refused"]
+        assert info["first_step"] == 4 and info["unchanged"], (rank, info)
+        assert refused["type"] == "CorruptSnapshot" and refused["path"] == damaged, refused
+        assert damaged in refused["message"]
+        assert "No update was applied on any rank" in refused["message"]
+        assert refused["message"].endswith("Restart the job")
+    told = load_json(os.path.join(fsdp["damaged"], "rank-0.json"))["refused"]["message"]
+    assert "failed on another rank (rank 1: " in told
+    snapshots = os.listdir(os.path.join(base, "fsdp-damaged-root", FSDP_RUN, "snapshots"))
+    assert "00000004" not in snapshots            # the whole global snapshot set aside
+    assert [n for n in snapshots if n.startswith(".damaged-00000004-")]
+    for rank in range(2):
+        info = load_json(os.path.join(fsdp["fallback"], f"rank-{rank}.json"))
+        assert info["first_step"] == 2, info
