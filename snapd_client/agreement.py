@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 from snapd.errors import CorruptSnapshot, IncompatibleState, SnapdError
 from snapd.store import RunStore
 from snapd_client.ranks import Collective
-from snapd_client.restore import FallbackWarning, resume_order
+from snapd_client.restore import FallbackWarning, Pending, resume_order
 
 
 @dataclass
@@ -37,10 +37,12 @@ class Agreed:
 
 
 def plan(store: RunStore, reached: Optional[int], verify_steps: int,
-         at_most: Optional[int] = None) -> Dict[str, Any]:
+         at_most: Optional[int] = None, first: Optional[Pending] = None
+         ) -> Dict[str, Any]:
     """Rank 0's list: restore.py's order (``at_most``, snapd repro: the snapshots of
-    steps up to it only), and a fresh session for this attempt."""
-    order, pick = resume_order(store, reached, verify_steps, at_most)
+    steps up to it only; ``first``, a pull pending on every root, tried first), and a
+    fresh session for this attempt."""
+    order, pick = resume_order(store, reached, verify_steps, at_most, first)
     return {"order": [sid.name for sid in order],
             "passed_over": order[1].name if pick is not None else None,
             "session": secrets.token_hex(8)}

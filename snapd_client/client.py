@@ -27,7 +27,7 @@ import time
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -633,12 +633,6 @@ class Client:
             raise InvalidOption(f"restore(mode={mode!r}, overlap=True): a warm start reads "
                                 "module weights only, there is nothing to overlap; drop "
                                 "overlap=True", field="overlap")
-        if overlap and self.world_size > 1 and self.options.remote:
-            raise InvalidOption(f"restore(overlap=True) at world size {self.world_size} "
-                                f"(rank {self.rank}) with remote={self.options.remote!r}: "
-                                "overlap with a pull from the remote tier on many ranks "
-                                "is not supported for now; drop overlap=True",
-                                field="overlap")
 
     def _deferred(self, overlap: bool) -> List[str]:
         """The optimizers whose state a restore with overlap leaves to the background."""
@@ -653,16 +647,20 @@ class Client:
         return self._arrival is not None and not self._arrival.complete
 
     def _start_arrival(self, loaded: Loaded, hot: Any, pending: Any = None,
-                       **many: Any) -> None:
+                       said: Optional[Callable[[], str]] = None, **many: Any) -> None:
         """The background read of ``loaded``'s deferred state (from the daemon's copy
         ``hot`` where it serves, which the read closes, else the files); called
         inside :meth:`_replacing_arrival`. ``pending``: a pull whose optimizers' files
         are still remote (remotearrival.py). ``many``: on many ranks, the read of this
-        rank's part and the ranks' join (distrestore.py)."""
+        rank's part and the ranks' join (distrestore.py). ``said``: on many ranks
+        after a pull, what the join did with the download (remoteranks.py), which is
+        then all that setting the snapshot aside means here."""
         self._drop_arrival()
         if not loaded.deferred:
             return
         mark, journal = (None, None) if self.read_only else (self._set_aside, self.journal)
+        if said is not None and mark is not None:
+            mark = functools.partial(self._set_aside, said=said)
         if pending is not None:
             many["read"] = remotearrival.RemoteStepState(
                 pending, loaded, self._tracked, threads=self.options.remote_upload_threads,
@@ -671,11 +669,13 @@ class Client:
         self._arrival = StepStateArrival(loaded, self._tracked, mark, source=hot,
                                          journal=journal, **many)
 
-    def _set_aside(self, sid: SnapshotId, pending: Any = None) -> str:
+    def _set_aside(self, sid: SnapshotId, pending: Any = None,
+                   said: Optional[Callable[[], str]] = None) -> str:
         """A snapshot whose optimizer state failed verification after restore returned:
-        set aside (a pull's download, when ``pending``), and the log says so (status
-        stops counting its commit record)."""
-        said = remotearrival.set_aside_pulled(pending) if pending is not None \
+        set aside (a pull's download, when ``pending``; done already when ``said``),
+        and the log says so (status stops counting its commit record)."""
+        said = said() if said is not None else \
+            remotearrival.set_aside_pulled(pending) if pending is not None \
             else set_aside(self.store, sid)
         self.journal.set_aside(snapshot=sid.name, by=self.rank, said=said)
         return said

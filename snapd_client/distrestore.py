@@ -53,9 +53,11 @@ from snapd.store import SnapshotId
 from snapd_client import reshard
 from snapd_client.agreement import agree, plan
 from snapd_client.cursor import reshard_cursor
-from snapd_client.fromremote import pull_from_remote
+from snapd_client.fromremote import pull_for_ranks, pull_from_remote
 from snapd_client.overlaprestore import RankJoin
 from snapd_client.ranks import Collective, GlooGroup
+from snapd_client.remotearrival import later_objects
+from snapd_client.remoteranks import PulledJoin, PulledRead, RootPull, shared_pull
 from snapd_client.restore import (Loaded, apply, check_candidate, groups_only,
                                   live_tensors, saved_cursor, step_only_names)
 
@@ -80,9 +82,9 @@ class Parts:
     commit record), and the tensors they store, each object file read and verified
     once. A one-rank snapshot is one part."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, check_files: bool = True) -> None:
         self.path = path
-        self.snapshot = open_snapshot(path)
+        self.snapshot = open_snapshot(path, check_files)
         self.world_size = self.snapshot.world_size \
             if isinstance(self.snapshot, GlobalSnapshot) else 1
         self._stored: Dict[Tuple[int, str], Dict[Tuple[str, Any], torch.Tensor]] = {}
@@ -268,15 +270,23 @@ def restore_ranks(client: Any, omit: set, world_size: int,
     client.recovery = read_progress(client.store, client.rank)
     # The group is not destroyed here: see GlooGroup.
     coll = GlooGroup()
-    pulled = pull_from_remote(coll, client) \
-        if client.options.remote and repro is None else set()
-    agreed = agree(coll,
-                   lambda: plan(client.store, client.recovery.furthest,
-                                client.options.verify_steps,
-                                at_most=None if repro is None else repro.step),
-                   lambda name: _read_candidate(client, name, omit, world_size,
-                                                set(defer)),
-                   client.store.snapshots_path)
+    pulled, pull = _pull(coll, client, omit, defer) \
+        if client.options.remote and repro is None else (set(), None)
+    try:
+        agreed = agree(coll,
+                       lambda: plan(client.store, client.recovery.furthest,
+                                    client.options.verify_steps,
+                                    at_most=None if repro is None else repro.step,
+                                    first=pull and pull.candidate),
+                       lambda name: _read_candidate(client, name, omit, world_size,
+                                                    set(defer), pull),
+                       client.store.snapshots_path)
+    except BaseException:
+        if pull is not None:   # every rank has left the agreement: nothing reads it
+            pull.abandon()
+        raise
+    if pull is not None:
+        pull.after_agreement(agreed.name, agreed.refused)
     client.session = agreed.session
     if not client.read_only:   # each rank checks its own recompute; a divergence names it
         client.journal.world_size = world_size
@@ -286,13 +296,27 @@ def restore_ranks(client: Any, omit: set, world_size: int,
     loaded, parts = agreed.prepared
     loaded.refused, loaded.passed_over = agreed.refused, agreed.passed_over
     with client._replacing_arrival():
-        _start_overlap(client, loaded, parts, coll)
+        _start_overlap(client, loaded, parts, coll,
+                       pull if pull is not None and pull.name == agreed.name else None)
         apply(loaded, client._tracked, client.rng, client._stream,
               omit | ({"cursor"} if loaded.manifest["cursor"] is None else set()))
     return loaded
 
 
-def _start_overlap(client: Any, loaded: Loaded, parts: Parts, coll: Collective) -> None:
+def _pull(coll: Collective, client: Any, omit: set, defer: Iterable[str]
+          ) -> Tuple[set, Optional[RootPull]]:
+    """The remote tier's newest commit brought onto every root before the agreement
+    (fromremote.py); with overlap, in two halves: the snapshot pending on every root
+    (snapd_client/remoteranks.py), or None. Returns the names pulled anywhere too."""
+    defer = list(defer)
+    if not defer:
+        return pull_from_remote(coll, client), None
+    pulled = pull_for_ranks(coll, client, later_objects(defer, omit))
+    return pulled.names, shared_pull(coll, pulled)
+
+
+def _start_overlap(client: Any, loaded: Loaded, parts: Parts, coll: Collective,
+                   pull: Optional[RootPull] = None) -> None:
     """Restore with overlap on many ranks: this rank reads its piece of the deferred
     optimizers' state in the background, through ``parts`` (:func:`deferred_read`: a
     tensor another rank's part stores is read there, and after a reshard each piece
@@ -305,15 +329,36 @@ def _start_overlap(client: Any, loaded: Loaded, parts: Parts, coll: Collective) 
     if not loaded.deferred:
         return
     parts._stored.clear()   # what restore read is in ``loaded``: not kept twice
-    client._start_arrival(loaded, None, read=deferred_read(
-        parts, client.rank, client._tracked, loaded.deferred), join=RankJoin(coll))
+    read = deferred_read(parts, client.rank, client._tracked, loaded.deferred)
+    if pull is None:
+        client._start_arrival(loaded, None, read=read, join=RankJoin(coll))
+        return
+    # Its optimizers' files still remote: downloaded first, committed after the join.
+    final = client.store.snapshot_path(loaded.sid)
+    loaded.path = pull.where
+    join = PulledJoin(coll, pull, loaded, final)
+    client._start_arrival(loaded, None, said=lambda: join.said, join=join, read=PulledRead(
+        pull, coll, read, names=list(loaded.deferred),
+        threads=client.options.remote_upload_threads,
+        timeout=client.options.remote_timeout))
 
 
 def _read_candidate(client: Any, name: str, omit: set, world_size: int,
-                    defer: set) -> Tuple[Loaded, Parts]:
+                    defer: set, pull: Optional[RootPull] = None) -> Tuple[Loaded, Parts]:
+    """Candidate ``name`` read on this rank; the one ``pull`` has pending is read from
+    its root's tmp dir (its later files not there yet: none is stat'ed on open), and
+    its damage named by the remote file."""
+    if pull is not None and pull.name == name:
+        with pull.named():
+            return _read_at(client, name, pull.tmp, omit, world_size, defer)
+    return _read_at(client, name, client.store.snapshot_path(SnapshotId.parse(name)),
+                    omit, world_size, defer)
+
+
+def _read_at(client: Any, name: str, path: str, omit: set, world_size: int,
+             defer: set) -> Tuple[Loaded, Parts]:
     sid = SnapshotId.parse(name)
-    path = client.store.snapshot_path(sid)
-    parts = Parts(path)
+    parts = Parts(path, check_files=path == client.store.snapshot_path(sid))
     repro = getattr(client, "_repro", None)
     if repro is not None and parts.world_size != world_size:
         repro.refuse(

@@ -43,7 +43,8 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Union
 
 from snapd.errors import CorruptSnapshot, InsufficientSpace, RemoteUnavailable, SnapdError
 from snapd.store import RunStore, SnapshotId
@@ -210,6 +211,25 @@ def pull_from_remote(coll: Collective, client: Any) -> set:
     accepted key signed, too); a barrier; then every root holds it, and the agreement
     goes on as with one root. Returns the names pulled anywhere. An unreachable remote
     is warned of, and restore goes on from the local roots."""
+    return pull_for_ranks(coll, client).names
+
+
+@dataclass
+class RanksPulled:
+    """What :func:`pull_for_ranks` did on every rank."""
+
+    names: Set[str]                # the snapshots pulled (or pending) anywhere
+    reports: List[Dict[str, Any]]  # per rank: name, tmp, where (set on pulling ranks)
+    pullers: List[int]             # per rank: the rank that pulls for its root
+    pending: Optional["PendingPull"] = None   # this rank's, when it pulled in two halves
+
+
+def pull_for_ranks(coll: Collective, client: Any,
+                   later: Optional[Callable[[Any], Any]] = None) -> RanksPulled:
+    """:func:`pull_from_remote`'s work, every rank's outcome returned. With ``later``
+    (restore(overlap=True), snapd_client/remoteranks.py) a commit is pulled in two
+    halves (snapd/remote/pendingpull.py): the pulling rank's PendingPull is in
+    ``pending``, its tmp dir in its report; nothing is committed yet."""
     listed = json.loads(coll.broadcast_bytes(
         _remote_listing(client) if coll.rank == 0 else None, src=0))
     if listed.get("error"):
@@ -217,15 +237,20 @@ def pull_from_remote(coll: Collective, client: Any) -> set:
                       f"({listed['error']}); resuming from the local roots only",
                       FallbackWarning, stacklevel=4)
     keys = coll.allgather_bytes(_root_key(client).encode())
-    mine = None
+    mine: Any = None
     if keys.index(keys[coll.rank]) == coll.rank and listed.get("names"):
         try:   # the lowest rank on this root
-            mine = _pull_newest(client, listed["names"])
+            mine = _pull_newest(client, listed["names"], later)
         except Exception as e:   # the others wait at the barrier: nothing escapes
             warnings.warn(f"restore(): pulling from {listed['url']} failed ({e!r}); "
                           "going on from the local root", FallbackWarning, stacklevel=4)
-    got = coll.allgather_bytes((mine or "").encode())   # also the barrier
-    return {g.decode() for g in got if g}
+    pending = None if mine is None or isinstance(mine, str) else mine
+    report = {"name": mine, "tmp": None, "where": None} if pending is None else \
+        {"name": pending.sid.name, "tmp": pending.tmp, "where": pending.where}
+    got = coll.allgather_bytes(json.dumps(report).encode())   # also the barrier
+    reports = [json.loads(g) for g in got]
+    return RanksPulled({r["name"] for r in reports if r["name"]}, reports,
+                       [keys.index(k) for k in keys], pending)
 
 
 def _remote_listing(client: Any) -> bytes:
@@ -254,9 +279,12 @@ def _root_key(client: Any) -> str:
     return json.dumps([socket.gethostname(), client.store.root])
 
 
-def _pull_newest(client: Any, names: List[str]) -> Optional[str]:
+def _pull_newest(client: Any, names: List[str],
+                 later: Optional[Callable[[Any], Any]] = None
+                 ) -> Union[str, "PendingPull", None]:
     """The first of ``names`` (newest first) newer than this root's newest committed
-    snapshot, pulled; None when the local one is as new, or none could be pulled."""
+    snapshot, pulled; None when the local one is as new, or none could be pulled.
+    With ``later``, pulled in two halves where it splits: its PendingPull."""
     from snapd.remote.pendingpull import set_aside_remotely
     store = client.store
     local = store.committed()
@@ -268,10 +296,17 @@ def _pull_newest(client: Any, names: List[str]) -> Optional[str]:
             return None
         if name in aside:
             continue
+        how = dict(threads=client.options.remote_upload_threads,
+                   min_free_bytes=client.options.min_free_bytes, keys=client._keys)
         try:
-            root.pull(root.snap(store.run, sid), store,
-                      threads=client.options.remote_upload_threads,
-                      min_free_bytes=client.options.min_free_bytes, keys=client._keys)
+            if later is not None:
+                pending = root.begin_pull(root.snap(store.run, sid), store, later, **how)
+                if pending is not None:
+                    logger.info(f"run {client.run}: rank {client.rank}: pulled {name} "
+                                f"from {root.where} into {store.root} but for the files "
+                                f"of {', '.join(pending.later)}, verified; those follow")
+                    return pending
+            root.pull(root.snap(store.run, sid), store, **how)
             logger.info(f"run {client.run}: rank {client.rank}: pulled {name} from "
                         f"{root.where} into {store.root}")
             return name

@@ -77,13 +77,21 @@ def settle_unused(pending: Any, loaded: Optional[Loaded]) -> None:
     if loaded is None or pending.sid.name in loaded.refused:
         pending.abandon()
         return
-    later = list(pending.later)
+    finish_whole(pending)
+
+
+def finish_whole(pending: Any) -> None:
+    """A pending pull restore does not resume from, finished now and verified whole,
+    then committed; damaged, set aside; unreachable, removed (warned of each time)."""
     try:
-        pending.finish(lambda tmp: SnapshotReader(tmp, objects=later).load_objects(later))
+        pending.fetch()
+        pending.verify_later()
+        pending.commit()
     except CorruptSnapshot as e:   # restore goes on from the older one it chose
         warnings.warn(f"remote snapshot {pending.where} refused: {e}; "
                       f"{set_aside_pulled(pending)}", RemoteWarning, stacklevel=4)
-    except SnapdError as e:
+    except (OSError, SnapdError) as e:
+        pending.abandon()
         warnings.warn(f"remote snapshot {pending.where} could not be pulled whole ({e}); "
                       "it is not committed locally", RemoteWarning, stacklevel=4)
 

@@ -199,21 +199,6 @@ def test_a_damaged_optimizer_file_stops_the_first_step_and_the_next_start_falls_
     again.client.close()
 
 
-def test_overlap_with_a_remote_pull_is_refused_on_many_ranks(tmp_path, monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    remote = (tmp_path / "remote").as_uri()
-    client = Client(str(tmp_path / "root"), "r", daemon=False, remote=remote)
-    with pytest.raises(InvalidOption) as caught:
-        client.restore(overlap=True)
-    assert caught.value.field == "overlap"
-    assert str(caught.value) == (
-        f"restore(overlap=True) at world size 2 (rank 0) with remote={remote!r}: overlap "
-        "with a pull from the remote tier on many ranks is not supported for now; drop "
-        "overlap=True")
-    client.close()
-
-
 def test_damaged_weights_fall_back_before_restore_returns_and_the_state_follows_them(root):
     path = os.path.join(root, "r", "snapshots", "00000006")
     entry = read_manifest(path)["objects"]["model"]

@@ -25,8 +25,14 @@ next start pulls again. A failure of either half removes the tmp dir, except dam
 found in 5b: that dir is kept, set aside as ``.damaged-<name>-remote-<nonce>``
 (:meth:`PendingPull.set_aside`), and :func:`set_aside_remotely` lists it so that the
 next pull of the run passes that remote commit over (a remote snapshot found damaged
-once is not resumed from again; removing the set-aside copy lifts that). Only a
-one-rank snapshot is split; a commit of many ranks is pulled whole.
+once is not resumed from again; removing the set-aside copy lifts that).
+
+A commit of many ranks is split the same way: 4a brings down the commit record and
+every part's manifest, the later objects are those ``later`` names in every part, and
+5a verifies every other object of every part. On many ranks the background half is
+taken apart (:meth:`PendingPull.fetch`, :meth:`PendingPull.verify_later`,
+:meth:`PendingPull.commit`), so that the commit waits until every rank has read its
+own part (snapd_client/remoteranks.py).
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ import shutil
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, TypeVar
 
 from snapd import diskguard, fsio
+from snapd import format as fmt
 from snapd.commit import enospc_of
 from snapd.errors import CorruptSnapshot
+from snapd.globalsnap import GlobalSnapshot
 from snapd.options import Options
 from snapd.reader import SnapshotReader
 from snapd.remote.deadline import NO_DEADLINE, Deadline
@@ -84,16 +92,51 @@ class PendingPull:
         them; its CorruptSnapshot names the remote file), then the commit. Returns what
         ``read`` returned. On damage the tmp dir is left for :meth:`set_aside`; on any
         other failure it is removed."""
+        self.fetch(threads=threads, progress=progress)                          # 4c.
+        result = self._settled(lambda: self._read_named(read, deadline))        # 5b.
+        self.commit(deadline=deadline)                                          # 6.
+        return result
+
+    def fetch(self, *, threads: int = 4, progress: Progress = None) -> None:
+        """Step 4c alone: the later files downloaded into the tmp dir (on many ranks,
+        before the ranks of this root read them; the commit waits for their join)."""
+        self._settled(lambda: download(self.remote, self.store.run, self.sid.name,
+                                       self.record, self.tmp, threads, progress,
+                                       files=self._files))
+
+    def verify_later(self) -> None:
+        """Step 5b for files no caller reads: every later object of every part read
+        and verified, one at a time (on many ranks, the rank that pulled for a root
+        checks them all, as a whole pull would; each rank also reads its own)."""
+        def each(tmp: str) -> None:
+            for reader in _readers(tmp, self.record):
+                for name in [n for n in self.later if n in reader.objects]:
+                    reader.load_object(name)
+        self._read_named(each, NO_DEADLINE)   # the dir stays: the caller decides
+
+    def commit(self, *, deadline: Deadline = NO_DEADLINE) -> None:
+        """Step 6 alone: fsync, then the one publish() rule (snapd/commit.py)."""
         run, name = self.store.run, self.sid.name
-        try:
-            download(self.remote, run, name, self.record, self.tmp, threads, progress,
-                     files=self._files)                                         # 4c.
+
+        def publish() -> None:
             with deadline.local_work():
-                with named_remotely(self.remote, run, self.sid, self.tmp):
-                    result = read(self.tmp)                                     # 5b.
-                fsync_tree(self.tmp)                                            # 6.
+                fsync_tree(self.tmp)
             with deadline.publishing(f"committing {run}/{name} locally"):
                 publish_pulled(self.store, self.tmp, self.sid)
+        self._settled(publish)
+        log.debug("run %r: pulled %s from %s, its later files too", run, name,
+                  self.remote.url)
+
+    def _read_named(self, read: Callable[[str], T], deadline: Deadline) -> T:
+        with deadline.local_work():
+            with named_remotely(self.remote, self.store.run, self.sid, self.tmp):
+                return read(self.tmp)
+
+    def _settled(self, work: Callable[[], T]) -> T:
+        """``work`` on the tmp dir: on damage the dir stays, for :meth:`set_aside`; on
+        any other failure it is removed (a full disk said as InsufficientSpace)."""
+        try:
+            return work()
         except CorruptSnapshot:
             raise   # the dir stays, for set_aside()
         except BaseException as e:
@@ -102,9 +145,6 @@ class PendingPull:
             if space is not None:
                 raise diskguard.from_enospc(space, self.store.root, self._need) from e
             raise
-        log.debug("run %r: pulled %s from %s, its later files too", run, name,
-                  self.remote.url)
-        return result
 
     def set_aside(self) -> str:
         """Damage found in the later files: the tmp dir kept as
@@ -126,16 +166,15 @@ def begin_pull(remote: RemoteRoot, store: RunStore, name: str, later: Later, *,
                min_free_bytes: Optional[int] = None, deadline: Deadline = NO_DEADLINE,
                keys: Any = None) -> Optional[PendingPull]:
     """Steps 1-5a of remote snapshot ``name`` of ``store.run``; the pending pull, or
-    None when it cannot be split (a commit of many ranks, one committed locally
-    already, or no object ``later`` names has a file of its own): then the caller
-    pulls it whole (snapd/remote/pull.py)."""
+    None when it cannot be split (one committed locally already, or no object
+    ``later`` names has a file of its own): then the caller pulls it whole
+    (snapd/remote/pull.py). A commit of many ranks is split by the objects ``later``
+    names in every part (each part's manifest is brought down with the top file)."""
     sid = SnapshotId.parse(name)
     if sid is None or os.path.isdir(store.snapshot_path(sid)):
         return None
     with reaching(remote, f"reading the record of {store.run}/{name}"):
         record = read_record(remote, store.run, name, keys)                # 1.
-        if record["world_size"] != 1:
-            return None
         wanted = missing_shared(store, record, progress)
         check_listing(remote, store.run, name, record, wanted)             # 2.
     deadline.check(f"pulling {store.run}/{name}")
@@ -146,21 +185,23 @@ def begin_pull(remote: RemoteRoot, store: RunStore, name: str, later: Later, *,
     tmp = store.new_tmp_dir(sid)
     try:
         files = record_files(record)
-        top = [f for f in files if f.relpath == record["top"]]
+        heads = [f for f in files if f.relpath == record["top"]
+                 or os.path.basename(f.relpath) == fmt.MANIFEST_NAME]
         download(remote, store.run, name, record, tmp, threads, progress, keys,
-                 files=top)                                                # 4a.
+                 files=heads)                                              # 4a.
         with named_remotely(remote, store.run, sid, tmp):
-            reader = SnapshotReader(tmp, objects=[])
-        later_objects = sorted(set(later(reader)))
-        late_files = _own_files(reader, later_objects)
+            readers = _readers(tmp, record)
+        later_objects = sorted(set.intersection(*[set(later(r)) for r in readers]))
+        late_files = {os.path.relpath(os.path.join(r.path, f), tmp) for r in readers
+                      for f in _own_files(r, later_objects)}
         if not late_files:
             shutil.rmtree(tmp, ignore_errors=True)
             return None
         download(remote, store.run, name, record, tmp, threads, progress,   # 4b.
                  files=[f for f in files if f.relpath not in late_files
-                        and f.relpath != record["top"]])
+                        and f.relpath not in {h.relpath for h in heads}])
         brought = pull_shared(remote, store, wanted, threads, progress)
-        now = [n for n in reader.objects if n not in later_objects]
+        now = sorted({n for r in readers for n in r.objects} - set(later_objects))
         with deadline.local_work():
             verify_pulled(remote, store.run, sid, record, tmp, brought,     # 5a.
                           objects=now)
@@ -175,12 +216,20 @@ def begin_pull(remote: RemoteRoot, store: RunStore, name: str, later: Later, *,
                        [f for f in files if f.relpath in late_files], need)
 
 
+def _readers(tmp: str, record: Dict[str, Any]) -> List[SnapshotReader]:
+    """The snapshot in ``tmp`` as its parts' readers (one for a one-rank snapshot),
+    each checked against the record or commit record, no tensor file stat'ed."""
+    if record["world_size"] == 1:
+        return [SnapshotReader(tmp, objects=[])]
+    return GlobalSnapshot(tmp, check_files=False).parts()
+
+
 def _own_files(reader: SnapshotReader, objects: List[str]) -> Set[str]:
     """The files that hold only ``objects``' tensors (one file per object: a file
     another object also reads is not left for later)."""
     def file_of(n: str) -> Optional[str]:
         return reader.objects[n].get("file")
-    theirs = {file_of(n) for n in objects} - {None}
+    theirs = {file_of(n) for n in objects if n in reader.objects} - {None}
     others = {file_of(n) for n in reader.objects if n not in objects}
     return theirs - others
 

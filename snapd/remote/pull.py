@@ -345,10 +345,16 @@ def verify_pulled(remote: RemoteRoot, run: str, sid: SnapshotId,
                   brought: Optional[Dict[str, str]] = None,
                   objects: Optional[List[str]] = None) -> None:
     """Step 5: every checksum, as ``snapd verify`` checks them (of ``objects`` only,
-    when given: a one-rank snapshot whose other files are not downloaded yet); damage
-    is named by the remote file it came from."""
+    when given, in every part: a snapshot whose other files are not downloaded yet);
+    damage is named by the remote file it came from."""
     with named_remotely(remote, run, sid, tmp, brought):
-        if record["world_size"] > 1:
+        if record["world_size"] > 1 and objects is not None:
+            snap = GlobalSnapshot(tmp, check_files=False)
+            snap.check_references()
+            for part in snap.parts():
+                part.load_objects([n for n in objects if n in part.objects])
+            found = snap.record
+        elif record["world_size"] > 1:
             snap = GlobalSnapshot(tmp)
             snap.verify()
             found = snap.record
