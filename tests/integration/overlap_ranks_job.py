@@ -14,15 +14,29 @@ what a restore with overlap reads in the background. PHASE:
   ``opt.step()``, which must raise; dumps the error and whether the weights changed;
 - ``plain``: restore() (no overlap), train on to 6, dump.
 
+The same on a DDP model (one model replicated: each replicated tensor is stored once,
+by one rank's part) with ``remote`` set, its URL for each phase in the environment
+variable ``OVERLAP_JOB_REMOTES`` (JSON, phase -> URL):
+
+- ``ddp_train``: as ``train``, its parts uploaded to the remote by the test;
+- ``remote``: restore(overlap=True) on a fresh root, pulling from the remote while
+  the first forward and backward run, train on to 6, dump;
+- ``remote_damaged``: as ``damaged``, from a remote whose optimizer file is damaged;
+- ``remote_plain``: as ``plain``, from that remote (the damaged commit passed over).
+
+A ROOT with ``{rank}`` in it is a root of each rank's own (node-local roots).
+
 Every phase writes ``OUT/<phase>-rank<r>.pt`` (tensors, numbers and strings only:
 read back with ``weights_only=True``).
 """
 
+import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "multirank"))
 from dump import leave_job  # noqa: E402
@@ -36,12 +50,15 @@ OUT = sys.argv[1]
 RANK = int(os.environ["RANK"])
 
 
-def make(root):
-    torch.manual_seed(100 + RANK)   # every rank its own model: parts differ
+def make(root, ddp=False, remote=None):
+    torch.manual_seed(100 if ddp else 100 + RANK)   # without DDP: parts differ
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
                                 torch.nn.Linear(32, 4))
+    if ddp:
+        model = DDP(model)
+        torch.manual_seed(100 + RANK)   # each rank its own data
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    client = Client(root, "job", daemon=False)
+    client = Client(root, "job", daemon=False, remote=remote)
     client.track(model=model, optimizer=opt)
     return model, opt, client
 
@@ -58,7 +75,7 @@ def train(model, opt, client, start, phase):
         loss = forward_backward(model, opt)
         opt.step()
         client.log(step, loss=loss.item())
-        if phase == "train" and step in (2, 4):   # this rank's part; the last commits
+        if phase.endswith("train") and step in (2, 4):   # this rank's part; the last commits
             write_snapshot(client.store, client.capture(step).plan_in_memory(), Options())
     return {"model": model.state_dict(), "optimizer": opt.state_dict(),
             "rng": torch.get_rng_state()}
@@ -79,13 +96,17 @@ def first_step_refused(model, opt, client):
 
 
 def run(phase, root):
-    model, opt, client = make(root)
-    start = client.restore(overlap=phase in ("overlap", "damaged")) \
-        if phase != "train" else 0
-    got = first_step_refused(model, opt, client) if phase == "damaged" else \
+    remote = json.loads(os.environ.get("OVERLAP_JOB_REMOTES", "{}")).get(phase)
+    model, opt, client = make(root.format(rank=RANK), ddp=phase.startswith(
+        ("ddp", "remote")), remote=remote)
+    start = client.restore(overlap=phase in ("overlap", "damaged", "remote",
+                                             "remote_damaged")) \
+        if not phase.endswith("train") else 0
+    got = first_step_refused(model, opt, client) if phase.endswith("damaged") else \
         {"state": train(model, opt, client, start, phase)}
     client.close()
-    torch.save({"start": start, **got}, os.path.join(OUT, f"{phase}-rank{RANK}.pt"))
+    torch.save({"start": start, "restored_from": client.restored_from or "", **got},
+               os.path.join(OUT, f"{phase}-rank{RANK}.pt"))
 
 
 def main():
