@@ -300,7 +300,8 @@ def _pull_newest(client: Any, names: List[str],
                    min_free_bytes=client.options.min_free_bytes, keys=client._keys)
         try:
             if later is not None:
-                pending = root.begin_pull(root.snap(store.run, sid), store, later, **how)
+                pending = root.begin_pull(root.snap(store.run, sid), store, later,
+                                          parts=True, **how)
                 if pending is not None:
                     logger.info(f"run {client.run}: rank {client.rank}: pulled {name} "
                                 f"from {root.where} into {store.root} but for the files "

@@ -27,7 +27,8 @@ found in 5b: that dir is kept, set aside as ``.damaged-<name>-remote-<nonce>``
 next pull of the run passes that remote commit over (a remote snapshot found damaged
 once is not resumed from again; removing the set-aside copy lifts that).
 
-A commit of many ranks is split the same way: 4a brings down the commit record and
+A commit of many ranks is split the same way for a restore on many ranks (``parts``;
+a restore of one rank pulls it whole): 4a brings down the commit record and
 every part's manifest, the later objects are those ``later`` names in every part, and
 5a verifies every other object of every part. On many ranks the background half is
 taken apart (:meth:`PendingPull.fetch`, :meth:`PendingPull.verify_later`,
@@ -164,17 +165,20 @@ class PendingPull:
 def begin_pull(remote: RemoteRoot, store: RunStore, name: str, later: Later, *,
                threads: int = 4, progress: Progress = None,
                min_free_bytes: Optional[int] = None, deadline: Deadline = NO_DEADLINE,
-               keys: Any = None) -> Optional[PendingPull]:
+               keys: Any = None, parts: bool = False) -> Optional[PendingPull]:
     """Steps 1-5a of remote snapshot ``name`` of ``store.run``; the pending pull, or
     None when it cannot be split (one committed locally already, or no object
     ``later`` names has a file of its own): then the caller pulls it whole
-    (snapd/remote/pull.py). A commit of many ranks is split by the objects ``later``
+    (snapd/remote/pull.py). A commit of many ranks is split only with ``parts`` (a
+    restore on many ranks, which reads it part by part), by the objects ``later``
     names in every part (each part's manifest is brought down with the top file)."""
     sid = SnapshotId.parse(name)
     if sid is None or os.path.isdir(store.snapshot_path(sid)):
         return None
     with reaching(remote, f"reading the record of {store.run}/{name}"):
         record = read_record(remote, store.run, name, keys)                # 1.
+        if record["world_size"] != 1 and not parts:
+            return None
         wanted = missing_shared(store, record, progress)
         check_listing(remote, store.run, name, record, wanted)             # 2.
     deadline.check(f"pulling {store.run}/{name}")
