@@ -25,7 +25,8 @@ With overlap, step 4 leaves each tracked optimizer's per-parameter state unread
 (its size and tiling checked, its bytes not); after the agreement each rank reads its
 piece in the background, as step 4 would have (its own part's, or at another world
 size assembled from every saved shard that overlaps it), and the ranks join once
-before the first update (:func:`_start_overlap`, snapd_client/overlaprestore.py).
+before the first update (:func:`_start_overlap`, snapd_client/overlaprestore.py; its
+optimizers' files still remote after a pull: snapd_client/remoteranks.py).
 
 Same world size: exact (RNG streams and cursor of the rank's own part). Another
 world size: tensors exact, RNG streams left as they are (fresh), the cursor from the

@@ -32,7 +32,9 @@ A job of many ranks (:func:`pull_from_remote`, before their agreement on one
 snapshot, snapd_client/distrestore.py) pulls on the lowest rank of each node-local
 root, and warns with FallbackWarning: every rank then agrees as with one root. There
 each S3 call is bounded by ``remote_timeout`` (connect and read, one attempt), not
-the whole of the work.
+the whole of the work. With overlap (:func:`pull_for_ranks` with ``later``) that rank
+pulls in two halves, and the ranks of its root read the pending pull before it is
+committed (snapd_client/remoteranks.py).
 
 The remote is read as the operator commands read a root behind a URL: through
 snapd/roots.py's ``open_root`` (a StoreRoot), never the remote layout directly.

@@ -258,3 +258,52 @@ def test_roots_that_do_not_all_have_it_pending_finish_their_pulls_whole(remote, 
     pulls = pulled_on_ranks(ThreadCollective(2), roots, url)
     assert pulls == [None, None]   # no shared pending pull: the agreement as without
     assert [RunStore(r, RUN).committed() for r in roots] == [[NEWEST], [NEWEST]]
+
+
+def test_a_pending_commit_the_agreement_refuses_is_set_aside_one_passed_over_committed(
+        remote, tmp_path):
+    url, _ = remote
+    refused_root, older_root = str(tmp_path / "node-a"), str(tmp_path / "node-b")
+    pulls = pulled_on_ranks(ThreadCollective(2), [refused_root] * 2, url)
+    with pytest.warns(RemoteWarning, match=f"{NEWEST.name} is not committed locally"):
+        for p in pulls:   # refused as damaged on some rank: every rank has left it
+            p.after_agreement(None, {NEWEST.name: "rank 1: damaged"})
+    assert set_aside_remotely(RunStore(refused_root, RUN)) == {NEWEST.name}
+    pulls = pulled_on_ranks(ThreadCollective(2), [older_root] * 2, url)
+    for p in pulls:   # verify_steps chose an older one: this one finished whole
+        p.after_agreement(OLDER.name, {})
+    assert RunStore(older_root, RUN).committed() == [NEWEST]
+
+
+def test_a_pull_left_pending_commits_nothing_and_the_next_start_pulls_again(
+        remote, tmp_path):
+    url, _ = remote
+    roots = [str(tmp_path / "node")] * 2
+    # The state a kill before the join leaves: the download, never read again.
+    left = pulled_on_ranks(ThreadCollective(2), roots, url)
+    store = RunStore(roots[0], RUN)
+    assert store.committed() == [] and os.path.isdir(left[0].tmp)
+    coll = ThreadCollective(2)
+    again = pulled_on_ranks(coll, roots, url)
+    assert again[0].tmp != left[0].tmp   # a download of its own; the old one unread
+    assert [others for _, others in read_and_join(coll, again, roots)] == [[], []]
+    assert store.committed() == [NEWEST]
+
+
+class _GoneCollective:
+    """A collective whose peers are gone: every exchange fails."""
+
+    rank, world_size = 0, 2
+
+    def allgather_bytes(self, data):
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_a_join_that_cannot_hear_every_rank_removes_the_download(remote, tmp_path):
+    url, _ = remote
+    pull = pulled_on_ranks(ThreadCollective(2), [str(tmp_path / "node")] * 2, url)[0]
+    join = PulledJoin(_GoneCollective(), pull, SimpleNamespace(path=pull.where), "final")
+    with pytest.raises(RuntimeError):
+        join.exchange(None, pull.where)
+    assert not os.path.exists(pull.tmp)
+    assert RunStore(str(tmp_path / "node"), RUN).committed() == []
