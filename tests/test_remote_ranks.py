@@ -2,9 +2,9 @@
 process (snapd_client/remoteranks.py): a commit of two ranks pulled but for its
 optimizers' files, the pull of each root shared by its ranks, the download of those
 files learnt by every rank in one all-gather, the commit only after the ranks' join,
-and what damage or a failed download leaves. The ranks are threads meeting in a fake
-collective (helpers.ThreadCollective); the remote is a file:// one filled by the
-uploader's own upload_snapshot."""
+and what damage or a failed download leaves; also at another world size (a
+reshard). The ranks are threads meeting in a fake collective (ThreadCollective); the
+remote is a file:// one filled by the uploader's own upload_snapshot."""
 
 import os
 import threading
@@ -111,12 +111,12 @@ def tracked():
     return {"model": model, "optimizer": opt}
 
 
-def read_later(path, rank, objects, check_files=True):
-    """What restore with overlap reads of ``path`` on ``rank``: (prepared, the
-    background read of the deferred optimizers)."""
+def read_later(path, rank, objects, check_files=True, world=2):
+    """What restore with overlap reads of ``path`` on ``rank`` of ``world``: (prepared,
+    the background read of the deferred optimizers)."""
     parts = Parts(path, check_files=check_files)
-    got = prepare(parts, rank, 2, objects, RngStreams(), data_version=None, stream=None,
-                  omit=set(), defer={"optimizer"})
+    got = prepare(parts, rank, world, objects, RngStreams(), data_version=None,
+                  stream=None, omit=set(), defer={"optimizer"})
     return got, deferred_read(parts, rank, objects, got.deferred)
 
 
@@ -132,7 +132,8 @@ def read_and_join(coll, pulls, roots):
     join told it)."""
     def work(rank, member):
         pull = pulls[rank]
-        _, read = read_later(pull.tmp, rank, tracked(), check_files=False)
+        _, read = read_later(pull.tmp, rank, tracked(), check_files=False,
+                             world=coll.world)
         try:
             states, mine = PulledRead(pull, member, read, names=["optimizer"],
                                       threads=2, timeout=30.0)(), None
@@ -307,3 +308,17 @@ def test_a_join_that_cannot_hear_every_rank_removes_the_download(remote, tmp_pat
         join.exchange(None, pull.where)
     assert not os.path.exists(pull.tmp)
     assert RunStore(str(tmp_path / "node"), RUN).committed() == []
+
+
+def test_four_ranks_on_two_roots_reshard_a_two_rank_commit_with_overlap(remote, tmp_path):
+    url, trained = remote
+    roots = [str(tmp_path / "node-a")] * 2 + [str(tmp_path / "node-b")] * 2
+    coll = ThreadCollective(4)
+    pulls = pulled_on_ranks(coll, roots, url)
+    assert [p.puller for p in pulls] == [0, 0, 2, 2]
+    for rank, (states, others) in enumerate(read_and_join(coll, pulls, roots)):
+        assert others == []
+        got, read = read_later(trained.snapshot_path(NEWEST), rank, tracked(), world=4)
+        assert got.mode == "reshard"
+        assert_equal(states, read(), f"rank {rank}'s moments, resharded")
+    assert [RunStore(r, RUN).committed() for r in roots[::2]] == [[NEWEST], [NEWEST]]
