@@ -69,7 +69,7 @@ class RootPull:
     @contextmanager
     def named(self) -> Iterator[None]:
         """A CorruptSnapshot about a file in the tmp dir, raised again naming the
-        remote file it came from (the tmp dir is never a place to look)."""
+        remote file it came from (the tmp dir is renamed or removed afterwards)."""
         try:
             yield
         except CorruptSnapshot as e:
