@@ -545,7 +545,7 @@ class Client:
         state is read and verified in the background, and its first ``step()`` (or
         the next snapshot()) waits for it; on many ranks, every rank's, joined there
         (docs/operations.md, "Restore with overlap"; snapd_client/overlaprestore.py).
-        A reshard too; refused on many ranks with ``remote``, for now.
+        The same after a reshard and for a pull from the remote tier, one rank or many.
         """
         self._check_open()
         self._restore_called = time.time()   # the resume record's "called" (its phases)
