@@ -168,7 +168,13 @@ class SnapdCallback(Callback):
             self._install(trainer, EpochLoader(stream, trainer))
             self.resumed_from = self._offered = client.restore()
             if client.restored is not None:
+                if trainer.ckpt_path:
+                    logger.info(f"run {self.run}: the snapshot of step {self.resumed_from} "
+                                f"replaces the training state of {trainer.ckpt_path} "
+                                "(fit's ckpt_path)")
                 self._hand_to_lightning(trainer, pl_module)
+            elif trainer.ckpt_path:
+                raise _checkpoint_without_snapshot(trainer.ckpt_path, self.run)
         except BaseException:
             self._close(raising=False)
             raise
@@ -205,6 +211,16 @@ class SnapdCallback(Callback):
                 f"SnapdCallback: the training loader ({type(loader).__name__}) has no "
                 "len(); the cursor needs a sized loader (a map-style dataset)",
                 field="train_dataloaders") from e
+        if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
+            # Measured with torchdata 0.11: Lightning opens such a loader twice at the
+            # fit's start and the cursor once, so the fit differs from the stock one;
+            # with workers a resumed epoch ran past its end.
+            raise UnsupportedState(
+                f"SnapdCallback: the training loader ({type(loader).__name__}) keeps a "
+                "state of its own (state_dict()); a fit with it is not resumed exactly. "
+                "Use a torch.utils.data.DataLoader: the data cursor positions it without "
+                "fetching, with or without workers",
+                field="train_dataloaders")
         combined.reset()   # the workers setup_data started go; the cursor starts its own
         return loader
 
@@ -285,6 +301,21 @@ class SnapdCallback(Callback):
             if raising:
                 raise
             logger.info(f"run {self.run}: closed after the fit failed; {e}")
+
+
+def _checkpoint_without_snapshot(ckpt_path: Any, run: str) -> UnsupportedState:
+    """``fit(ckpt_path=...)`` on a run with no snapshot yet: Lightning has loaded its
+    checkpoint, which holds no RNG stream and no data position, so the fit could not
+    go on as the interrupted one would have, and the cursor would start its epochs
+    over while Lightning's loops stand mid-fit. (With a snapshot, the snapshot's
+    state replaces what Lightning loaded from the checkpoint.)"""
+    return UnsupportedState(
+        f"SnapdCallback: fit(ckpt_path={str(ckpt_path)!r}) loaded a Lightning checkpoint, "
+        f"and run {run!r} has no snapd snapshot to resume from exactly (a Lightning "
+        "checkpoint holds no RNG state and no data position). Drop ckpt_path to start "
+        "the run over under snapd, or drop the SnapdCallback to continue from the "
+        "checkpoint with Lightning's own resume",
+        path=str(ckpt_path), field="ckpt_path")
 
 
 def _optimizers(trainer: "pl.Trainer") -> Dict[str, Any]:

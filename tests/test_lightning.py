@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -48,7 +49,7 @@ def data(n=36):
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
 
 
-def fit(root, max_steps, callback=True, loaders=None, **trainer_kw):
+def fit(root, max_steps, callback=True, loaders=None, extra=(), ckpt_path=None, **trainer_kw):
     """A fresh seed, module, loader and trainer, as a new process would make them;
     Lightning's own ModelCheckpoint saves beside."""
     pl.seed_everything(7, verbose=False)
@@ -57,10 +58,10 @@ def fit(root, max_steps, callback=True, loaders=None, **trainer_kw):
     trainer = pl.Trainer(max_steps=max_steps, max_epochs=-1, accumulate_grad_batches=2,
                          accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=root,
-                         callbacks=[Counter()] + ([SnapdCallback(root, run="fit", every=1)]
-                                                  if callback else []),
+                         callbacks=[Counter(), *extra] + ([SnapdCallback(root, run="fit", every=1)]
+                                                          if callback else []),
                          **trainer_kw)
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
     return model, trainer
 
 
@@ -113,6 +114,8 @@ def test_a_fit_fitted_again_resumes_onto_the_uninterrupted_fit(tmp_path, caplog)
                  id="two-loaders"),
     pytest.param(lambda: DataLoader(Stream(), batch_size=4), "train_dataloaders",
                  id="unsized"),
+    pytest.param(lambda: StatefulDataLoader(data(), batch_size=4, shuffle=True),
+                 "train_dataloaders", id="stateful-dataloader"),
 ])
 def test_what_the_cursor_cannot_follow_is_refused(tmp_path, loaders, field):
     with pytest.raises(UnsupportedState) as caught:
@@ -126,6 +129,21 @@ def test_reloading_the_loader_every_epoch_is_refused(tmp_path):
         fit(str(tmp_path / "root"), 4, reload_dataloaders_every_n_epochs=1)
     assert caught.value.field == "reload_dataloaders_every_n_epochs"
     assert "set it to 0" in str(caught.value)
+
+
+def test_a_lightning_checkpoint_without_a_snapshot_is_refused(tmp_path):
+    """fit(ckpt_path=...) where the run has no snapshot yet: Lightning's checkpoint
+    holds no RNG state and no data position, so the fit is refused, naming the file."""
+    root = str(tmp_path / "root")
+    saves = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "lightning"), save_last=True,
+                                         save_top_k=0, every_n_train_steps=1)
+    fit(root, 2, callback=False, extra=[saves])
+    last = str(tmp_path / "lightning" / "last.ckpt")
+    assert os.path.exists(last)
+    with pytest.raises(UnsupportedState) as caught:
+        fit(root, 4, ckpt_path=last)
+    assert caught.value.field == "ckpt_path" and caught.value.path == last
+    assert "Drop ckpt_path" in str(caught.value)
 
 
 def test_the_stock_script_adds_at_most_three_lines():
