@@ -8,6 +8,12 @@ bf16-mixed on the CPU; 3 epochs of 15 batches, 8 updates an epoch (steps end aft
 batches 1, 3, ..., 13 and 14 of an epoch), a snapshot every 3 updates (every 4 in
 one trial, so that one lands on an epoch's last batch).
 
+Variants (VARIANTS): a module that steps its optimizer itself (manual optimization)
+with validation twice an epoch over a shuffled loader, killed right before the
+mid-epoch validation's snapshot is resumed (batch 28: step 15's snapshot, then the
+validation); and Lightning's own ModelCheckpoint with fit(ckpt_path="last") beside
+the callback, Lightning's last.ckpt newer than the snapshot.
+
 A kill ``("end", b)`` comes after batch b's hooks, the snapshot callback's included:
 at a step boundary whose snapshot is taken, the trainer dies while the daemon writes
 it. ``("start", b)`` comes before batch b's forward. Every trial's runs go side by
@@ -46,7 +52,18 @@ TRIALS = {
     "workers-mid-accumulation": (2, 3, [["end", 6]], [3]),
     "workers-from-epoch-end": (2, 4, [["start", 17]], [8]),
     "workers-twice-during-snapshots": (2, 3, [["end", 5], ["end", 33]], [3, 18]),
+    "manual-validation-mid-epoch": (0, 3, [["end", 8], ["start", 29]], [3, 15]),
+    "ckpt-path-beside": (0, 3, [["end", 10]], [3]),
 }
+# Trials of a variant of the stock fit (lightning_job.py), and the uninterrupted fit
+# each ends on. The manual module sums two batches' halved gradients and steps, the
+# arithmetic of Lightning's automatic accumulation: the two fits end on the same bits,
+# so the manual trial is held to the automatic stock fit with the same validation.
+VARIANTS = {
+    "manual-validation-mid-epoch": {"manual": True, "val_check_interval": 0.5},
+    "ckpt-path-beside": {"resume": "both"},
+}
+WHOLE = {"manual-validation-mid-epoch": "whole-validation-mid-epoch"}
 ATTEMPTS = 4   # a trial's runs at most: its kills, then the run that finishes
 
 
@@ -87,10 +104,14 @@ def fits(tmp_path_factory, warm):
             marks = os.path.join(base, f"marks-{name}")
             os.makedirs(marks)
             cfgs[name] = {"root": root, "run": name, "workers": workers, "every": every,
-                          "resume": "snapd", "kills": kills, "marks": marks}
+                          "resume": "snapd", "kills": kills, "marks": marks,
+                          **VARIANTS.get(name, {})}
         for workers in (0, 2):
             cfgs[f"whole-{workers}"] = {"root": root, "run": f"whole-{workers}",
                                         "workers": workers, "resume": "none"}
+        cfgs["whole-validation-mid-epoch"] = {"root": root, "run": "whole-validation",
+                                              "workers": 0, "resume": "none",
+                                              "val_check_interval": 0.5}
         pending = list(cfgs)
         for attempt in range(ATTEMPTS):
             started, timers = {}, []
@@ -140,7 +161,18 @@ def test_killed_fit_resumes_bit_for_bit(fits, name):
             [err[-2000:] for _, _, err in runs]
         for (_, _, err), step in zip(runs[1:], resumed_from):
             assert f"snapd: run {name}: resuming from step {step} " in err, err[-3000:]
-    assert _final(runs) == _final(fits[f"whole-{workers}"])
+    assert _final(runs) == _final(fits[WHOLE.get(name, f"whole-{workers}")])
+
+
+def test_a_lightning_checkpoint_beside_a_snapshot_gives_way_to_it(fits):
+    """fit(ckpt_path="last") with Lightning saving every 2 steps, snapd every 3: killed
+    at step 5, Lightning's last.ckpt is step 4's and the run's snapshot step 3's. The
+    restart resumes from the snapshot (exact above) and says it replaced the file's
+    training state."""
+    _, _, err = fits["ckpt-path-beside"][1]
+    assert "resuming from step 3 " in err, err[-3000:]
+    assert "the snapshot of step 3 replaces the training state of " in err, err[-3000:]
+    assert "last.ckpt (fit's ckpt_path)" in err, err[-3000:]
 
 
 def test_a_resume_mid_epoch_is_not_warned_about_as_unresumable(fits):
