@@ -54,13 +54,14 @@ from typing import Any, Dict, Iterator, Optional
 
 from snapd.errors import SnapdError, UnsupportedState
 from snapd_client.client import Client
-from snapd_client.cursor import BatchStream
+from snapd_client.cursor import BatchStream, private_generators
 from snapd_client.rng import RngStreams
 from snapd_client.values import ValueHome
 
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loops.fit_loop import RestartStage
     from lightning.pytorch.trainer import call
     from lightning.pytorch.utilities.warnings import PossibleUserWarning
 except ImportError as e:   # the extra is missing: say which to install
@@ -152,6 +153,7 @@ class SnapdCallback(Callback):
         self._state: Optional[LightningState] = None
         self._quiet: Optional[tuple] = None   # the warnings filter of a resume
         self._offered: Optional[int] = None   # the step of the last snapshot offered
+        self._restored = False   # this fit resumed from a snapshot
 
     # --- the fit's start: set up, restore ------------------------------------------
 
@@ -167,7 +169,8 @@ class SnapdCallback(Callback):
             stream = client.batches(loader)
             self._install(trainer, EpochLoader(stream, trainer))
             self.resumed_from = self._offered = client.restore()
-            if client.restored is not None:
+            self._restored = client.restored is not None
+            if self._restored:
                 if trainer.ckpt_path:
                     logger.info(f"run {self.run}: the snapshot of step {self.resumed_from} "
                                 f"replaces the training state of {trainer.ckpt_path} "
@@ -190,6 +193,8 @@ class SnapdCallback(Callback):
                 "loader the data cursor iterates; set it to 0",
                 field="reload_dataloaders_every_n_epochs")
         streams = RngStreams()   # the global streams: python, numpy, torch, cuda
+        for i, generator in enumerate(_given_generators(fit_loop._data_source.instance)):
+            streams.add_generator(f"loader.{i}", generator)   # a sampler's own, say
         before = streams.capture()
         fit_loop.setup_data()
         streams.restore(before)   # the early iter()'s draws undone
@@ -211,16 +216,6 @@ class SnapdCallback(Callback):
                 f"SnapdCallback: the training loader ({type(loader).__name__}) has no "
                 "len(); the cursor needs a sized loader (a map-style dataset)",
                 field="train_dataloaders") from e
-        if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
-            # Measured with torchdata 0.11: Lightning opens such a loader twice at the
-            # fit's start and the cursor once, so the fit differs from the stock one;
-            # with workers a resumed epoch ran past its end.
-            raise UnsupportedState(
-                f"SnapdCallback: the training loader ({type(loader).__name__}) keeps a "
-                "state of its own (state_dict()); a fit with it is not resumed exactly. "
-                "Use a torch.utils.data.DataLoader: the data cursor positions it without "
-                "fetching, with or without workers",
-                field="train_dataloaders")
         combined.reset()   # the workers setup_data started go; the cursor starts its own
         return loader
 
@@ -251,6 +246,19 @@ class SnapdCallback(Callback):
         connector.restore_callbacks()
         warnings.filterwarnings("ignore", message=_NOT_RESUMABLE, category=PossibleUserWarning)
         self._quiet = warnings.filters[0]   # taken out at the first batch
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """A resume from a snapshot taken at an epoch's last batch: Lightning's fit loop
+        has just closed that epoch (its ``reset``), but still counts itself restarted
+        mid-epoch, so it would open the next one without counting it as started and
+        without ``on_train_epoch_start``; every later snapshot's loop state would be an
+        epoch behind, and a resume from it would start its epoch over. The restart is
+        over: the next epoch opens as in the uninterrupted fit."""
+        fit_loop = trainer.fit_loop
+        epochs = fit_loop.epoch_progress.total
+        if self._restored and fit_loop.restarted_mid_epoch and \
+                epochs.processed == epochs.started:
+            fit_loop._restart_stage = RestartStage.NONE
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                              batch: Any, batch_idx: int) -> None:
@@ -316,6 +324,21 @@ def _checkpoint_without_snapshot(ckpt_path: Any, run: str) -> UnsupportedState:
         "the run over under snapd, or drop the SnapdCallback to continue from the "
         "checkpoint with Lightning's own resume",
         path=str(ckpt_path), field="ckpt_path")
+
+
+def _given_generators(given: Any) -> list:
+    """The private generators of the training loaders handed to ``fit`` (a loader's
+    ``generator=``, torchdata's sampler's own): the early ``iter()`` draws from them
+    too. A loader that ``train_dataloader()`` builds is made inside ``setup_data``,
+    its generators out of reach until then."""
+    loaders = list(given.values()) if isinstance(given, dict) else \
+        list(given) if isinstance(given, (list, tuple)) else [given]
+    found: list = []
+    for loader in loaders:
+        for generator in private_generators(loader):
+            if not any(generator is g for g in found):
+                found.append(generator)
+    return found
 
 
 def _optimizers(trainer: "pl.Trainer") -> Dict[str, Any]:

@@ -114,8 +114,6 @@ def test_a_fit_fitted_again_resumes_onto_the_uninterrupted_fit(tmp_path, caplog)
                  id="two-loaders"),
     pytest.param(lambda: DataLoader(Stream(), batch_size=4), "train_dataloaders",
                  id="unsized"),
-    pytest.param(lambda: StatefulDataLoader(data(), batch_size=4, shuffle=True),
-                 "train_dataloaders", id="stateful-dataloader"),
 ])
 def test_what_the_cursor_cannot_follow_is_refused(tmp_path, loaders, field):
     with pytest.raises(UnsupportedState) as caught:
@@ -129,6 +127,27 @@ def test_reloading_the_loader_every_epoch_is_refused(tmp_path):
         fit(str(tmp_path / "root"), 4, reload_dataloaders_every_n_epochs=1)
     assert caught.value.field == "reload_dataloaders_every_n_epochs"
     assert "set it to 0" in str(caught.value)
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: DataLoader(data(), batch_size=4, shuffle=True,
+                                    generator=torch.Generator().manual_seed(5)),
+                 id="loader-generator"),
+    pytest.param(lambda: StatefulDataLoader(data(), batch_size=4, shuffle=True),
+                 id="stateful-dataloader"),
+])
+def test_a_loader_with_a_generator_of_its_own_fits_as_without_the_callback(tmp_path, make):
+    """The callback sets the loader up early; the draws that makes from the loader's
+    own generator (torchdata's sampler always has one) are undone as the global ones."""
+    def made():   # torchdata's sampler seeds its generator from torch's when built
+        torch.manual_seed(11)
+        return make()
+
+    stock = states(*fit(str(tmp_path / "stock"), 6, callback=False, loaders=made()))
+    with_callback = states(*fit(str(tmp_path / "root"), 6, loaders=made()))
+    assert with_callback[1] == stock[1]
+    for got, want in zip(with_callback[0], stock[0]):
+        assert torch.equal(got, want)
 
 
 def test_a_lightning_checkpoint_without_a_snapshot_is_refused(tmp_path):
