@@ -12,7 +12,10 @@ Variants (VARIANTS): a module that steps its optimizer itself (manual optimizati
 with validation twice an epoch over a shuffled loader, killed right before the
 mid-epoch validation's snapshot is resumed (batch 28: step 15's snapshot, then the
 validation); and Lightning's own ModelCheckpoint with fit(ckpt_path="last") beside
-the callback, Lightning's last.ckpt newer than the snapshot.
+the callback, Lightning's last.ckpt newer than the snapshot; a torchdata
+StatefulDataLoader with 2 workers, resumed from the snapshot at epoch 0's last batch
+and killed again in epoch 2 (the second resume reads loop state written by a resumed
+fit).
 
 A kill ``("end", b)`` comes after batch b's hooks, the snapshot callback's included:
 at a step boundary whose snapshot is taken, the trainer dies while the daemon writes
@@ -54,6 +57,7 @@ TRIALS = {
     "workers-twice-during-snapshots": (2, 3, [["end", 5], ["end", 33]], [3, 18]),
     "manual-validation-mid-epoch": (0, 3, [["end", 8], ["start", 29]], [3, 15]),
     "ckpt-path-beside": (0, 3, [["end", 10]], [3]),
+    "stateful-workers-twice-from-epoch-end": (2, 4, [["start", 17], ["start", 38]], [8, 20]),
 }
 # Trials of a variant of the stock fit (lightning_job.py), and the uninterrupted fit
 # each ends on. The manual module sums two batches' halved gradients and steps, the
@@ -62,8 +66,10 @@ TRIALS = {
 VARIANTS = {
     "manual-validation-mid-epoch": {"manual": True, "val_check_interval": 0.5},
     "ckpt-path-beside": {"resume": "both"},
+    "stateful-workers-twice-from-epoch-end": {"stateful": True},
 }
-WHOLE = {"manual-validation-mid-epoch": "whole-validation-mid-epoch"}
+WHOLE = {"manual-validation-mid-epoch": "whole-validation-mid-epoch",
+         "stateful-workers-twice-from-epoch-end": "whole-stateful-2"}
 ATTEMPTS = 4   # a trial's runs at most: its kills, then the run that finishes
 
 
@@ -112,6 +118,8 @@ def fits(tmp_path_factory, warm):
         cfgs["whole-validation-mid-epoch"] = {"root": root, "run": "whole-validation",
                                               "workers": 0, "resume": "none",
                                               "val_check_interval": 0.5}
+        cfgs["whole-stateful-2"] = {"root": root, "run": "whole-stateful-2", "workers": 2,
+                                    "resume": "none", "stateful": True}
         pending = list(cfgs)
         for attempt in range(ATTEMPTS):
             started, timers = {}, []
