@@ -42,8 +42,14 @@ seed and starts workers; the callback runs it early, puts the global RNG streams
 back as they were before it, and replaces the loader in Lightning's
 ``CombinedLoader`` by an :class:`EpochLoader`, whose ``iter()`` draws nothing until
 its first batch. Each epoch's iterator is then opened from the same RNG as without
-the callback, so adding it does not change the run (a loader with a ``generator``
-of its own excepted: that generator has drawn the early ``iter()``'s base seed).
+the callback, so adding it does not change the run. The generators of the loaders
+handed to ``fit`` (a ``generator=``, torchdata's sampler's own) are put back with the
+global streams; a loader that a ``train_dataloader()`` method builds is made inside
+that set-up, and a generator of its own has drawn the early ``iter()``'s seed.
+
+**ckpt_path.** ``fit(ckpt_path=...)`` loads Lightning's checkpoint before
+``on_fit_start``; a snapshot's state then replaces all of it, and a run without a
+snapshot is refused (the file holds no RNG stream and no data position).
 """
 
 from __future__ import annotations
