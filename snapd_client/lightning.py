@@ -58,6 +58,8 @@ import logging
 import warnings
 from typing import Any, Dict, Iterator, Optional
 
+from torch.utils.data import RandomSampler
+
 from snapd.errors import SnapdError, UnsupportedState
 from snapd_client.client import Client
 from snapd_client.cursor import BatchStream, private_generators
@@ -73,6 +75,12 @@ try:
 except ImportError as e:   # the extra is missing: say which to install
     raise ImportError("snapd_client.lightning needs PyTorch Lightning: "
                       "pip install 'snapd[lightning]' (lightning>=2.6)") from e
+
+try:   # torchdata's own sampler, the one a StatefulDataLoader(shuffle=True) has
+    from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
+    _SHUFFLING: tuple = (RandomSampler, StatefulRandomSampler)
+except ImportError:
+    _SHUFFLING = (RandomSampler,)
 
 logger = logging.getLogger(__name__)   # printed as "snapd: ..." (snapd/stderrlog.py)
 
@@ -266,6 +274,24 @@ class SnapdCallback(Callback):
                 epochs.processed == epochs.started:
             fit_loop._restart_stage = RestartStage.NONE
 
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule"
+                            ) -> None:
+        """A shuffled validation loader is refused at the first validation (the sanity
+        check's, before any training, unless ``num_sanity_val_steps=0``): measured, a
+        fit that validates with one does not resume exactly."""
+        if self.client is None:
+            return
+        given = trainer.val_dataloaders
+        loaders = given if isinstance(given, (list, tuple)) else [given]
+        for loader in loaders:
+            if isinstance(getattr(loader, "sampler", None), _SHUFFLING):
+                self._close(raising=False)
+                raise UnsupportedState(
+                    "SnapdCallback: the validation loader shuffles (a RandomSampler); a "
+                    "fit that validates with it does not resume exactly. Build it with "
+                    "shuffle=False (Lightning warns against shuffling it too)",
+                    field="val_dataloaders")
+
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                              batch: Any, batch_idx: int) -> None:
         self._unquiet()
@@ -286,7 +312,10 @@ class SnapdCallback(Callback):
         step = trainer.global_step
         if step == self._offered:   # no update since the last offer (manual optimization)
             return
-        self._offered = step
+        self._offered = step   # offered once, at the batch that stepped
+        if _validates_inside_epochs(trainer) and \
+                trainer.fit_loop.epoch_loop._num_ready_batches_reached():
+            return   # a resume from here would skip the validation that follows
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         scalars = {"loss": float(loss)} if _one_number(loss) else {}
         self.client.log(step, **scalars)
@@ -345,6 +374,17 @@ def _given_generators(given: Any) -> list:
             if not any(generator is g for g in found):
                 found.append(generator)
     return found
+
+
+def _validates_inside_epochs(trainer: "pl.Trainer") -> bool:
+    """Does the fit validate by batch count or time inside its epochs
+    (``val_check_interval``)? Then Lightning restarting from an epoch's last batch
+    skips the validation that follows it, and with it the base seed that the
+    validation loader's ``iter()`` draws: the resumed fit would go on from
+    another RNG state. No snapshot is offered there."""
+    every = trainer.val_check_batch
+    return trainer.limit_val_batches != 0 and (
+        every is None or every < trainer.num_training_batches)
 
 
 def _optimizers(trainer: "pl.Trainer") -> Dict[str, Any]:

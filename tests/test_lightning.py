@@ -39,6 +39,12 @@ class Net(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class ValidatedNet(Net):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         return iter([(torch.zeros(4), 0)] * 8)
@@ -49,11 +55,12 @@ def data(n=36):
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
 
 
-def fit(root, max_steps, callback=True, loaders=None, extra=(), ckpt_path=None, **trainer_kw):
+def fit(root, max_steps, callback=True, loaders=None, extra=(), ckpt_path=None, val=None,
+        module=None, **trainer_kw):
     """A fresh seed, module, loader and trainer, as a new process would make them;
     Lightning's own ModelCheckpoint saves beside."""
     pl.seed_everything(7, verbose=False)
-    model = Net()
+    model = (module or Net)()
     loader = loaders if loaders is not None else DataLoader(data(), batch_size=4, shuffle=True)
     trainer = pl.Trainer(max_steps=max_steps, max_epochs=-1, accumulate_grad_batches=2,
                          accelerator="cpu", logger=False, enable_progress_bar=False,
@@ -61,7 +68,7 @@ def fit(root, max_steps, callback=True, loaders=None, extra=(), ckpt_path=None, 
                          callbacks=[Counter(), *extra] + ([SnapdCallback(root, run="fit", every=1)]
                                                           if callback else []),
                          **trainer_kw)
-    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    trainer.fit(model, loader, val, ckpt_path=ckpt_path)
     return model, trainer
 
 
@@ -163,6 +170,15 @@ def test_a_lightning_checkpoint_without_a_snapshot_is_refused(tmp_path):
         fit(root, 4, ckpt_path=last)
     assert caught.value.field == "ckpt_path" and caught.value.path == last
     assert "Drop ckpt_path" in str(caught.value)
+
+
+def test_a_shuffled_validation_loader_is_refused_before_training(tmp_path):
+    """Refused at the sanity check's validation, before the first training batch."""
+    with pytest.raises(UnsupportedState) as caught:
+        fit(str(tmp_path / "root"), 4, module=ValidatedNet,
+            val=DataLoader(data(8), batch_size=4, shuffle=True))
+    assert caught.value.field == "val_dataloaders"
+    assert "shuffle=False" in str(caught.value)
 
 
 def test_the_stock_script_adds_at_most_three_lines():

@@ -21,8 +21,8 @@ that a kill takes every rank, as a lost node does.
 Variants of the stock fit, each a key of the JSON: ``manual`` (true: the module
 steps its optimizer and scheduler itself, ``automatic_optimization = False``, every
 second batch and at an epoch's last one, as the automatic fit's accumulation does);
-``val_check_interval`` (validation inside the epoch, over a shuffled validation
-loader, as well as at its end); ``stateful`` (true: the training loader is a
+``val_check_interval`` (validation inside the epoch as well as at its end);
+``val_shuffle`` (a shuffled validation loader); ``stateful`` (true: the training loader is a
 torchdata ``StatefulDataLoader``). ``resume`` may also be "both": snapd's callback
 beside Lightning's own ``ModelCheckpoint`` and ``fit(ckpt_path="last")``, Lightning
 saving every ``lightning_every`` steps (default 2).
@@ -172,13 +172,14 @@ def main() -> None:
     trainer = pl.Trainer(max_epochs=EPOCHS,
                          accumulate_grad_batches=1 if cfg.get("manual") else 2,
                          precision="bf16-mixed", accelerator="cpu", devices=devices,
+                         val_check_interval=cfg.get("val_check_interval"),
                          strategy="ddp_fork" if devices > 1 else "auto",
                          logger=False, enable_progress_bar=False,
                          enable_model_summary=False,
                          enable_checkpointing=cfg["resume"] in ("lightning", "both"),
                          callbacks=callbacks)
     val = DataLoader(TensorDataset(x[:32], y[:32]), batch_size=8,   # each epoch's end
-                     shuffle=cfg.get("val_check_interval") is not None)   # and inside it
+                     shuffle=cfg.get("val_shuffle", False))
     trainer.fit(model, loader, val, ckpt_path=ckpt_path)
 
 

@@ -9,9 +9,11 @@ batches 1, 3, ..., 13 and 14 of an epoch), a snapshot every 3 updates (every 4 i
 one trial, so that one lands on an epoch's last batch).
 
 Variants (VARIANTS): a module that steps its optimizer itself (manual optimization)
-with validation twice an epoch over a shuffled loader, killed right before the
-mid-epoch validation's snapshot is resumed (batch 28: step 15's snapshot, then the
-validation); and Lightning's own ModelCheckpoint with fit(ckpt_path="last") beside
+with validation inside the epoch (val_check_interval=0.5: after batches 6 and 13 of
+an epoch, and at its end), killed after the snapshot of step 15 at batch 28, which a
+validation follows; the automatic fit validating so, killed before batch 17 (no
+snapshot is offered at an epoch's last batch there: it resumes from step 4) and
+before batch 29; and Lightning's own ModelCheckpoint with fit(ckpt_path="last") beside
 the callback, Lightning's last.ckpt newer than the snapshot; a torchdata
 StatefulDataLoader with 2 workers, resumed from the snapshot at epoch 0's last batch
 and killed again in epoch 2 (the second resume reads loop state written by a resumed
@@ -56,19 +58,20 @@ TRIALS = {
     "workers-from-epoch-end": (2, 4, [["start", 17]], [8]),
     "workers-twice-during-snapshots": (2, 3, [["end", 5], ["end", 33]], [3, 18]),
     "manual-validation-mid-epoch": (0, 3, [["end", 8], ["start", 29]], [3, 15]),
+    "validation-mid-epoch-from-epoch-end": (0, 4, [["start", 17], ["start", 29]], [4, 12]),
     "ckpt-path-beside": (0, 3, [["end", 10]], [3]),
     "stateful-workers-twice-from-epoch-end": (2, 4, [["start", 17], ["start", 38]], [8, 20]),
 }
 # Trials of a variant of the stock fit (lightning_job.py), and the uninterrupted fit
-# each ends on. The manual module sums two batches' halved gradients and steps, the
-# arithmetic of Lightning's automatic accumulation: the two fits end on the same bits,
-# so the manual trial is held to the automatic stock fit with the same validation.
+# of the same variant each ends on.
 VARIANTS = {
     "manual-validation-mid-epoch": {"manual": True, "val_check_interval": 0.5},
+    "validation-mid-epoch-from-epoch-end": {"val_check_interval": 0.5},
     "ckpt-path-beside": {"resume": "both"},
     "stateful-workers-twice-from-epoch-end": {"stateful": True},
 }
-WHOLE = {"manual-validation-mid-epoch": "whole-validation-mid-epoch",
+WHOLE = {"manual-validation-mid-epoch": "whole-manual-validation-mid-epoch",
+         "validation-mid-epoch-from-epoch-end": "whole-validation-mid-epoch",
          "stateful-workers-twice-from-epoch-end": "whole-stateful-2"}
 ATTEMPTS = 4   # a trial's runs at most: its kills, then the run that finishes
 
@@ -118,6 +121,9 @@ def fits(tmp_path_factory, warm):
         cfgs["whole-validation-mid-epoch"] = {"root": root, "run": "whole-validation",
                                               "workers": 0, "resume": "none",
                                               "val_check_interval": 0.5}
+        cfgs["whole-manual-validation-mid-epoch"] = {
+            "root": root, "run": "whole-manual-validation", "workers": 0, "resume": "none",
+            "manual": True, "val_check_interval": 0.5}
         cfgs["whole-stateful-2"] = {"root": root, "run": "whole-stateful-2", "workers": 2,
                                     "resume": "none", "stateful": True}
         pending = list(cfgs)
