@@ -25,7 +25,9 @@ for the fit and gives it all of it:
 never inside a gradient-accumulation window (there the gradients are half summed),
 with ``step = trainer.global_step``; ``every`` decides which are taken. At that hook
 Lightning's loops are in the state its own ``ModelCheckpoint(every_n_train_steps=)``
-saves, a restart point its loops know how to continue from.
+saves, a restart point its loops know how to continue from. Not at an epoch's last
+batch when the fit validates inside its epochs (``val_check_interval``): a restart
+there skips the validation that follows, and the seed its loader draws.
 
 **Resume.** In ``on_fit_start`` (after the strategy made the optimizers, before
 Lightning restores any training state) the callback sets the loader up, then
