@@ -12,9 +12,9 @@ Variants (VARIANTS): a module that steps its optimizer itself (manual optimizati
 with validation inside the epoch (val_check_interval=0.5: after batches 6 and 13 of
 an epoch, and at its end), killed after the snapshot of step 15 at batch 28, which a
 validation follows; the automatic fit validating so, killed before batch 17 (no
-snapshot is offered at an epoch's last batch there: it resumes from step 4) and
-before batch 29; and Lightning's own ModelCheckpoint with fit(ckpt_path="last") beside
-the callback, Lightning's last.ckpt newer than the snapshot; a torchdata
+snapshot is offered at an epoch's last batch there: it resumes from step 4), with
+Lightning's own ModelCheckpoint and fit(ckpt_path="last")
+beside the callback, Lightning's last.ckpt newer than the snapshot; a torchdata
 StatefulDataLoader with 2 workers, resumed from the snapshot at epoch 0's last batch
 and killed again in epoch 2 (the second resume reads loop state written by a resumed
 fit).
@@ -57,17 +57,15 @@ TRIALS = {
     "workers-mid-accumulation": (2, 3, [["end", 6]], [3]),
     "workers-from-epoch-end": (2, 4, [["start", 17]], [8]),
     "workers-twice-during-snapshots": (2, 3, [["end", 5], ["end", 33]], [3, 18]),
-    "manual-validation-mid-epoch": (0, 3, [["end", 8], ["start", 29]], [3, 15]),
-    "validation-mid-epoch-from-epoch-end": (0, 4, [["start", 17], ["start", 29]], [4, 12]),
-    "ckpt-path-beside": (0, 3, [["end", 10]], [3]),
+    "manual-validation-mid-epoch": (0, 3, [["start", 29]], [15]),
+    "validation-mid-epoch-from-epoch-end": (0, 4, [["start", 17]], [4]),
     "stateful-workers-twice-from-epoch-end": (2, 4, [["start", 17], ["start", 38]], [8, 20]),
 }
 # Trials of a variant of the stock fit (lightning_job.py), and the uninterrupted fit
 # of the same variant each ends on.
 VARIANTS = {
     "manual-validation-mid-epoch": {"manual": True, "val_check_interval": 0.5},
-    "validation-mid-epoch-from-epoch-end": {"val_check_interval": 0.5},
-    "ckpt-path-beside": {"resume": "both"},
+    "validation-mid-epoch-from-epoch-end": {"val_check_interval": 0.5, "resume": "both"},
     "stateful-workers-twice-from-epoch-end": {"stateful": True},
 }
 WHOLE = {"manual-validation-mid-epoch": "whole-manual-validation-mid-epoch",
@@ -179,13 +177,13 @@ def test_killed_fit_resumes_bit_for_bit(fits, name):
 
 
 def test_a_lightning_checkpoint_beside_a_snapshot_gives_way_to_it(fits):
-    """fit(ckpt_path="last") with Lightning saving every 2 steps, snapd every 3: killed
-    at step 5, Lightning's last.ckpt is step 4's and the run's snapshot step 3's. The
-    restart resumes from the snapshot (exact above) and says it replaced the file's
-    training state."""
-    _, _, err = fits["ckpt-path-beside"][1]
-    assert "resuming from step 3 " in err, err[-3000:]
-    assert "the snapshot of step 3 replaces the training state of " in err, err[-3000:]
+    """fit(ckpt_path="last") with Lightning saving every 2 steps, snapd every 4 (not at
+    step 8, an epoch's last batch): killed at step 9, Lightning's last.ckpt is step
+    8's and the run's snapshot step 4's. The restart resumes from the snapshot (exact
+    above) and says it replaced the file's training state."""
+    _, _, err = fits["validation-mid-epoch-from-epoch-end"][1]
+    assert "resuming from step 4 " in err, err[-3000:]
+    assert "the snapshot of step 4 replaces the training state of " in err, err[-3000:]
     assert "last.ckpt (fit's ckpt_path)" in err, err[-3000:]
 
 
