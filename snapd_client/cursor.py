@@ -90,7 +90,7 @@ def _epoch_samplers(loader: Any) -> list:
     return found
 
 
-def _private_generators(loader: Any) -> list:
+def private_generators(loader: Any) -> list:
     """The loader's own generator and its sampler's, each once (often the same object)."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     found: list = []
@@ -193,7 +193,7 @@ class BatchStream:
         self._stateful = callable(getattr(self._sampling, "state_dict", None)) and \
             callable(getattr(self._sampling, "load_state_dict", None))
         # A private generator moves as the loader shuffles: it is an RNG stream like any other.
-        for i, gen in enumerate(_private_generators(loader)):
+        for i, gen in enumerate(private_generators(loader)):
             rng.add_generator("loader" if i == 0 else f"loader.{i}", gen)
 
     def __len__(self) -> int:

@@ -25,7 +25,9 @@ for the fit and gives it all of it:
 never inside a gradient-accumulation window (there the gradients are half summed),
 with ``step = trainer.global_step``; ``every`` decides which are taken. At that hook
 Lightning's loops are in the state its own ``ModelCheckpoint(every_n_train_steps=)``
-saves, a restart point its loops know how to continue from.
+saves, a restart point its loops know how to continue from. Not at an epoch's last
+batch when the fit validates inside its epochs (``val_check_interval``): a restart
+there skips the validation that follows, and the seed its loader draws.
 
 **Resume.** In ``on_fit_start`` (after the strategy made the optimizers, before
 Lightning restores any training state) the callback sets the loader up, then
@@ -42,8 +44,14 @@ seed and starts workers; the callback runs it early, puts the global RNG streams
 back as they were before it, and replaces the loader in Lightning's
 ``CombinedLoader`` by an :class:`EpochLoader`, whose ``iter()`` draws nothing until
 its first batch. Each epoch's iterator is then opened from the same RNG as without
-the callback, so adding it does not change the run (a loader with a ``generator``
-of its own excepted: that generator has drawn the early ``iter()``'s base seed).
+the callback, so adding it does not change the run. The generators of the loaders
+handed to ``fit`` (a ``generator=``, torchdata's sampler's own) are put back with the
+global streams; a loader that a ``train_dataloader()`` method builds is made inside
+that set-up, and a generator of its own has drawn the early ``iter()``'s seed.
+
+**ckpt_path.** ``fit(ckpt_path=...)`` loads Lightning's checkpoint before
+``on_fit_start``; a snapshot's state then replaces all of it, and a run without a
+snapshot is refused (the file holds no RNG stream and no data position).
 """
 
 from __future__ import annotations
@@ -52,20 +60,29 @@ import logging
 import warnings
 from typing import Any, Dict, Iterator, Optional
 
+from torch.utils.data import RandomSampler
+
 from snapd.errors import SnapdError, UnsupportedState
 from snapd_client.client import Client
-from snapd_client.cursor import BatchStream
+from snapd_client.cursor import BatchStream, private_generators
 from snapd_client.rng import RngStreams
 from snapd_client.values import ValueHome
 
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loops.fit_loop import RestartStage
     from lightning.pytorch.trainer import call
     from lightning.pytorch.utilities.warnings import PossibleUserWarning
 except ImportError as e:   # the extra is missing: say which to install
     raise ImportError("snapd_client.lightning needs PyTorch Lightning: "
                       "pip install 'snapd[lightning]' (lightning>=2.6)") from e
+
+try:   # torchdata's own sampler, the one a StatefulDataLoader(shuffle=True) has
+    from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
+    _SHUFFLING: tuple = (RandomSampler, StatefulRandomSampler)
+except ImportError:
+    _SHUFFLING = (RandomSampler,)
 
 logger = logging.getLogger(__name__)   # printed as "snapd: ..." (snapd/stderrlog.py)
 
@@ -152,6 +169,7 @@ class SnapdCallback(Callback):
         self._state: Optional[LightningState] = None
         self._quiet: Optional[tuple] = None   # the warnings filter of a resume
         self._offered: Optional[int] = None   # the step of the last snapshot offered
+        self._restored = False   # this fit resumed from a snapshot
 
     # --- the fit's start: set up, restore ------------------------------------------
 
@@ -167,8 +185,15 @@ class SnapdCallback(Callback):
             stream = client.batches(loader)
             self._install(trainer, EpochLoader(stream, trainer))
             self.resumed_from = self._offered = client.restore()
-            if client.restored is not None:
+            self._restored = client.restored is not None
+            if self._restored:
+                if trainer.ckpt_path:
+                    logger.info(f"run {self.run}: the snapshot of step {self.resumed_from} "
+                                f"replaces the training state of {trainer.ckpt_path} "
+                                "(fit's ckpt_path)")
                 self._hand_to_lightning(trainer, pl_module)
+            elif trainer.ckpt_path:
+                raise _checkpoint_without_snapshot(trainer.ckpt_path, self.run)
         except BaseException:
             self._close(raising=False)
             raise
@@ -184,6 +209,8 @@ class SnapdCallback(Callback):
                 "loader the data cursor iterates; set it to 0",
                 field="reload_dataloaders_every_n_epochs")
         streams = RngStreams()   # the global streams: python, numpy, torch, cuda
+        for i, generator in enumerate(_given_generators(fit_loop._data_source.instance)):
+            streams.add_generator(f"loader.{i}", generator)   # a sampler's own, say
         before = streams.capture()
         fit_loop.setup_data()
         streams.restore(before)   # the early iter()'s draws undone
@@ -236,6 +263,37 @@ class SnapdCallback(Callback):
         warnings.filterwarnings("ignore", message=_NOT_RESUMABLE, category=PossibleUserWarning)
         self._quiet = warnings.filters[0]   # taken out at the first batch
 
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """A resume from a snapshot taken at an epoch's last batch: Lightning's fit loop
+        has just closed that epoch (its ``reset``), but still counts itself restarted
+        mid-epoch, so it would open the next one without counting it as started and
+        without ``on_train_epoch_start``; every later snapshot's loop state would be an
+        epoch behind, and a resume from it would start its epoch over. The restart is
+        over: the next epoch opens as in the uninterrupted fit."""
+        fit_loop = trainer.fit_loop
+        epochs = fit_loop.epoch_progress.total
+        if self._restored and fit_loop.restarted_mid_epoch and \
+                epochs.processed == epochs.started:
+            fit_loop._restart_stage = RestartStage.NONE
+
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule"
+                            ) -> None:
+        """A shuffled validation loader is refused at the first validation (the sanity
+        check's, before any training, unless ``num_sanity_val_steps=0``): measured, a
+        fit that validates with one does not resume exactly."""
+        if self.client is None:
+            return
+        given = trainer.val_dataloaders
+        loaders = given if isinstance(given, (list, tuple)) else [given]
+        for loader in loaders:
+            if isinstance(getattr(loader, "sampler", None), _SHUFFLING):
+                self._close(raising=False)
+                raise UnsupportedState(
+                    "SnapdCallback: the validation loader shuffles (a RandomSampler); a "
+                    "fit that validates with it does not resume exactly. Build it with "
+                    "shuffle=False (Lightning warns against shuffling it too)",
+                    field="val_dataloaders")
+
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                              batch: Any, batch_idx: int) -> None:
         self._unquiet()
@@ -256,7 +314,10 @@ class SnapdCallback(Callback):
         step = trainer.global_step
         if step == self._offered:   # no update since the last offer (manual optimization)
             return
-        self._offered = step
+        self._offered = step   # offered once, at the batch that stepped
+        if _validates_inside_epochs(trainer) and \
+                trainer.fit_loop.epoch_loop._num_ready_batches_reached():
+            return   # a resume from here would skip the validation that follows
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         scalars = {"loss": float(loss)} if _one_number(loss) else {}
         self.client.log(step, **scalars)
@@ -285,6 +346,47 @@ class SnapdCallback(Callback):
             if raising:
                 raise
             logger.info(f"run {self.run}: closed after the fit failed; {e}")
+
+
+def _checkpoint_without_snapshot(ckpt_path: Any, run: str) -> UnsupportedState:
+    """``fit(ckpt_path=...)`` on a run with no snapshot yet: Lightning has loaded its
+    checkpoint, which holds no RNG stream and no data position, so the fit could not
+    go on as the interrupted one would have, and the cursor would start its epochs
+    over while Lightning's loops stand mid-fit. (With a snapshot, the snapshot's
+    state replaces what Lightning loaded from the checkpoint.)"""
+    return UnsupportedState(
+        f"SnapdCallback: fit(ckpt_path={str(ckpt_path)!r}) loaded a Lightning checkpoint, "
+        f"and run {run!r} has no snapd snapshot to resume from exactly (a Lightning "
+        "checkpoint holds no RNG state and no data position). Drop ckpt_path to start "
+        "the run over under snapd, or drop the SnapdCallback to continue from the "
+        "checkpoint with Lightning's own resume",
+        path=str(ckpt_path), field="ckpt_path")
+
+
+def _given_generators(given: Any) -> list:
+    """The private generators of the training loaders handed to ``fit`` (a loader's
+    ``generator=``, torchdata's sampler's own): the early ``iter()`` draws from them
+    too. A loader that ``train_dataloader()`` builds is made inside ``setup_data``,
+    its generators out of reach until then."""
+    loaders = list(given.values()) if isinstance(given, dict) else \
+        list(given) if isinstance(given, (list, tuple)) else [given]
+    found: list = []
+    for loader in loaders:
+        for generator in private_generators(loader):
+            if not any(generator is g for g in found):
+                found.append(generator)
+    return found
+
+
+def _validates_inside_epochs(trainer: "pl.Trainer") -> bool:
+    """Does the fit validate by batch count or time inside its epochs
+    (``val_check_interval``)? Then Lightning restarting from an epoch's last batch
+    skips the validation that follows it, and with it the base seed that the
+    validation loader's ``iter()`` draws: the resumed fit would go on from
+    another RNG state. No snapshot is offered there."""
+    every = trainer.val_check_batch
+    return trainer.limit_val_batches != 0 and (
+        every is None or every < trainer.num_training_batches)
 
 
 def _optimizers(trainer: "pl.Trainer") -> Dict[str, Any]:

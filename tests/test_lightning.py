@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -38,6 +39,12 @@ class Net(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class ValidatedNet(Net):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         return iter([(torch.zeros(4), 0)] * 8)
@@ -48,19 +55,20 @@ def data(n=36):
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
 
 
-def fit(root, max_steps, callback=True, loaders=None, **trainer_kw):
+def fit(root, max_steps, callback=True, loaders=None, extra=(), ckpt_path=None, val=None,
+        module=None, **trainer_kw):
     """A fresh seed, module, loader and trainer, as a new process would make them;
     Lightning's own ModelCheckpoint saves beside."""
     pl.seed_everything(7, verbose=False)
-    model = Net()
+    model = (module or Net)()
     loader = loaders if loaders is not None else DataLoader(data(), batch_size=4, shuffle=True)
     trainer = pl.Trainer(max_steps=max_steps, max_epochs=-1, accumulate_grad_batches=2,
                          accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=root,
-                         callbacks=[Counter()] + ([SnapdCallback(root, run="fit", every=1)]
-                                                  if callback else []),
+                         callbacks=[Counter(), *extra] + ([SnapdCallback(root, run="fit", every=1)]
+                                                          if callback else []),
                          **trainer_kw)
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, val, ckpt_path=ckpt_path)
     return model, trainer
 
 
@@ -126,6 +134,51 @@ def test_reloading_the_loader_every_epoch_is_refused(tmp_path):
         fit(str(tmp_path / "root"), 4, reload_dataloaders_every_n_epochs=1)
     assert caught.value.field == "reload_dataloaders_every_n_epochs"
     assert "set it to 0" in str(caught.value)
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: DataLoader(data(), batch_size=4, shuffle=True,
+                                    generator=torch.Generator().manual_seed(5)),
+                 id="loader-generator"),
+    pytest.param(lambda: StatefulDataLoader(data(), batch_size=4, shuffle=True),
+                 id="stateful-dataloader"),
+])
+def test_a_loader_with_a_generator_of_its_own_fits_as_without_the_callback(tmp_path, make):
+    """The callback sets the loader up early; the draws that makes from the loader's
+    own generator (torchdata's sampler always has one) are undone as the global ones."""
+    def made():   # torchdata's sampler seeds its generator from torch's when built
+        torch.manual_seed(11)
+        return make()
+
+    stock = states(*fit(str(tmp_path / "stock"), 6, callback=False, loaders=made()))
+    with_callback = states(*fit(str(tmp_path / "root"), 6, loaders=made()))
+    assert with_callback[1] == stock[1]
+    for got, want in zip(with_callback[0], stock[0]):
+        assert torch.equal(got, want)
+
+
+def test_a_lightning_checkpoint_without_a_snapshot_is_refused(tmp_path):
+    """fit(ckpt_path=...) where the run has no snapshot yet: Lightning's checkpoint
+    holds no RNG state and no data position, so the fit is refused, naming the file."""
+    root = str(tmp_path / "root")
+    saves = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "lightning"), save_last=True,
+                                         save_top_k=0, every_n_train_steps=1)
+    fit(root, 2, callback=False, extra=[saves])
+    last = str(tmp_path / "lightning" / "last.ckpt")
+    assert os.path.exists(last)
+    with pytest.raises(UnsupportedState) as caught:
+        fit(root, 4, ckpt_path=last)
+    assert caught.value.field == "ckpt_path" and caught.value.path == last
+    assert "Drop ckpt_path" in str(caught.value)
+
+
+def test_a_shuffled_validation_loader_is_refused_before_training(tmp_path):
+    """Refused at the sanity check's validation, before the first training batch."""
+    with pytest.raises(UnsupportedState) as caught:
+        fit(str(tmp_path / "root"), 4, module=ValidatedNet,
+            val=DataLoader(data(8), batch_size=4, shuffle=True))
+    assert caught.value.field == "val_dataloaders"
+    assert "shuffle=False" in str(caught.value)
 
 
 def test_the_stock_script_adds_at_most_three_lines():

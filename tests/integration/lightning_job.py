@@ -18,6 +18,15 @@ process, already warm, where ``"ddp"`` would start a cold interpreter for the
 second; the training path is the same), the job in a process group of its own so
 that a kill takes every rank, as a lost node does.
 
+Variants of the stock fit, each a key of the JSON: ``manual`` (true: the module
+steps its optimizer and scheduler itself, ``automatic_optimization = False``, every
+second batch and at an epoch's last one, as the automatic fit's accumulation does);
+``val_check_interval`` (validation inside the epoch as well as at its end);
+``val_shuffle`` (a shuffled validation loader); ``stateful`` (true: the training loader is a
+torchdata ``StatefulDataLoader``). ``resume`` may also be "both": snapd's callback
+beside Lightning's own ``ModelCheckpoint`` and ``fit(ckpt_path="last")``, Lightning
+saving every ``lightning_every`` steps (default 2).
+
 It prints ``weights <sha256>`` and ``optimizer <sha256>`` at the end: the final
 module parameters, and the optimizer's and scheduler's states, bit for bit.
 """
@@ -32,6 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -63,6 +73,26 @@ class Classifier(pl.LightningModule):
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3,
                                                     total_steps=EPOCHS * UPDATES)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class ManualClassifier(Classifier):
+    """The same fit under manual optimization: two batches' gradients summed, then one
+    step of the optimizer and of the scheduler, and at an epoch's last batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.manual_backward(loss / 2)
+        if batch_idx % 2 == 1 or batch_idx + 1 == self.trainer.num_training_batches:
+            opt, sched = self.optimizers(), self.lr_schedulers()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        return loss
 
 
 class KillAt(Callback):
@@ -123,28 +153,33 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(SAMPLES, 16, generator=g)
     y = (x[:, :4].argmax(1) + torch.randint(0, 2, (SAMPLES,), generator=g)) % 4
-    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True,
-                        num_workers=cfg["workers"])
-    model = Classifier()
+    loader_type = StatefulDataLoader if cfg.get("stateful") else DataLoader
+    loader = loader_type(TensorDataset(x, y), batch_size=8, shuffle=True,
+                         num_workers=cfg["workers"])
+    model = ManualClassifier() if cfg.get("manual") else Classifier()
     every = cfg.get("every", 3)
     callbacks, ckpt_path = [Report(cfg.get("out"))], None
-    if cfg["resume"] == "snapd":
+    if cfg["resume"] in ("snapd", "both"):
         callbacks.append(SnapdCallback(cfg["root"], run=cfg["run"], every=every))  # snapd
-    elif cfg["resume"] == "lightning":
-        folder = os.path.join(cfg["root"], cfg["run"])
+    if cfg["resume"] in ("lightning", "both"):
+        folder = os.path.join(cfg["root"], cfg["run"] + "-lightning")
+        saves = every if cfg["resume"] == "lightning" else cfg.get("lightning_every", 2)
         callbacks.append(ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0,
-                                         every_n_train_steps=every))
+                                         every_n_train_steps=saves))
         ckpt_path = "last"
     if cfg.get("kills"):
         callbacks.append(KillAt(cfg["kills"], cfg["marks"], group=devices > 1))
-    trainer = pl.Trainer(max_epochs=EPOCHS, accumulate_grad_batches=2,
+    trainer = pl.Trainer(max_epochs=EPOCHS,
+                         accumulate_grad_batches=1 if cfg.get("manual") else 2,
                          precision="bf16-mixed", accelerator="cpu", devices=devices,
+                         val_check_interval=cfg.get("val_check_interval"),
                          strategy="ddp_fork" if devices > 1 else "auto",
                          logger=False, enable_progress_bar=False,
                          enable_model_summary=False,
-                         enable_checkpointing=cfg["resume"] == "lightning",
+                         enable_checkpointing=cfg["resume"] in ("lightning", "both"),
                          callbacks=callbacks)
-    val = DataLoader(TensorDataset(x[:32], y[:32]), batch_size=8)   # each epoch's end
+    val = DataLoader(TensorDataset(x[:32], y[:32]), batch_size=8,   # each epoch's end
+                     shuffle=cfg.get("val_shuffle", False))
     trainer.fit(model, loader, val, ckpt_path=ckpt_path)
 
 

@@ -8,6 +8,17 @@ bf16-mixed on the CPU; 3 epochs of 15 batches, 8 updates an epoch (steps end aft
 batches 1, 3, ..., 13 and 14 of an epoch), a snapshot every 3 updates (every 4 in
 one trial, so that one lands on an epoch's last batch).
 
+Variants (VARIANTS): a module that steps its optimizer itself (manual optimization)
+with validation inside the epoch (val_check_interval=0.5: after batches 6 and 13 of
+an epoch, and at its end), killed after the snapshot of step 15 at batch 28, which a
+validation follows; the automatic fit validating so, killed before batch 17 (no
+snapshot is offered at an epoch's last batch there: it resumes from step 4), with
+Lightning's own ModelCheckpoint and fit(ckpt_path="last")
+beside the callback, Lightning's last.ckpt newer than the snapshot; a torchdata
+StatefulDataLoader with 2 workers, resumed from the snapshot at epoch 0's last batch
+and killed again in epoch 2 (the second resume reads loop state written by a resumed
+fit).
+
 A kill ``("end", b)`` comes after batch b's hooks, the snapshot callback's included:
 at a step boundary whose snapshot is taken, the trainer dies while the daemon writes
 it. ``("start", b)`` comes before batch b's forward. Every trial's runs go side by
@@ -46,7 +57,20 @@ TRIALS = {
     "workers-mid-accumulation": (2, 3, [["end", 6]], [3]),
     "workers-from-epoch-end": (2, 4, [["start", 17]], [8]),
     "workers-twice-during-snapshots": (2, 3, [["end", 5], ["end", 33]], [3, 18]),
+    "manual-validation-mid-epoch": (0, 3, [["start", 29]], [15]),
+    "validation-mid-epoch-from-epoch-end": (0, 4, [["start", 17]], [4]),
+    "stateful-workers-twice-from-epoch-end": (2, 4, [["start", 17], ["start", 38]], [8, 20]),
 }
+# Trials of a variant of the stock fit (lightning_job.py), and the uninterrupted fit
+# of the same variant each ends on.
+VARIANTS = {
+    "manual-validation-mid-epoch": {"manual": True, "val_check_interval": 0.5},
+    "validation-mid-epoch-from-epoch-end": {"val_check_interval": 0.5, "resume": "both"},
+    "stateful-workers-twice-from-epoch-end": {"stateful": True},
+}
+WHOLE = {"manual-validation-mid-epoch": "whole-manual-validation-mid-epoch",
+         "validation-mid-epoch-from-epoch-end": "whole-validation-mid-epoch",
+         "stateful-workers-twice-from-epoch-end": "whole-stateful-2"}
 ATTEMPTS = 4   # a trial's runs at most: its kills, then the run that finishes
 
 
@@ -87,10 +111,19 @@ def fits(tmp_path_factory, warm):
             marks = os.path.join(base, f"marks-{name}")
             os.makedirs(marks)
             cfgs[name] = {"root": root, "run": name, "workers": workers, "every": every,
-                          "resume": "snapd", "kills": kills, "marks": marks}
+                          "resume": "snapd", "kills": kills, "marks": marks,
+                          **VARIANTS.get(name, {})}
         for workers in (0, 2):
             cfgs[f"whole-{workers}"] = {"root": root, "run": f"whole-{workers}",
                                         "workers": workers, "resume": "none"}
+        cfgs["whole-validation-mid-epoch"] = {"root": root, "run": "whole-validation",
+                                              "workers": 0, "resume": "none",
+                                              "val_check_interval": 0.5}
+        cfgs["whole-manual-validation-mid-epoch"] = {
+            "root": root, "run": "whole-manual-validation", "workers": 0, "resume": "none",
+            "manual": True, "val_check_interval": 0.5}
+        cfgs["whole-stateful-2"] = {"root": root, "run": "whole-stateful-2", "workers": 2,
+                                    "resume": "none", "stateful": True}
         pending = list(cfgs)
         for attempt in range(ATTEMPTS):
             started, timers = {}, []
@@ -140,7 +173,18 @@ def test_killed_fit_resumes_bit_for_bit(fits, name):
             [err[-2000:] for _, _, err in runs]
         for (_, _, err), step in zip(runs[1:], resumed_from):
             assert f"snapd: run {name}: resuming from step {step} " in err, err[-3000:]
-    assert _final(runs) == _final(fits[f"whole-{workers}"])
+    assert _final(runs) == _final(fits[WHOLE.get(name, f"whole-{workers}")])
+
+
+def test_a_lightning_checkpoint_beside_a_snapshot_gives_way_to_it(fits):
+    """fit(ckpt_path="last") with Lightning saving every 2 steps, snapd every 4 (not at
+    step 8, an epoch's last batch): killed at step 9, Lightning's last.ckpt is step
+    8's and the run's snapshot step 4's. The restart resumes from the snapshot (exact
+    above) and says it replaced the file's training state."""
+    _, _, err = fits["validation-mid-epoch-from-epoch-end"][1]
+    assert "resuming from step 4 " in err, err[-3000:]
+    assert "the snapshot of step 4 replaces the training state of " in err, err[-3000:]
+    assert "last.ckpt (fit's ckpt_path)" in err, err[-3000:]
 
 
 def test_a_resume_mid_epoch_is_not_warned_about_as_unresumable(fits):
