@@ -28,8 +28,9 @@ def prefault_threads() -> list:
     return [t for t in threading.enumerate() if t.name == "snapd-prefault" and t.is_alive()]
 
 
-def test_a_background_fault_in_maps_every_page_before_the_first_copy():
-    arena = Arena(64 << 20, slots=2, background=True)
+def test_a_background_fault_in_maps_every_page_before_the_first_copy(monkeypatch):
+    monkeypatch.setattr(prefault, "PIECE", 1 << 20)   # 16 pieces: the thread loops
+    arena = Arena(16 << 20, slots=2, background=True)
     try:
         arena.ready()
         assert resident_bytes(arena) == arena.size
