@@ -29,13 +29,17 @@ def runs(tmp_path_factory):
     args = bf.parse(TINY)
     base = str(tmp_path_factory.mktemp("fw"))
     out = {}
-    for framework in args.frameworks:
-        ways = {}
-        for way in bf.order(0):
-            cfg = bf.child_config(args, framework, way, base, 0)
-            cfg["client"]["daemon"] = False   # no daemon process in this lane
-            ways[way] = run_way(cfg)
-        out[framework] = [ways]
+    with pytest.MonkeyPatch.context() as mp:
+        # the reference copy's 50 ms of matmuls before it set a benchmark's conditions;
+        # here the copy is timed and counted, not compared
+        mp.setattr(benchlib, "train_briefly", lambda seconds=0.05: None)
+        for framework in args.frameworks:
+            ways = {}
+            for way in bf.order(0):
+                cfg = bf.child_config(args, framework, way, base, 0)
+                cfg["client"]["daemon"] = False   # no daemon process in this lane
+                ways[way] = run_way(cfg)
+            out[framework] = [ways]
     return args, out
 
 

@@ -37,9 +37,25 @@ def _imports(name: str, source: str) -> Tuple[Tuple[ast.AST, ...], Tuple[ast.AST
     (four checks read every module of snapd, parsing is their cost), the rest of the
     tree not kept."""
     tree = ast.parse(source, name)
-    return (tuple(node for node in ast.walk(tree)
+    return (tuple(node for node in statements(tree.body)
                   if isinstance(node, (ast.Import, ast.ImportFrom))),
             tuple(node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))))
+
+
+STATEMENT_LISTS = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
+def statements(body: List[ast.AST]) -> Iterator[ast.AST]:
+    """Every statement of ``body``, at any depth. An import is a statement, and a
+    statement sits only in a statement list (a body, an ``else``, a handler's or a
+    case's body), never inside an expression: walking those lists finds every import
+    that ast.walk would, without visiting the expressions, most of a tree's nodes."""
+    for node in body:
+        yield node
+        for field in node._fields:
+            value = getattr(node, field)
+            if isinstance(value, list) and value and isinstance(value[0], STATEMENT_LISTS):
+                yield from statements(value)
 
 
 def imported_modules(path: Path, top: Path = PACKAGE.parent) -> Iterator[Tuple[int, str]]:
@@ -84,6 +100,15 @@ def test_snapd_library_modules_never_import_the_commands():
     ("from snapd.commands.common import age\n", "snapd.commands"),
     ("from snapd import commands\n", "snapd.commands"),
     ("from .commands import common\n", "snapd.commands"),
+    # each kind of statement list an import can sit in, nested
+    ("try:\n    pass\nexcept ImportError:\n    import snapd_client\n", "snapd_client"),
+    ("try:\n    pass\nfinally:\n    import snapd_client\n", "snapd_client"),
+    ("for x in y:\n    pass\nelse:\n    import snapd_client\n", "snapd_client"),
+    ("match x:\n    case 1:\n        import snapd_client\n", "snapd_client"),
+    ("class C:\n    def f(self):\n        with a:\n            if b:\n                pass\n"
+     "            else:\n                from snapd_client import x\n", "snapd_client"),
+    ("async def f():\n    async with a:\n        while b:\n            import snapd_client\n",
+     "snapd_client"),
 ])
 def test_the_check_sees_each_form_of_import(tmp_path, source, forbidden):
     module = tmp_path / "snapd" / "probe.py"   # parsed, never imported

@@ -28,8 +28,9 @@ def prefault_threads() -> list:
     return [t for t in threading.enumerate() if t.name == "snapd-prefault" and t.is_alive()]
 
 
-def test_a_background_fault_in_maps_every_page_before_the_first_copy():
-    arena = Arena(64 << 20, slots=2, background=True)
+def test_a_background_fault_in_maps_every_page_before_the_first_copy(monkeypatch):
+    monkeypatch.setattr(prefault, "PIECE", 1 << 20)   # 16 pieces: the thread loops
+    arena = Arena(16 << 20, slots=2, background=True)
     try:
         arena.ready()
         assert resident_bytes(arena) == arena.size
@@ -45,8 +46,12 @@ def test_a_copy_waits_for_its_own_slots_pages_and_the_rest_goes_on(monkeypatch):
     gate, real = threading.Event(), prefault.populate
 
     def slow(address, nbytes):   # the thread's pieces are held back until the gate
-        if threading.current_thread().name == "snapd-prefault":
-            gate.wait(0.3)
+        if threading.current_thread().name == "snapd-prefault" and not gate.is_set():
+            # or until its job is paused (ready() joins the thread): ready() then waits
+            # for the held piece, not for a timeout
+            (job,) = [j for j in list(prefault._running)
+                      if j.address <= address < j.address + j.nbytes]
+            job._stop.wait(0.3)
         real(address, nbytes)
 
     monkeypatch.setattr(prefault, "populate", slow)

@@ -129,7 +129,7 @@ def test_a_leaf_another_rank_writes_takes_no_arena_bytes_and_is_not_copied(group
 
 def test_close_raises_incomplete_snapshot_naming_the_missing_rank(group, tmp_path):
     model, opt = ddp_job()
-    c = rank_client(tmp_path, 0, world=3, global_commit_timeout=0.2)
+    c = rank_client(tmp_path, 0, world=3, global_commit_timeout=0.02)   # ranks 1, 2 never come
     c.track(model=model, optimizer=opt)
     c.snapshot(5).wait()
     with pytest.raises(IncompleteSnapshot) as info:

@@ -276,7 +276,7 @@ def count_flushes(w: LogWriter) -> list:
 
 def test_background_flush_fsyncs_only_what_was_written(tmp_path):
     fsync = CountingFsync()
-    w = LogWriter(tmp_path, 0, flush_interval=0.02, fsync=fsync)
+    w = LogWriter(tmp_path, 0, flush_interval=0.005, fsync=fsync)
     flushes = count_flushes(w)
     w.append(step_record(0))  # creates the segment: file, directory fsyncs
     created = fsync.calls

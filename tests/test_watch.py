@@ -273,12 +273,12 @@ def test_refresh_loop_wakes_on_a_file_change(root):
 
     def tick(status, mode):
         ticks.append((time.monotonic(), status, mode))
-        if len(ticks) == 1:
-            threading.Timer(0.2, lambda: open(os.path.join(root, "LATEST"), "w").close()
-                            ).start()
+        if len(ticks) == 1:   # the observer is watching by now: the change wakes the loop
+            open(os.path.join(root, "LATEST"), "w").close()
         return len(ticks) < 2
 
     started = time.monotonic()
-    view.refresh_loop(root, tick, interval=120.0)
+    # no debounce: the one change is the whole burst, and its wake is what is tested
+    view.refresh_loop(root, tick, interval=120.0, debounce=0.0, min_gap=0.0)
     assert ticks[0][1] is None and ticks[0][2] == "events"
     assert ticks[1][0] - started < 60.0     # woken by the event, not the 120 s interval
