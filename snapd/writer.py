@@ -329,16 +329,30 @@ def write_part(store: RunStore, plan: SnapshotPlan, opts: Options,
         os.mkdir(tmp, 0o700)
         try:
             total, _ = _write_directory(tmp, plan, opts, progress)
-            fsio.publish_directory(tmp, mine)   # step 1's rename, parts dir fsynced
+            os.rename(tmp, mine)   # step 1's rename
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        _fsync_parts_dir(parts_dir, final)
     want = {"run": plan.run, "step": plan.step, "lineage": plan.lineage,
             "world_size": plan.world_size, "session": plan.session,
             "data_version": plan.data_version}
     complete = globalcommit.try_commit(store, sid, want, superseded=plan.supersedes,
                                        signer=signing.load_keys(opts.signing_key_file))
     return CommitResult(sid, final, total, time.perf_counter() - t0, complete=complete)
+
+
+def _fsync_parts_dir(parts_dir: str, final: str) -> None:
+    """Step 1's rename made durable. Between the rename and this fsync another rank's
+    writer may have found the set complete and committed it: the parts dir is then
+    the committed snapshot, and that commit fsynced it after it saw this part (its
+    record's fsync), so this part's rename is durable already; the commit reads as
+    one (try_commit finds it committed)."""
+    try:
+        fsio.fsync_dir(parts_dir)
+    except FileNotFoundError:
+        if not os.path.isdir(final):
+            raise
 
 
 def _reusable_part(store: RunStore, plan: SnapshotPlan, part: str) -> Optional[int]:

@@ -187,6 +187,36 @@ def test_one_part_is_a_snapshot_directory_of_its_own(store):
     assert reader.load_object("model")[1] is not None
 
 
+def test_a_part_whose_set_another_writer_commits_before_its_fsync_commits_too(
+        store, monkeypatch):
+    """The last part's rename lands; before its writer fsyncs the parts dir, the other
+    rank's writer (polling, or its own part just written) finds the set complete and
+    commits it, renaming the parts dir away. The last writer's fsync then finds no
+    parts dir: its part is committed and durable (the commit fsynced the dir after
+    it saw it), so its write reports the commit, not a failure."""
+    from snapd import fsio, globalcommit
+    write_snapshot(store, part(0), Options())
+    parts_dir = store.parts_path(SnapshotId(0, 10))
+    real, raced = fsio.fsync_dir, []
+
+    def other_writer_commits_first(path: str) -> None:
+        if path == parts_dir and not raced:
+            raced.append(True)
+            p = part(0)   # the other writer's, as write_part builds it
+            want = {"run": p.run, "step": p.step, "lineage": p.lineage,
+                    "world_size": p.world_size, "session": p.session,
+                    "data_version": p.data_version}
+            assert globalcommit.try_commit(store, SnapshotId(0, 10), want)
+        real(path)
+
+    monkeypatch.setattr(fsio, "fsync_dir", other_writer_commits_first)
+    result = write_snapshot(store, part(1), Options())
+    assert raced and result.complete
+    assert [sid.step for sid in store.committed()] == [10]
+    assert store.parts_dirs() == []
+    assert isinstance(open_snapshot(store.snapshot_path(SnapshotId(0, 10))), GlobalSnapshot)
+
+
 def test_two_parts_landing_together_commit_once_and_neither_fails(store):
     """Both ranks' parts of each step written at the same moment, by two threads as
     the daemon's writers do: the one that completes the set commits it, the other
