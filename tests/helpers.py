@@ -336,6 +336,74 @@ def small_model_and_opt():
     return model, torch.optim.AdamW(model.parameters(), lr=0.05)
 
 
+class OverlapJob:
+    """A small model, its AdamW and a StepLR, tracked by an in-process client. Each
+    step draws its batch and a dropout mask from the global RNG, so that a resume is
+    exact only if every stream, the weights and the moments are (the restore with
+    overlap tests, local and remote)."""
+
+    def __init__(self, root: str, run: str = "r", **options) -> None:
+        self.model, self.opt = small_model_and_opt()
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
+        self.client = Client(root, run, daemon=False, **options)
+        self.client.track(model=self.model, optimizer=self.opt, scheduler=self.sched)
+
+    def forward_backward(self) -> None:
+        x, y = torch.randn(16, 8), torch.randn(16, 3)
+        out = torch.nn.functional.dropout(self.model(x), 0.2)
+        self.opt.zero_grad()
+        ((out - y) ** 2).mean().backward()
+
+    def step(self) -> None:
+        self.forward_backward()
+        self.opt.step()
+        self.sched.step()
+
+    def train(self, first: int, last: int, every: int = 0) -> None:
+        for step in range(first, last + 1):
+            self.step()
+            if every and step % every == 0:
+                self.client.snapshot(step)
+
+    def outcome(self) -> dict:
+        """Everything a later step reads, as it is now."""
+        return {"weights": {k: v.clone() for k, v in self.model.state_dict().items()},
+                "moments": {(i, k): v.clone()
+                            for i, s in self.opt.state_dict()["state"].items()
+                            for k, v in s.items()},
+                "lr": [g["lr"] for g in self.opt.param_groups],
+                "rng": torch.get_rng_state()}
+
+
+def resumed_from_remote(root: str, url: str, overlap: bool,
+                        first_step=OverlapJob.step) -> dict:
+    """A new node's OverlapJob (``root`` empty) restored from the remote at ``url``
+    (step 6 expected, pulled), its first step by ``first_step`` (a test may hold the
+    background download there), two more, closed: its outcome."""
+    torch.manual_seed(99)   # the restore must put every stream back
+    job = OverlapJob(root, remote=url)
+    assert job.client.restore(overlap=overlap) == 6
+    assert job.client.restored_from == "remote"
+    first_step(job)
+    for _ in range(2):
+        job.step()
+    job.client.close()
+    return job.outcome()
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Two outcomes equal bit for bit (tensors with torch.equal), naming the first
+    key that differs."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    else:
+        assert a == b, where
+
+
 def small_train_step(model, opt, step: int) -> float:
     """One update on step ``step``'s own batch (drawn from a generator seeded by it)."""
     g = torch.Generator().manual_seed(step)

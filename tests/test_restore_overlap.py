@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from helpers import flip_byte, private_copy, read_manifest, small_model_and_opt
+from helpers import OverlapJob, flip_byte, private_copy, read_manifest, small_model_and_opt
 from snapd.errors import CorruptSnapshot, IncompatibleState, InvalidOption
 from snapd.store import RunStore
 from snapd_client import Client
@@ -20,42 +20,7 @@ from snapd_client import overlaprestore
 from snapd_client.restore import FallbackWarning, read_step_state
 
 
-class Job:
-    """A small model, its AdamW and a StepLR, tracked by an in-process client. Each
-    step draws its batch and a dropout mask from the global RNG, so that a resume is
-    exact only if every stream, the weights and the moments are."""
-
-    def __init__(self, root: str) -> None:
-        self.model, self.opt = small_model_and_opt()
-        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
-        self.client = Client(root, "r", daemon=False)
-        self.client.track(model=self.model, optimizer=self.opt, scheduler=self.sched)
-
-    def forward_backward(self) -> None:
-        x, y = torch.randn(16, 8), torch.randn(16, 3)
-        out = torch.nn.functional.dropout(self.model(x), 0.2)
-        self.opt.zero_grad()
-        ((out - y) ** 2).mean().backward()
-
-    def step(self) -> None:
-        self.forward_backward()
-        self.opt.step()
-        self.sched.step()
-
-    def train(self, first: int, last: int, every: int = 0) -> None:
-        for step in range(first, last + 1):
-            self.step()
-            if every and step % every == 0:
-                self.client.snapshot(step)
-
-    def outcome(self) -> dict:
-        """Everything a later step reads, as it is now."""
-        return {"weights": {k: v.clone() for k, v in self.model.state_dict().items()},
-                "moments": {(i, k): v.clone()
-                            for i, s in self.opt.state_dict()["state"].items()
-                            for k, v in s.items()},
-                "lr": [g["lr"] for g in self.opt.param_groups],
-                "rng": torch.get_rng_state()}
+Job = OverlapJob
 
 
 def same(a: dict, b: dict) -> bool:

@@ -16,42 +16,20 @@ import warnings
 import pytest
 import torch
 
-from helpers import file_remote_of, flip_byte, read_manifest, small_model_and_opt
+from helpers import (OverlapJob, assert_same, file_remote_of, flip_byte, read_manifest,
+                     resumed_from_remote)
 from snapd.errors import CorruptSnapshot, RemoteUnavailable, SnapdError
 from snapd.remote.layout import RemoteRoot
 from snapd.statelog import read_records
 from snapd.store import RunStore, SnapshotId
-from snapd_client import Client, remotearrival
+from snapd_client import remotearrival
 from snapd_client.fromremote import RemoteWarning
 from snapd_client.restore import FallbackWarning
 
 RUN = "r"
 
 
-class Job:
-    """A small model, its AdamW and a StepLR; each step draws its batch and a dropout
-    mask from the global RNG, so a resume is exact only if everything is restored."""
-
-    def __init__(self, root: str, **options) -> None:
-        self.model, self.opt = small_model_and_opt()
-        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
-        self.client = Client(root, RUN, daemon=False, **options)
-        self.client.track(model=self.model, optimizer=self.opt, scheduler=self.sched)
-
-    def forward_backward(self) -> None:
-        x, y = torch.randn(16, 8), torch.randn(16, 3)
-        out = torch.nn.functional.dropout(self.model(x), 0.2)
-        self.opt.zero_grad()
-        ((out - y) ** 2).mean().backward()
-
-    def step(self) -> None:
-        self.forward_backward()
-        self.opt.step()
-        self.sched.step()
-
-    def outcome(self) -> dict:
-        return {"weights": {k: v.clone() for k, v in self.model.state_dict().items()},
-                "optimizer": self.opt.state_dict(), "rng": torch.get_rng_state()}
+Job = OverlapJob
 
 
 @pytest.fixture(scope="module")
@@ -97,32 +75,9 @@ def gate(monkeypatch):
     return entered, release
 
 
-def resumed(root: str, url: str, overlap: bool, first_step=Job.step) -> dict:
-    torch.manual_seed(99)   # the restore must put every stream back
-    job = Job(root, remote=url)
-    assert job.client.restore(overlap=overlap) == 6
-    assert job.client.restored_from == "remote"
-    first_step(job)
-    for _ in range(2):
-        job.step()
-    job.client.close()
-    return job.outcome()
-
-
-def assert_same(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    else:
-        assert a == b, where
-
-
 def test_the_optimizer_file_arrives_after_restore_and_the_run_is_the_same(
         remote, tmp_path, monkeypatch):
-    plain = resumed(str(tmp_path / "plain"), remote, overlap=False)
+    plain = resumed_from_remote(str(tmp_path / "plain"), remote, overlap=False)
     entered, release = gate(monkeypatch)
     root = str(tmp_path / "overlapped")
     store = RunStore(root, RUN)
@@ -140,7 +95,7 @@ def test_the_optimizer_file_arrives_after_restore_and_the_run_is_the_same(
         job.opt.step()   # waits for the download, verifies, commits, applies
         job.sched.step()
 
-    overlapped = resumed(root, remote, overlap=True, first_step=while_held)
+    overlapped = resumed_from_remote(root, remote, overlap=True, first_step=while_held)
     assert_same(overlapped, plain)
     assert store.committed() == [SnapshotId(0, 6)] and store.tmp_dirs() == []
     assert store.read_pointer("LATEST") == SnapshotId(0, 6)

@@ -49,13 +49,12 @@ from snapd import format as fmt
 from snapd.commit import enospc_of
 from snapd.errors import CorruptSnapshot
 from snapd.globalsnap import GlobalSnapshot
-from snapd.options import Options
 from snapd.reader import SnapshotReader
 from snapd.remote.deadline import NO_DEADLINE, Deadline
 from snapd.remote.layout import RemoteRoot, record_files
-from snapd.remote.pull import (Progress, check_listing, download, fsync_tree,
-                               missing_shared, named_remotely, publish_pulled,
-                               pull_shared, reaching, read_record, verify_pulled)
+from snapd.remote.pull import (Progress, check_before_download, download, fsync_tree,
+                               named_remotely, publish_pulled, pull_shared,
+                               verify_pulled)
 from snapd.store import DAMAGED_PREFIX, RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
@@ -175,17 +174,12 @@ def begin_pull(remote: RemoteRoot, store: RunStore, name: str, later: Later, *,
     sid = SnapshotId.parse(name)
     if sid is None or os.path.isdir(store.snapshot_path(sid)):
         return None
-    with reaching(remote, f"reading the record of {store.run}/{name}"):
-        record = read_record(remote, store.run, name, keys)                # 1.
-        if record["world_size"] != 1 and not parts:
-            return None
-        wanted = missing_shared(store, record, progress)
-        check_listing(remote, store.run, name, record, wanted)             # 2.
-    deadline.check(f"pulling {store.run}/{name}")
-    store.ensure()
-    need = int(record["bytes"]) + sum(s.size for s in wanted)
-    min_free = Options().min_free_bytes if min_free_bytes is None else min_free_bytes
-    diskguard.ensure_space(store.root, need, min_free)                     # 3.
+    checked = check_before_download(                                       # 1-3.
+        remote, store, name, keys, progress, deadline, min_free_bytes,
+        accept=lambda record: record["world_size"] == 1 or parts)
+    if checked is None:
+        return None
+    record, wanted, need = checked
     tmp = store.new_tmp_dir(sid)
     try:
         files = record_files(record)

@@ -41,7 +41,7 @@ import stat
 import secrets
 import shutil
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from snapd import diskguard, fsio, sharing
 from snapd import format as fmt
@@ -101,6 +101,27 @@ def reaching(remote: RemoteRoot, what: str) -> Iterator[None]:
                                 "left as it is)", path=remote.url, field="remote") from e
 
 
+def check_before_download(remote: RemoteRoot, store: RunStore, name: str, keys: Any,
+                          progress: Progress, deadline: Deadline,
+                          min_free_bytes: Optional[int],
+                          accept: Optional[Callable[[Dict[str, Any]], bool]] = None
+                          ) -> Optional[Tuple[Dict[str, Any], List[SharedFile], int]]:
+    """Steps 1-3, before a byte is downloaded: (the record, the shared files to bring
+    down, the bytes needed). None when ``accept`` (given the record) declines it."""
+    with reaching(remote, f"reading the record of {store.run}/{name}"):
+        record = read_record(remote, store.run, name, keys)                # 1.
+        if accept is not None and not accept(record):
+            return None
+        wanted = missing_shared(store, record, progress)
+        check_listing(remote, store.run, name, record, wanted)             # 2.
+    deadline.check(f"pulling {store.run}/{name}")
+    store.ensure()
+    need = int(record["bytes"]) + sum(s.size for s in wanted)
+    min_free = Options().min_free_bytes if min_free_bytes is None else min_free_bytes
+    diskguard.ensure_space(store.root, need, min_free)                     # 3.
+    return record, wanted, need
+
+
 def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
          progress: Progress = None, min_free_bytes: Optional[int] = None,
          deadline: Deadline = NO_DEADLINE, keys: Any = None) -> str:
@@ -117,15 +138,8 @@ def pull(remote: RemoteRoot, store: RunStore, name: str, *, threads: int = 4,
     if os.path.isdir(final):
         log.info("run %r: %s is already committed locally; not pulled", store.run, name)
         return final
-    with reaching(remote, f"reading the record of {store.run}/{name}"):
-        record = read_record(remote, store.run, name, keys)                # 1.
-        wanted = missing_shared(store, record, progress)
-        check_listing(remote, store.run, name, record, wanted)             # 2.
-    deadline.check(f"pulling {store.run}/{name}")
-    store.ensure()
-    need = int(record["bytes"]) + sum(s.size for s in wanted)
-    min_free = Options().min_free_bytes if min_free_bytes is None else min_free_bytes
-    diskguard.ensure_space(store.root, need, min_free)                     # 3.
+    record, wanted, need = check_before_download(remote, store, name, keys, progress,
+                                                 deadline, min_free_bytes)
     tmp = store.new_tmp_dir(sid)
     try:
         download(remote, store.run, name, record, tmp, threads, progress,   # 4.

@@ -15,37 +15,19 @@ import threading
 import pytest
 import torch
 
-from helpers import read_manifest, small_model_and_opt, wait_until
+from helpers import (OverlapJob, assert_same, read_manifest, resumed_from_remote,
+                     wait_until)
 from snapd.remote.layout import RemoteRoot
 from snapd.remote.upload import upload_snapshot
 from snapd.store import RunStore, SnapshotId
-from snapd_client import Client, remotearrival
+from snapd_client import remotearrival
 
 RUN = "r"
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "overlap_pull_job.py")
 SIX = SnapshotId(0, 6)
 
 
-class Job:
-    """A small model, its AdamW and a StepLR; each step draws its batch and a dropout
-    mask from the global RNG, so a resume is exact only if everything is restored."""
-
-    def __init__(self, root: str, **options) -> None:
-        self.model, self.opt = small_model_and_opt()
-        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
-        self.client = Client(root, RUN, daemon=False, **options)
-        self.client.track(model=self.model, optimizer=self.opt, scheduler=self.sched)
-
-    def forward_backward(self) -> None:
-        x, y = torch.randn(16, 8), torch.randn(16, 3)
-        out = torch.nn.functional.dropout(self.model(x), 0.2)
-        self.opt.zero_grad()
-        ((out - y) ** 2).mean().backward()
-
-    def step(self) -> None:
-        self.forward_backward()
-        self.opt.step()
-        self.sched.step()
+Job = OverlapJob
 
 
 @pytest.fixture(scope="module")
@@ -72,34 +54,10 @@ def trained(s3_server, tmp_path_factory):
     return url, optimizer
 
 
-def resumed(root: str, url: str, overlap: bool, first_step=Job.step) -> dict:
-    torch.manual_seed(99)   # the restore must put every stream back
-    job = Job(root, remote=url)
-    assert job.client.restore(overlap=overlap) == 6
-    assert job.client.restored_from == "remote"
-    first_step(job)
-    for _ in range(2):
-        job.step()
-    job.client.close()
-    return {"model": job.model.state_dict(), "optimizer": job.opt.state_dict(),
-            "rng": torch.get_rng_state()}
-
-
-def assert_same(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    else:
-        assert a == b, where
-
-
 def test_over_s3_the_optimizer_file_arrives_after_restore_and_the_run_is_the_same(
         trained, s3_env, tmp_path, monkeypatch):
     url, optimizer = trained
-    plain = resumed(str(tmp_path / "plain"), url, overlap=False)
+    plain = resumed_from_remote(str(tmp_path / "plain"), url, overlap=False)
     entered, release = threading.Event(), threading.Event()
 
     def gated(pending, read, **how):
@@ -121,7 +79,7 @@ def test_over_s3_the_optimizer_file_arrives_after_restore_and_the_run_is_the_sam
         job.opt.step()   # waits for the download, verifies, commits, applies
         job.sched.step()
 
-    assert_same(resumed(root, url, overlap=True, first_step=held_first_step), plain)
+    assert_same(resumed_from_remote(root, url, overlap=True, first_step=held_first_step), plain)
     assert store.committed() == [SIX] and store.read_pointer("LATEST") == SIX
     assert store.tmp_dirs() == []
 
