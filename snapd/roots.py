@@ -37,8 +37,8 @@ from snapd.errors import CorruptSnapshot, InvalidOption
 from snapd.globalcommit import incomplete
 from snapd.globalsnap import GlobalSnapshot, open_snapshot
 from snapd.remote.layout import RemoteRoot, record_files
-from snapd.remote.pull import (arrived, check_listing, pull, pull_log, reaching,
-                               refuse_credentials)
+from snapd.remote.logsync import pull_log
+from snapd.remote.pull import arrived, check_listing, pull, reaching, refuse_credentials
 from snapd.store import POINTERS, RunStore, SnapshotId, list_runs
 
 
@@ -335,7 +335,7 @@ class StoreRoot(Root):
     def pull_log(self, store: RunStore, **how: Any) -> List[int]:
         """The run's replicated state log brought into ``store`` for each rank whose
         local log has no segment (a new node's restore); returns those ranks. ``how``:
-        pull_log's ``deadline`` (snapd/remote/pull.py)."""
+        pull_log's ``deadline`` (snapd/remote/logsync.py)."""
         return pull_log(self.remote, store, **how)
 
     @staticmethod

@@ -22,7 +22,8 @@ from snapd.errors import InvalidOption, RemoteUnavailable
 from snapd.options import Options
 from snapd.remote.deadline import Deadline
 from snapd.remote.layout import RemoteRoot
-from snapd.remote.pull import arrived, pull, pull_log
+from snapd.remote.logsync import pull_log
+from snapd.remote.pull import arrived, pull
 from snapd.store import RunStore, SnapshotId
 from snapd_client import Client
 

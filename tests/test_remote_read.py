@@ -24,7 +24,8 @@ from snapd.errors import CorruptSnapshot, InsufficientSpace, InvalidOption, Remo
 from snapd.remote import layout
 from snapd.remote.deadline import Deadline
 from snapd.remote.layout import RemoteFile, RemoteRoot
-from snapd.remote.pull import pull, pull_log
+from snapd.remote.logsync import pull_log
+from snapd.remote.pull import pull
 from snapd.store import RunStore, SnapshotId
 from snapd_client import Client
 from snapd_client.fromremote import RemoteWarning

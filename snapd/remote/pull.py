@@ -36,7 +36,6 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import re
 import stat
 import secrets
 import shutil
@@ -60,7 +59,6 @@ log = logging.getLogger(__name__)
 
 # The names the log's readers list (snapd/statelog.py): anything else under the
 # remote log is ignored, never written locally.
-_RANK, _SEGMENT = re.compile(r"^rank-(\d{5,})$"), re.compile(r"^\d{12}\.log$")
 
 Progress = transfer.Progress
 
@@ -434,65 +432,3 @@ def fsync_tree(tmp: str) -> None:
                 os.close(fd)
         fsio.fsync_dir(directory)
 
-
-# --- the state log -----------------------------------------------------------------
-
-def pull_log(remote: RemoteRoot, store: RunStore,
-             deadline: Deadline = NO_DEADLINE) -> List[int]:
-    """The replicated state log of ``store.run``, for each rank whose local log has no
-    segment (a new node): so that recovery planning and the replay check see what
-    the lost node logged. Returns the ranks brought down; a local log is never
-    replaced or mixed with the remote one, and none is moved in past ``deadline``."""
-    from snapd import statelog   # the log's naming rules, one place
-    pulled = []
-    with reaching(remote, f"listing the log of {store.run}"):
-        ranks = _remote_log(remote, store.run)
-    for rank, segments in sorted(ranks.items()):
-        local = statelog.rank_dir(store.path, rank)
-        if statelog.list_segments(store.path, rank):
-            continue
-        deadline.check(f"pulling the log of {store.run} rank {rank}")
-        with diskguard.space_for(store.root, str(local), "pulling the state log"):
-            store.ensure()
-            os.makedirs(local, mode=DIR_MODE, exist_ok=True)
-        tmp_pairs = [(src, os.path.join(local, f".pull-{leaf}")) for leaf, src in segments]
-        try:
-            with reaching(remote, f"downloading the log of {store.run} rank {rank}"):
-                transfer.get_files(remote.fs, tmp_pairs, where=remote.url)
-            with deadline.publishing(f"moving in the log of {store.run} rank {rank}"):
-                for (_, tmp), (leaf, _) in zip(tmp_pairs, segments):
-                    os.chmod(tmp, fsio.FILE_MODE)
-                    os.replace(tmp, os.path.join(local, leaf))
-                fsio.fsync_dir(str(local))
-        except BaseException as e:
-            space = enospc_of(e)
-            if space is None:
-                raise
-            raise diskguard.out_of_space(space, store.root, str(local),
-                                         "pulling the state log") from e
-        finally:
-            for _, tmp in tmp_pairs:
-                if os.path.lexists(tmp):
-                    os.unlink(tmp)
-        pulled.append(rank)
-    if pulled:
-        log.debug("run %r: state log of rank(s) %s pulled from %s", store.run,
-                 ", ".join(map(str, pulled)), remote.url)
-    return pulled
-
-
-def _remote_log(remote: RemoteRoot, run: str) -> Dict[int, List[tuple]]:
-    """rank -> [(segment name, remote path)] of the run's replicated log."""
-    from snapd import statelog
-    out: Dict[int, List[tuple]] = {}
-    for path in remote._ls(remote.log_path(run)):
-        leaf = path.rstrip("/").rsplit("/", 1)[-1]
-        match = _RANK.match(leaf)
-        if match is None or statelog.rank_dir("", int(match.group(1))).name != leaf:
-            continue
-        rank = int(match.group(1))
-        segs = sorted((p.rstrip("/").rsplit("/", 1)[-1], p) for p in remote._ls(path))
-        segs = [(n, p) for n, p in segs if _SEGMENT.match(n)]
-        if segs:
-            out[rank] = segs
-    return out
