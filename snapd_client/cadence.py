@@ -19,7 +19,9 @@ run slower. Each snapshot's cost, delta, is its stall plus that slowdown: the ti
 steps run while it was in flight took beyond the same steps at the step time measured
 with nothing in flight. The first snapshot of a process also pays one-time set-up (the
 staging arena, the daemon's first contact), so it stands for delta only until a
-second one, a probe taken as soon as the first is durable, is measured.
+second one, a probe taken as soon as the first is durable (and the client says its
+staging memory is faulted in whole: a copy into pages still faulting in is set-up
+too), is measured.
 
 Pure logic: no I/O, no torch, an injected clock. The client calls :meth:`Cadence.decide`
 at every ``snapshot(step)`` and reports back with :meth:`Cadence.taken` and
@@ -224,14 +226,16 @@ class Cadence:
             return statistics.median(steady)
         return self._first_stall
 
-    def decide(self, step: int) -> Decision:
-        """Whether ``step`` takes a snapshot, and the interval as estimated now."""
+    def decide(self, step: int, settled: bool = True) -> Decision:
+        """Whether ``step`` takes a snapshot, and the interval as estimated now.
+        ``settled``: a snapshot now would cost a steady one (the client's staging
+        memory is faulted in whole); the probe waits for it."""
         with self._lock:
             self._time_step(step)
             delta = self._delta()
             if delta is None:
                 return self._first()
-            if self._probe_due():
+            if settled and self._probe_due():
                 return Decision(True, 0.0, 1, "probe", self._durable[1], self.mtbf_s,
                                 self.mtbf_from, delta)
             durable = self._durable[1]

@@ -183,7 +183,8 @@ class Client:
         # Which snapshot() calls take one (``every``; snapd_client/schedule.py).
         self._schedule = Schedule(self.options, rank=self.rank,
                                   world_size=self.world_size,
-                                  history=self._resume_times)
+                                  history=self._resume_times,
+                                  settled=self._staging_settled)
         self._hooks: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook
         self._warm_hooks: Dict[int, Any] = {}  # id(optimizer) -> its first step's hook
         self._stepped: set = set()   # optimizers whose first step has been seen
@@ -624,6 +625,9 @@ class Client:
         self.restored = loaded
         self.lineage = dict(loaded.manifest["lineage"])
         return self._begin_resume(loaded, sorted(_omit))
+
+    def _staging_settled(self) -> bool:
+        return self._handoff is None or self._handoff.staging_settled
 
     def _check_overlap(self, mode: str, overlap: Any) -> None:
         if not isinstance(overlap, bool):

@@ -230,6 +230,12 @@ class Handoff:
             self.recovery.reserved(slot)
         return slot
 
+    @property
+    def staging_settled(self) -> bool:
+        """The staging arena, once made, is faulted in whole: the next snapshot's
+        stall is a steady one (what the cadence's probe must measure)."""
+        return self.arena is None or self.arena.faulted_in
+
     def _new_arena(self, conn: DaemonConnection, need: int,
                    background: bool = False) -> None:
         """Replace the (idle) arena with one whose slots hold ``need`` bytes, attached

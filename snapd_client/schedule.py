@@ -66,14 +66,18 @@ class Schedule:
     ``history``: called once, at the first decision under "auto": the wall times of
     the run's resumes. ``collective``: called once, at the first taken snapshot of a
     job of many ranks under "auto": the ranks' group (a fake in unit tests).
-    ``clock``: monotonic seconds, the cadence's (injected by tests).
+    ``clock``: monotonic seconds, the cadence's (injected by tests). ``settled``:
+    whether a snapshot now would cost a steady one (the staging arena faulted in
+    whole), so that the cadence's probe measures that and not the set-up.
     """
 
     def __init__(self, options: Options, *, rank: int = 0, world_size: int = 1,
                  history: Callable[[], Sequence[float]] = tuple,
                  collective: Optional[Callable[[], Collective]] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 settled: Callable[[], bool] = lambda: True) -> None:
         self.options = options
+        self._settled = settled
         self.rank, self.world_size = rank, world_size
         self._history = history
         self._collective_factory = collective or (lambda: process_group(world_size))
@@ -97,7 +101,7 @@ class Schedule:
             o = self.options
             self.cadence = Cadence(overhead=o.overhead, max_loss=o.max_loss, mtbf=o.mtbf,
                                    history=tuple(self._history()), clock=self.clock)
-        self.decision = self.cadence.decide(step)
+        self.decision = self.cadence.decide(step, settled=self._settled())
         return self.decision.take
 
     def agree(self) -> None:

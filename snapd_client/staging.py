@@ -194,6 +194,13 @@ class Arena:
                                     f"staging arena; free space in {SHM_DIR} or use "
                                     "slots=1", path=self.path)
 
+    @property
+    def faulted_in(self) -> bool:
+        """Every page of every slot is in (or faulting in failed: the copy faults its
+        own): a copy into any slot now costs a steady one, no set-up."""
+        p = self._prefault
+        return p.done >= p.nbytes or p.error is not None
+
     def pause_fault_in(self) -> None:
         """Leave the CPUs and memory bandwidth to something else (a restore) for now;
         :meth:`fault_in` goes on."""

@@ -357,6 +357,27 @@ def test_a_probe_right_after_the_first_is_durable_measures_a_steady_stall():
     assert taken[3] - taken[2] == steady.interval_steps
 
 
+def test_the_probe_waits_until_the_staging_memory_is_faulted_in_whole():
+    # The arena's later slots fault in in the background: a probe copied into them
+    # would measure that set-up, not a steady snapshot. Until the client says it is
+    # settled, the probe waits; the first's cost still stands for delta meanwhile.
+    clock = Clock()
+    cadence = Cadence(overhead=0.01, mtbf=600.0, clock=clock)
+    assert cadence.decide(0).take
+    clock.now += 5.0
+    cadence.taken(0, 5.0)
+    cadence.durable(0, 0.5)
+    decisions = []
+    for step in range(1, 6):
+        clock.now += 0.05
+        decisions.append(cadence.decide(step, settled=step >= 4))
+        if decisions[-1].take:
+            cadence.taken(step, 0.05)
+    assert [d.take for d in decisions] == [False, False, False, True, False]
+    assert [d.bound for d in decisions[:3]] == ["overhead"] * 3
+    assert decisions[3].bound == "probe"
+
+
 def test_the_slowdown_while_a_snapshot_is_written_counts_as_its_cost():
     # Steps take 1.5x while the daemon writes (10 of them, 0.25 s beyond 0.5 s): the
     # snapshot costs its 0.05 s stall plus that 0.25 s, and the budget is set by 0.3 s.

@@ -274,3 +274,25 @@ def test_a_cadence_option_out_of_range_is_refused_naming_the_field(given, field,
         Options(**given)
     assert caught.value.field == field
     assert str(caught.value).startswith(text)
+
+
+def test_the_probe_waits_for_the_schedules_settled_signal():
+    # The client hands the schedule whether its staging memory is faulted in whole;
+    # the probe (a snapshot right after the first is durable) waits for it.
+    clock, settled = Clock(), [False]
+    schedule = Schedule(Options(every="auto", mtbf=600.0), clock=clock,
+                        settled=lambda: settled[0])
+    assert schedule.decide(0)
+    clock.advance(5.0)   # its stall
+    schedule.cadence.taken(0, 5.0)
+    schedule.cadence.durable(0, 0.5)
+    taken = []
+    for step in range(1, 8):
+        clock.advance(0.05)
+        settled[0] = step >= 5
+        if schedule.decide(step):
+            assert schedule.decision.bound == "probe"
+            taken.append(step)
+            clock.advance(0.05)
+            schedule.cadence.taken(step, 0.05)
+    assert taken == [5]
