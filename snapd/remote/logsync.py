@@ -28,6 +28,8 @@ from snapd.store import DIR_MODE, RunStore, list_runs
 
 log = logging.getLogger(__name__)
 
+# The names the log's readers list (snapd/statelog.py): anything else under the
+# remote log is ignored, never written locally.
 _RANK = re.compile(r"^rank-(\d{5,})$")
 _SEGMENT = re.compile(r"^\d{12}\.log$")
 

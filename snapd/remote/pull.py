@@ -57,9 +57,6 @@ from snapd.store import DIR_MODE, TMP_PREFIX, RunStore, SnapshotId
 
 log = logging.getLogger(__name__)
 
-# The names the log's readers list (snapd/statelog.py): anything else under the
-# remote log is ignored, never written locally.
-
 Progress = transfer.Progress
 
 
