@@ -391,6 +391,21 @@ def resumed_from_remote(root: str, url: str, overlap: bool,
     return job.outcome()
 
 
+def hold_pull_finish(monkeypatch):
+    """Hold the background half of a pull from the remote tier (remotearrival.FINISH)
+    until released; (entered, release)."""
+    from snapd_client import remotearrival
+    entered, release = threading.Event(), threading.Event()
+
+    def gated(pending, read, **how):
+        entered.set()
+        assert release.wait(60), "the test never released the download"
+        return pending.finish(read, **how)
+
+    monkeypatch.setattr(remotearrival, "FINISH", gated)
+    return entered, release
+
+
 def assert_same(a, b, where: str = "") -> None:
     """Two outcomes equal bit for bit (tensors with torch.equal), naming the first
     key that differs."""

@@ -10,18 +10,16 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import threading
 
 import pytest
 import torch
 
-from helpers import (OverlapJob, assert_same, file_remote_of, flip_byte, read_manifest,
-                     resumed_from_remote)
+from helpers import (OverlapJob, assert_same, file_remote_of, flip_byte, hold_pull_finish,
+                     read_manifest, resumed_from_remote)
 from snapd.errors import CorruptSnapshot, RemoteUnavailable, SnapdError
 from snapd.remote.layout import RemoteRoot
 from snapd.statelog import read_records
 from snapd.store import RunStore, SnapshotId
-from snapd_client import remotearrival
 from snapd_client.fromremote import RemoteWarning
 from snapd_client.restore import FallbackWarning
 
@@ -61,19 +59,6 @@ def optimizer_file(url: str, name: str) -> str:
     return remote.file_path(RUN, name, entry["file"]), entry
 
 
-def gate(monkeypatch):
-    """Hold the background half of the pull until released; (entered, release)."""
-    entered, release = threading.Event(), threading.Event()
-
-    def gated(pending, read, **how):
-        entered.set()
-        assert release.wait(60), "the test never released the download"
-        return pending.finish(read, **how)
-
-    monkeypatch.setattr(remotearrival, "FINISH", gated)
-    return entered, release
-
-
 def set_aside_and_passed_over(root: str, remote: str) -> Job:
     """Snapshot 6 found damaged on this node: nothing committed, its download kept
     set aside; the next start passes it over (one RemoteWarning) and resumes from the
@@ -91,7 +76,7 @@ def set_aside_and_passed_over(root: str, remote: str) -> Job:
 def test_the_optimizer_file_arrives_after_restore_and_the_run_is_the_same(
         remote, tmp_path, monkeypatch):
     plain = resumed_from_remote(str(tmp_path / "plain"), remote, overlap=False)
-    entered, release = gate(monkeypatch)
+    entered, release = hold_pull_finish(monkeypatch)
     root = str(tmp_path / "overlapped")
     store = RunStore(root, RUN)
     _, entry = optimizer_file(remote, "00000006")
@@ -144,7 +129,7 @@ def test_a_damaged_remote_optimizer_file_stops_the_first_step_and_is_passed_over
 
 def test_a_download_that_fails_in_the_background_commits_nothing_and_the_next_start_pulls(
         remote, tmp_path, monkeypatch):
-    entered, release = gate(monkeypatch)
+    entered, release = hold_pull_finish(monkeypatch)
     path, _ = optimizer_file(remote, "00000006")
     root = str(tmp_path / "node-b")
     job = Job(root, remote=remote)

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pytest
 import torch
 
-from helpers import (OverlapJob, assert_same, read_manifest, resumed_from_remote,
-                     wait_until)
+from helpers import (OverlapJob, assert_same, hold_pull_finish, read_manifest,
+                     resumed_from_remote, wait_until)
 from snapd.remote.layout import RemoteRoot
 from snapd.remote.upload import upload_snapshot
 from snapd.store import RunStore, SnapshotId
-from snapd_client import remotearrival
 
 RUN = "r"
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "overlap_pull_job.py")
@@ -58,14 +56,7 @@ def test_over_s3_the_optimizer_file_arrives_after_restore_and_the_run_is_the_sam
         trained, s3_env, tmp_path, monkeypatch):
     url, optimizer = trained
     plain = resumed_from_remote(str(tmp_path / "plain"), url, overlap=False)
-    entered, release = threading.Event(), threading.Event()
-
-    def gated(pending, read, **how):
-        entered.set()
-        assert release.wait(60), "the test never released the download"
-        return pending.finish(read, **how)
-
-    monkeypatch.setattr(remotearrival, "FINISH", gated)
+    entered, release = hold_pull_finish(monkeypatch)
     root = str(tmp_path / "overlapped")
     store = RunStore(root, RUN)
 
