@@ -188,7 +188,9 @@ class RunInUse(SnapdError, RuntimeError):
 
 class DistributedNotReady(SnapdError, RuntimeError):
     """A job of several ranks (``WORLD_SIZE`` > 1) asked for something that needs
-    ``torch.distributed`` before ``dist.init_process_group`` was called."""
+    ``torch.distributed`` before ``dist.init_process_group`` was called, or waited in
+    vain for what another rank should have put there (rank 0's interval under
+    ``every="auto"``)."""
 
 
 class UnknownOption(SnapdError, TypeError):

@@ -65,7 +65,7 @@ from snapd_client.replicas import with_writers
 from snapd_client.repro import requested
 from snapd_client.restore import Loaded, load_for_resume, load_weights, overlappable
 from snapd_client.rng import RngStreams
-from snapd_client.schedule import CadenceWarning, Schedule
+from snapd_client.schedule import CadenceWarning, Schedule, scope as cadence_scope
 from snapd_client.values import Values, track_names, track_objects, values_home
 
 MODES = ("resume", "warm_start")
@@ -184,6 +184,7 @@ class Client:
         self._schedule = Schedule(self.options, rank=self.rank,
                                   world_size=self.world_size,
                                   history=self._resume_times,
+                                  scope=cadence_scope(run, lambda: self.session),
                                   settled=self._staging_settled)
         self._hooks: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook
         self._warm_hooks: Dict[int, Any] = {}  # id(optimizer) -> its first step's hook
@@ -398,29 +399,35 @@ class Client:
         _check_step(step)
         self._outcomes.report()
         take = self._schedule.decide(step)
+        self._log_cadence(self._schedule.late_records())   # a follower's, one call late
         unreachable = self._schedule.warning()
         if unreachable is not None:   # once, at the trainer's line
             warnings.warn(CadenceWarning(unreachable), stacklevel=2)
         if not take:
             return SnapshotHandle.not_taken(step)
+        # Many ranks under "auto": rank 0's interval from here, agreed before anything
+        # that may raise, so that no rank is left out of step.
+        self._schedule.publish(step)
         metric = _as_metric(metric)
         started, called_at = time.perf_counter(), self._schedule.clock()
         handle = self._hand_over(step, metric)
-        self._schedule.agree()   # many ranks under "auto": rank 0's interval
         # The stall: how long this call kept the loop from its next update.
         stall = time.perf_counter() - started
         self.journal.event("snapshot", event="staged", step=step, metric=metric,
                            stall=stall, staged_bytes=handle.staged_bytes,
                            waited=handle.stall_seconds, mode=self.options.mode
                            if self._handoff is not None else "in-process")
-        cadence = self._schedule.taken(handle, stall, called_at)
-        if cadence is not None:
-            self.journal.event("cadence", **cadence)
+        self._log_cadence([self._schedule.taken(handle, stall, called_at)])
         self.journal.sync_soon()  # flushed now by the log's thread: no fsync here
         self._outcomes.add(handle)
         if handle.sid is not None and not handle.failed:
             self._handed = handle.sid
         return handle
+
+    def _log_cadence(self, records) -> None:
+        for fields in records:
+            if fields is not None:
+                self.journal.event("cadence", **fields)
 
     def _hand_over(self, step: int, metric: Optional[float]) -> SnapshotHandle:
         capture = self.capture(step, metric, share=True)
@@ -893,6 +900,7 @@ class Client:
         try:
             self._settle_arrival()
             self._outcomes.settle()
+            self._log_cadence(self._schedule.close())
             if newest is not None and newest.failed:
                 newest.warned = True   # raised below instead
             # Many ranks: the newest part waits (bounded) for the other ranks' parts.

@@ -18,27 +18,43 @@ newest one, written by restore(), is the cadence's ``history``. The cadence is m
 the first ``snapshot()`` call, after restore() has written it.
 
 Many ranks: every rank must take the same steps, or a snapshot's parts would never
-all arrive. Each rank measures its own step time and stall; at each taken snapshot
-rank 0's interval in steps crosses a private gloo group in one small broadcast
-(snapd_client/ranks.py) and every rank follows it until the next. The first snapshot
-has no interval measured yet (one step), so a job of many ranks takes a second
-snapshot at its next call, whose interval is a measured one.
+all arrive. Each rank measures its own step time and stall, and follows rank 0's
+interval, which travels without a collective: at each taken snapshot rank 0 puts its
+interval in steps in the job's store (the key-value store torch.distributed already
+runs for the process group; a set, which waits for no rank), and every other rank reads
+it at its first call after that snapshot, before deciding. By then it is there in any
+loop whose steps exchange gradients: that rank's step after the snapshot took part in a
+collective that rank 0 joined only after its snapshot() returned. A follower's
+``cadence`` record, whose interval is rank 0's, is logged then, one call late. The
+first snapshot has no interval measured yet (one step), so a job of many ranks takes a
+second snapshot at its next call, whose interval is a measured one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import struct
+import datetime
+import itertools
 import time
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 from snapd.errors import DistributedNotReady
 from snapd.options import Options
 from snapd_client.cadence import Cadence, Decision
 from snapd_client.handle import SnapshotHandle
-from snapd_client.ranks import Collective, GlooGroup
 
-_INTERVAL = struct.Struct("<q")   # rank 0's interval in steps, as broadcast
+# Each client of a process draws the next number for its keys (:func:`scope`), so a
+# second client of the same run and session in one job never reads the first one's.
+# Every rank makes the same clients in the same order (one program on every rank), so
+# the numbers match.
+_CLIENTS = itertools.count()
+
+
+def scope(run: str, session: Callable[[], str]) -> Callable[[], str]:
+    """What names one client's attempt of ``run`` in the store: the run, the session
+    (restore() may replace it, hence a callable) and the client's number."""
+    number = next(_CLIENTS)
+    return lambda: f"{run}/{session()}/{number}"
 
 
 class CadenceWarning(UserWarning):
@@ -47,25 +63,40 @@ class CadenceWarning(UserWarning):
     figures and what to change."""
 
 
-def process_group(world_size: int) -> Collective:
-    """The private gloo group over the job's ranks (made by every rank at the same
-    call: the job's first taken snapshot)."""
+class JobStore(Protocol):
+    """What the ranks' agreement needs of torch.distributed's key-value store (a fake
+    in unit tests)."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def check(self, keys: List[str]) -> bool: ...
+
+    def wait(self, keys: List[str], timeout: datetime.timedelta) -> None: ...
+
+
+def job_store(world_size: int) -> JobStore:
+    """The store of the job's default process group: the one its ranks met through."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         raise DistributedNotReady(
             f"snapshot(): every='auto' with WORLD_SIZE={world_size}: the ranks follow "
-            "rank 0's interval, sent over torch.distributed, which has no process "
-            "group; call dist.init_process_group first, or give every=N",
-            field="every")
-    return GlooGroup()
+            "rank 0's interval, which travels through torch.distributed's store, and "
+            "there is no process group; call dist.init_process_group first, or give "
+            "every=N", field="every")
+    from torch.distributed import distributed_c10d
+    return distributed_c10d._get_default_store()
 
 
 class Schedule:
     """Decides, per ``snapshot(step)`` call, whether it takes a snapshot.
 
     ``history``: called once, at the first decision under "auto": the wall times of
-    the run's resumes. ``collective``: called once, at the first taken snapshot of a
-    job of many ranks under "auto": the ranks' group (a fake in unit tests).
+    the run's resumes. ``store``: called once, when a job of many ranks under "auto"
+    first needs it: the job's key-value store (a fake in unit tests); ``scope``: what
+    names this client's attempt of the run there (:func:`scope`: the same on every
+    rank).
     ``clock``: monotonic seconds, the cadence's (injected by tests). ``settled``:
     whether a snapshot now would cost a steady one (the staging arena faulted in
     whole), so that the cadence's probe measures that and not the set-up.
@@ -73,22 +104,35 @@ class Schedule:
 
     def __init__(self, options: Options, *, rank: int = 0, world_size: int = 1,
                  history: Callable[[], Sequence[float]] = tuple,
-                 collective: Optional[Callable[[], Collective]] = None,
+                 store: Optional[Callable[[], JobStore]] = None,
+                 scope: Callable[[], str] = lambda: "run",
                  clock: Callable[[], float] = time.monotonic,
-                 settled: Callable[[], bool] = lambda: True) -> None:
+                 settled: Callable[[], bool] = lambda: True,
+                 wait_s: float = 300.0) -> None:
         self.options = options
         self._settled = settled
         self.rank, self.world_size = rank, world_size
         self._history = history
-        self._collective_factory = collective or (lambda: process_group(world_size))
-        self._collective: Optional[Collective] = None
+        self._store_factory = store or (lambda: job_store(world_size))
+        self._store: Optional[JobStore] = None
+        self._scope = scope
+        self._wait_s = wait_s   # how long a follower waits for rank 0's interval
         self.clock = clock
         self.cadence: Optional[Cadence] = None   # "auto": made at the first call
         self.decision: Optional[Decision] = None  # "auto": the newest call's
+        # A follower (rank > 0, many ranks): the step of its newest snapshot whose
+        # interval (rank 0's) it has not read yet, and that snapshot's record.
+        self._unread: Optional[int] = None
+        self._record: Optional[Dict[str, Any]] = None
+        self._late: List[Dict[str, Any]] = []
 
     @property
     def auto(self) -> bool:
         return self.options.every == "auto"
+
+    @property
+    def many(self) -> bool:
+        return self.auto and self.world_size > 1
 
     def decide(self, step: int) -> bool:
         """Whether this call takes a snapshot."""
@@ -101,27 +145,78 @@ class Schedule:
             o = self.options
             self.cadence = Cadence(overhead=o.overhead, max_loss=o.max_loss, mtbf=o.mtbf,
                                    history=tuple(self._history()), clock=self.clock)
+        if self._unread is not None and step > self._unread:
+            self._follow(step, wait=True)
         self.decision = self.cadence.decide(step, settled=self._settled())
         return self.decision.take
 
-    def agree(self) -> None:
-        """Many ranks under "auto": rank 0's interval in steps, to every rank, applied.
-        Called at every taken snapshot, on every rank, at the same call."""
-        if not self.auto or self.world_size < 2:
+    def publish(self, step: int) -> None:
+        """Many ranks under "auto", at every taken snapshot, on every rank: rank 0 puts
+        its interval in the store and acts on it; every other rank reads it at its
+        next call (:meth:`decide`)."""
+        if not self.many:
             return
-        if self._collective is None:
-            self._collective = self._collective_factory()
-        mine = _INTERVAL.pack(self.decision.interval_steps) if self.rank == 0 else None
-        agreed = _INTERVAL.unpack(self._collective.broadcast_bytes(mine, src=0))[0]
+        if self.rank == 0:
+            self._job_store().set(self._key(step), str(self.decision.interval_steps))
+            self.cadence.set_interval_steps(self.decision.interval_steps)
+        else:
+            self._unread = step
+
+    def late_records(self) -> List[Dict[str, Any]]:
+        """A follower's ``cadence`` records whose interval (rank 0's) is known now; each
+        once."""
+        late, self._late = self._late, []
+        return late
+
+    def close(self) -> List[Dict[str, Any]]:
+        """At close: a follower's last record, if rank 0's interval is there already
+        (nothing is waited for)."""
+        if self._unread is not None:
+            try:
+                self._follow(self._unread, wait=False)
+            except Exception:   # the process group already destroyed: no record
+                pass
+        return self.late_records()
+
+    def _follow(self, step: int, wait: bool) -> None:
+        """Rank 0's interval after its snapshot of ``self._unread``, applied; the
+        record of that snapshot completed with it."""
+        taken_at, key = self._unread, self._key(self._unread)
+        store = self._job_store()
+        if wait:
+            try:
+                store.wait([key], datetime.timedelta(seconds=self._wait_s))
+            except RuntimeError as e:   # the store's timeout (DistStoreError)
+                raise DistributedNotReady(
+                    f"snapshot({step}) on rank {self.rank}: every='auto' waited "
+                    f"{self._wait_s:g} s for rank 0's interval after the snapshot of "
+                    f"step {taken_at} (key {key!r} of torch.distributed's store), and it "
+                    f"never came ({e}); rank 0 did not take that snapshot: every rank "
+                    "must call snapshot(step) at the same steps", field="every") from e
+        elif not store.check([key]):
+            return
+        agreed = int(store.get(key))
+        self._unread = None
         self.cadence.set_interval_steps(agreed)
-        # The interval this rank acts on is rank 0's: that is what its record says.
-        self.decision = dataclasses.replace(self.decision, interval_steps=agreed)
+        if self._record is not None:
+            # The interval this rank acts on is rank 0's: that is what its record says.
+            self._late.append({**self._record, "interval_steps": agreed})
+            self._record = None
+
+    def _job_store(self) -> JobStore:
+        if self._store is None:
+            self._store = self._store_factory()
+        return self._store
+
+    def _key(self, step: int) -> str:
+        return f"snapd/cadence/{self._scope()}/{step}"
 
     def taken(self, handle: SnapshotHandle, stall_s: float,
               called_at: float) -> Optional[Dict[str, Any]]:
         """A snapshot was taken (``called_at``: ``clock()`` when snapshot() was called;
         ``stall_s``: how long the call kept the loop): the cadence fed back, and the
-        fields of its ``cadence`` record. None unless "auto"."""
+        fields of its ``cadence`` record. None unless "auto", and None on a follower,
+        whose record waits for rank 0's interval (:meth:`late_records`)."""
         if not self.auto:
             return None
         cadence = self.cadence
@@ -136,8 +231,12 @@ class Schedule:
         handle.add_done_callback(durable)
         fields = dataclasses.asdict(self.decision)
         del fields["take"]   # always true here
-        return {"step": handle.step, **fields, "stall_s": stall_s,
-                "step_s": cadence.step_s}
+        record = {"step": handle.step, **fields, "stall_s": stall_s,
+                  "step_s": cadence.step_s}
+        if self.many and self.rank != 0:
+            self._record = record   # logged once rank 0's interval is read
+            return None
+        return record
 
     def warning(self) -> Optional[str]:
         """Once: why max_loss cannot be met (the cadence's sentence)."""

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from helpers import ThreadCollective, small_model_and_opt, small_train_step
+from helpers import small_model_and_opt, small_train_step
 from snapd import statelog
 from snapd.errors import DistributedNotReady, InvalidOption
 from snapd.options import Options
@@ -206,44 +206,136 @@ def test_resume_times_of_older_records_and_of_a_warm_start():
 
 # --- many ranks ----------------------------------------------------------------------
 
-def follow(schedule: Schedule, clock: Clock, step_s: float, taken: list) -> None:
-    """A rank's loop as snapshot() drives its schedule: 40 steps of ``step_s``."""
-    for step in range(1, 41):
+class ThreadStore:
+    """torch.distributed's key-value store as the schedule uses it, shared by rank
+    threads: set never waits; wait blocks until the keys are set or times out."""
+
+    def __init__(self) -> None:
+        self.values, self.changed = {}, threading.Condition()
+        self.sets = []   # (key, value) in order
+
+    def set(self, key, value):
+        with self.changed:
+            self.values[key] = str(value).encode()
+            self.sets.append((key, value))
+            self.changed.notify_all()
+
+    def get(self, key):
+        with self.changed:
+            return self.values[key]
+
+    def check(self, keys):
+        with self.changed:
+            return all(k in self.values for k in keys)
+
+    def wait(self, keys, timeout):
+        with self.changed:
+            if not self.changed.wait_for(lambda: all(k in self.values for k in keys),
+                                         timeout.total_seconds()):
+                raise RuntimeError(f"Wait timeout for {keys}")
+
+
+def follow(schedule: Schedule, clock: Clock, step_s: float, steps: int = 40) -> tuple:
+    """A rank's loop as snapshot() drives its schedule: ``steps`` steps of ``step_s``;
+    the steps it took, and its cadence records in the order the client logs them."""
+    taken, records = [], []
+    for step in range(1, steps + 1):
         clock.advance(step_s)
-        if schedule.decide(step):
-            schedule.agree()
-            schedule.taken(SnapshotHandle(step), 0.002, clock())
-            taken.append((step, schedule.decision.interval_steps))
+        take = schedule.decide(step)
+        records += schedule.late_records()
+        if take:
+            schedule.publish(step)
+            records.append(schedule.taken(SnapshotHandle(step), 0.002, clock()))
+            taken.append(step)
+    records += schedule.close()
+    return taken, [r for r in records if r is not None]
 
 
-def test_every_rank_takes_the_steps_rank_0s_interval_gives():
+def rank_schedules(options, store, world=2, **kw):
+    return [Schedule(options, rank=rank, world_size=world, clock=Clock(),
+                     store=lambda: store, scope=lambda: "r/s", **kw)
+            for rank in range(world)]
+
+
+def test_every_rank_takes_the_steps_rank_0s_interval_gives_through_the_store():
     options = Options(every="auto", max_loss=1.0, overhead=0.5)
-    threads = ThreadCollective(2)
+    store = ThreadStore()
     # Rank 1 measures steps half as long: alone it would aim at 19 steps, not 9
     # (max_loss less the 2 ms stall, rounded down).
     speeds = {0: 0.1, 1: 0.05}
-    taken, clocks = {0: [], 1: []}, {0: Clock(), 1: Clock()}
-    workers = [threading.Thread(target=follow, args=(
-        Schedule(options, rank=rank, world_size=2, clock=clocks[rank],
-                 collective=lambda rank=rank: threads.member(rank)),
-        clocks[rank], speeds[rank], taken[rank])) for rank in (0, 1)]
+    schedules = rank_schedules(options, store)
+    out = {}
+
+    def run(rank):
+        out[rank] = follow(schedules[rank], schedules[rank].clock, speeds[rank])
+
+    workers = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
     for w in workers:
         w.start()
     for w in workers:
         w.join(30)
     # The first snapshot has no interval measured (1 step): the next call takes one.
     # (At step 2 the one step timed so far is 0.098 s, the stall left out: 10 steps.)
-    assert taken[0] == taken[1] == [(1, 1), (2, 10), (12, 9), (21, 9), (30, 9), (39, 9)]
-    alone, clock = [], Clock()
-    follow(Schedule(options, clock=clock), clock, speeds[1], alone)
-    assert [step for step, _ in alone] != [step for step, _ in taken[1]]
+    (taken0, records0), (taken1, records1) = out[0], out[1]
+    assert taken0 == taken1 == [1, 2, 12, 21, 30, 39]
+    # Only rank 0 writes, once per snapshot; its records carry what it wrote.
+    assert [int(v) for _, v in store.sets] == [r["interval_steps"] for r in records0] \
+        == [1, 10, 9, 9, 9, 9]
+    assert [k for k, _ in store.sets][:2] == ["snapd/cadence/r/s/1", "snapd/cadence/r/s/2"]
+    # The follower's records, one per snapshot, carry rank 0's interval, not its own.
+    assert [(r["step"], r["interval_steps"]) for r in records1] == \
+        [(r["step"], r["interval_steps"]) for r in records0]
+    assert {r["bound"] for r in records1[2:]} == {"max_loss"}
+    alone = Schedule(options, clock=Clock())
+    assert follow(alone, alone.clock, speeds[1])[0] != taken1
+
+
+def test_rank_0_never_waits_for_another_rank():
+    # No collective: rank 0 runs its whole loop while no other rank has started.
+    store = ThreadStore()
+    rank0, _ = rank_schedules(Options(every="auto", max_loss=1.0, overhead=0.5), store)
+    taken, _ = follow(rank0, rank0.clock, 0.1)
+    assert taken == [1, 2, 12, 21, 30, 39] and len(store.sets) == 6
+
+
+def test_a_follower_decides_nothing_before_rank_0s_interval_arrives():
+    store = ThreadStore()
+    options = Options(every="auto", max_loss=1.0, overhead=0.5)
+    rank0, rank1 = rank_schedules(options, store)
+    assert rank1.decide(1)
+    rank1.publish(1)
+    rank1.taken(SnapshotHandle(1), 0.002, rank1.clock())
+    assert rank1.late_records() == [] and rank1.close() == []   # nothing read yet
+    decided = []
+    thread = threading.Thread(target=lambda: decided.append(rank1.decide(2)))
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive() and decided == []   # waiting for rank 0's interval of step 1
+    assert rank0.decide(1)
+    rank0.publish(1)
+    thread.join(10)
+    assert decided == [True]   # rank 0's interval after the first snapshot: one step
+    assert [r["interval_steps"] for r in rank1.late_records()] == [1]
+
+
+def test_a_follower_whose_interval_never_comes_says_which_step_and_key():
+    store = ThreadStore()
+    _, rank1 = rank_schedules(Options(every="auto"), store, wait_s=0.2)
+    assert rank1.decide(5)
+    rank1.publish(5)
+    with pytest.raises(DistributedNotReady) as caught:
+        rank1.decide(6)
+    assert caught.value.field == "every"
+    text = str(caught.value)
+    assert "snapshot(6) on rank 1" in text and "after the snapshot of step 5" in text
+    assert "snapd/cadence/r/s/" in text and "every rank must call snapshot(step)" in text
 
 
 def test_many_ranks_under_auto_need_a_process_group():
     schedule = Schedule(Options(every="auto"), rank=0, world_size=2)
     assert schedule.decide(1)
     with pytest.raises(DistributedNotReady) as caught:
-        schedule.agree()
+        schedule.publish(1)
     assert caught.value.field == "every"
     assert "call dist.init_process_group first, or give every=N" in str(caught.value)
 

@@ -16,7 +16,11 @@ step k (a rank that never submits its part); ``roots``: node-local roots, the ra
 split evenly over them in order (rank R uses roots[R * len(roots) // world]), each
 with its daemon, as on nodes of their own; ``dump_at``: after step k (its log and
 snapshot) each rank writes ``rank-<R>.at-<k>.npz``, its tracked state as a snapshot
-would hold it (dump.py, ``tracked_arrays``). At the end each rank writes
+would hold it (dump.py, ``tracked_arrays``); ``auto``: the cadence's options
+(``every="auto"``, e.g. ``{"max_loss": 1.0}``), with ``snapshot(step)`` called at every
+step; ``step_sleep``: seconds each step also takes; ``slow_handover``: ``[rank,
+seconds]``, that rank's snapshots stall that much longer (each rank's own cadence
+would then aim elsewhere). At the end each rank writes
 ``rank-<R>.npz`` (dump.py's keys) and ``rank-<R>.close.json`` (what close() raised,
 and how long it took); every step appends a line to ``rank-<R>.steps.jsonl``.
 """
@@ -43,7 +47,8 @@ from dump import (Progress, as_array, config, leave_job, optimizer_arrays, rng_a
 
 DEFAULTS = {"steps": 30, "snapshot_every": 8, "batch_size": 4, "samples": 96,
             "hidden": 64, "dim": 16, "snapd": True, "pause_at": None,
-            "skip_part_at": None, "dump_at": None, "data_version": "points-v1"}
+            "skip_part_at": None, "dump_at": None, "data_version": "points-v1",
+            "auto": None, "step_sleep": 0.0, "slow_handover": None}
 
 
 class Points(Dataset):
@@ -112,6 +117,16 @@ def final_state(cfg, ddp, opt, first_step, step, samples, losses):
     return state
 
 
+def slow_handover(ckpt, seconds: float) -> None:
+    """This rank's snapshots stall ``seconds`` longer (inside the timed hand-over)."""
+    hand_over = ckpt._hand_over
+
+    def slower(*args, **kwargs):
+        time.sleep(seconds)
+        return hand_over(*args, **kwargs)
+    ckpt._hand_over = slower
+
+
 def close(ckpt) -> dict:
     """close(), and what it raised and how long it took, for the test to assert on."""
     closing = {"error": None, "message": "", "seconds": 0.0}
@@ -135,7 +150,11 @@ def main() -> None:
     if cfg["snapd"]:
         from snapd_client import Client
         roots = cfg.get("roots") or [cfg["root"]]
-        ckpt = Client(roots[rank * len(roots) // world], cfg["run"], cfg["data_version"])
+        auto = {"every": "auto", **cfg["auto"]} if cfg["auto"] else {}
+        ckpt = Client(roots[rank * len(roots) // world], cfg["run"], cfg["data_version"],
+                      **auto)
+        if cfg["slow_handover"] and cfg["slow_handover"][0] == rank:
+            slow_handover(ckpt, cfg["slow_handover"][1])
         ckpt.track(model=ddp, optimizer=opt, scheduler=sched)
         batches = ckpt.batches(loader)
         step = ckpt.restore()
@@ -146,6 +165,7 @@ def main() -> None:
     while step < cfg["steps"]:
         batch = next(batches)
         loss = train_step(ddp, opt, sched, batch)
+        time.sleep(cfg["step_sleep"])
         step += 1
         idx = batch[0].tolist()
         samples += idx
@@ -154,7 +174,7 @@ def main() -> None:
         if ckpt is not None:
             ckpt.log(step, loss=loss, samples=idx)
             skip = step == cfg["skip_part_at"] and rank == 1
-            if step % cfg["snapshot_every"] == 0 and not skip:
+            if (cfg["auto"] or step % cfg["snapshot_every"] == 0) and not skip:
                 ckpt.snapshot(step)
         if ckpt is not None and step == cfg["dump_at"]:
             np.savez(os.path.join(out, f"rank-{rank}.at-{step}.npz"),
