@@ -316,6 +316,14 @@ def test_a_follower_decides_nothing_before_rank_0s_interval_arrives():
     thread.join(10)
     assert decided == [True]   # rank 0's interval after the first snapshot: one step
     assert [r["interval_steps"] for r in rank1.late_records()] == [1]
+    # Its last snapshot's record is logged at close(), once rank 0's interval is there.
+    rank1.publish(2)
+    rank1.taken(SnapshotHandle(2), 0.002, rank1.clock())
+    assert rank1.close() == []
+    assert rank0.decide(2)
+    rank0.publish(2)
+    assert [(r["step"], r["interval_steps"]) for r in rank1.close()] == \
+        [(2, rank0.decision.interval_steps)]
 
 
 def test_a_follower_whose_interval_never_comes_says_which_step_and_key():
