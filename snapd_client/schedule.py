@@ -156,8 +156,9 @@ class Schedule:
         next call (:meth:`decide`)."""
         if not self.many:
             return
+        store = self._job_store()   # every rank: no process group is refused here
         if self.rank == 0:
-            self._job_store().set(self._key(step), str(self.decision.interval_steps))
+            store.set(self._key(step), str(self.decision.interval_steps))
             self.cadence.set_interval_steps(self.decision.interval_steps)
         else:
             self._unread = step

@@ -339,8 +339,9 @@ def test_a_follower_whose_interval_never_comes_says_which_step_and_key():
     assert "snapd/cadence/r/s/" in text and "every rank must call snapshot(step)" in text
 
 
-def test_many_ranks_under_auto_need_a_process_group():
-    schedule = Schedule(Options(every="auto"), rank=0, world_size=2)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_many_ranks_under_auto_need_a_process_group_from_the_first_snapshot(rank):
+    schedule = Schedule(Options(every="auto"), rank=rank, world_size=2)
     assert schedule.decide(1)
     with pytest.raises(DistributedNotReady) as caught:
         schedule.publish(1)
