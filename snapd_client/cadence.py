@@ -248,7 +248,7 @@ class Cadence:
             self._own_steps = self._steps_for(tau, down=bound == "max_loss")
             # Many ranks: every rank follows rank 0's interval, so they all take the
             # same steps; this rank's own estimate is still what the decision reports
-            # (on rank 0 it is the value it puts in the job's store: snapd_client/schedule.py).
+            # (on rank 0 it is the value it puts in the job's store, schedule.py).
             acting = self._applied_steps or self._own_steps
             take = self._last_taken is None or step - self._last_taken >= acting
             return Decision(take, tau, self._own_steps, bound, tau / 2 + durable,
