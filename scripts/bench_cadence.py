@@ -307,25 +307,68 @@ def best_fixed(fixed: Dict[str, Dict[str, Any]], limit: Optional[float]
     return min(cheap)[1] if cheap else None
 
 
-def size_figures(per: Dict[str, Any]) -> Dict[str, Any]:
-    """Every configuration of one size summarized against its neighbouring loops
-    without snapshots, and each budget's ``auto`` against its best fixed N; the loops
-    without snapshots: their mean and spread."""
-    bases = [b["loop_s"] for b in per["base"]]
-    base_s = sum(bases) / len(bases)
-    auto = {k: summarize(r, per["base"]) for k, r in per["auto"].items()
-            if "error" not in r}
-    fixed = {k: summarize(r, per["base"]) for k, r in per["fixed"].items()
+def round_figures(done: Dict[str, Any], bases: List[Dict[str, Any]]
+                  ) -> Dict[str, Any]:
+    """One round's configurations summarized against their loops without snapshots,
+    and each budget's ``auto`` against its best fixed N in that round."""
+    auto = {k: summarize(r, bases) for k, r in done["auto"].items() if "error" not in r}
+    fixed = {k: summarize(r, bases) for k, r in done["fixed"].items()
              if "error" not in r}
-    versus = {}
+    return {"auto": auto, "fixed": fixed, "versus": versus(auto, fixed)}
+
+
+def versus(auto: Dict[str, Dict[str, Any]], fixed: Dict[str, Dict[str, Any]]
+           ) -> Dict[str, Dict[str, Any]]:
+    """Each budget's best fixed N at no more overhead in its loop, and auto's expected
+    loss against that N's."""
+    out = {}
     for budget, a in auto.items():
         n = best_fixed(fixed, a["in_loop"])
-        versus[budget] = {"best_fixed": n, "loss_ratio": None if n is None or not
-                          fixed[n]["expected_loss_s"] or a["expected_loss_s"] is None
-                          else a["expected_loss_s"] / fixed[n]["expected_loss_s"]}
-    return {"base_s": base_s, "noise": (max(bases) - min(bases)) / base_s,
+        out[budget] = {"best_fixed": n, "loss_ratio": None if n is None or not
+                       fixed[n]["expected_loss_s"] or a["expected_loss_s"] is None
+                       else a["expected_loss_s"] / fixed[n]["expected_loss_s"]}
+    return out
+
+
+def held_in(v: Dict[str, Any]) -> bool:
+    """Auto lost no more per failure than the best fixed N at no more overhead (or no
+    fixed N was that cheap)."""
+    return v["best_fixed"] is None or (v["loss_ratio"] is not None and v["loss_ratio"] <= 1)
+
+
+def median_figures(figs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One configuration over its rounds: the median of each number (those measured),
+    the commonest value of anything else (the cadence's bound, where M came from)."""
+    out: Dict[str, Any] = {"rounds": len(figs)}
+    for key in figs[0]:
+        values = [f[key] for f in figs if f.get(key) is not None]
+        if values and all(isinstance(v, (int, float)) for v in values):
+            out[key] = median(values)
+        else:
+            out[key] = max(values, key=values.count) if values else None
+    return out
+
+
+def size_figures(per: Dict[str, Any]) -> Dict[str, Any]:
+    """Every round's figures; each configuration's medians over the rounds it did not
+    fail in, and each budget's ``auto`` against its best fixed N by those medians;
+    how many rounds ``auto`` lost no more than that round's best fixed N; the loops
+    without snapshots: their mean and spread."""
+    bases = [b["loop_s"] for b in per["base"]]
+    rounds = [round_figures(done, per["base"]) for done in per["rounds"]]
+    merged: Dict[str, Dict[str, Any]] = {"auto": {}, "fixed": {}}
+    for group in merged:
+        for key in dict.fromkeys(k for r in rounds for k in r[group]):
+            merged[group][key] = median_figures(
+                [r[group][key] for r in rounds if key in r[group]])
+    held = {b: sum(1 for r in rounds if b in r["versus"] and held_in(r["versus"][b]))
+            for b in merged["auto"]}
+    return {"base_s": sum(bases) / len(bases),
+            "noise": (max(bases) - min(bases)) / (sum(bases) / len(bases)),
             "base_step_s": median([b["step_s"] for b in per["base"]]),
-            "auto": auto, "fixed": fixed, "versus": versus}
+            "auto": merged["auto"], "fixed": merged["fixed"],
+            "versus": versus(merged["auto"], merged["fixed"]),
+            "rounds": rounds, "held_in_rounds": held}
 
 
 # --- the section --------------------------------------------------------------------
@@ -359,13 +402,14 @@ def describe(cfg: Dict[str, Any]) -> List[str]:
         f"{cfg['threads']})`, calls `snapshot(step)` after every step; the state is "
         "scripts/benchlib.py's MLP + AdamW. Per size, one untimed snapshot by a "
         "throwaway client first (this VM's first touch of new memory). "
-        "Configurations: no snapshots (before the "
-        f"first of the others and after each), `every=\"auto\"` with {mtbf} and "
+        f"Configurations, in {cfg.get('rounds', 1)} round(s), the order reversed in every "
+        "other round: no snapshots (before each round and after the last), "
+        f"`every=\"auto\"` with {mtbf} and "
         "the overhead budget shown, and fixed `every=N`; each snapd one on a fresh root "
         "and daemon, `keep_last=2`, its snapshot of step 0 (daemon, arena) taken and "
         "waited on before the timed loop. *Overhead*: loop time / loop time without "
         "snapshots − 1, against the mean of the two loops without snapshots run just "
-        "before and just after (this VM's speed drifts over minutes); *drift*: how far "
+        "before and just after its round (this VM's speed drifts over minutes); *drift*: how far "
         "those two differ, the noise floor of that overhead. *In loop*: the same loop "
         "against its own undisturbed steps (those neither overlapping a snapshot's "
         "call-to-durable window nor starting within two steps after one): loop time / "
@@ -377,6 +421,8 @@ def describe(cfg: Dict[str, Any]) -> List[str]:
         "from its newest `cadence` log record of the timed loop) and in "
         "seconds at the loop's median step. *D*: median time from snapshot() to "
         "durable. *Expected loss*: lost training per failure, interval / 2 + D. "
+        "Each figure is the median over the rounds (the commonest bound), and `auto` "
+        "is set against fixed N both by those medians and round by round. "
         "All figures are from one run."]
 
 
@@ -391,12 +437,14 @@ def config_table(fig: Dict[str, Any], per: Dict[str, Any], steps: int) -> List[s
     for name, f in named:
         rows.append(f"| {name} | {benchlib.fs(f['loop_s'])} | {pct(f['overhead'])} | "
                     f"{f['noise'] * 100:.1f}% | {pct(f['in_loop'])} | "
-                    f"{pct(f['in_loop_drift']).lstrip('+')} | {f['taken']} | "
+                    f"{pct(f['in_loop_drift']).lstrip('+')} | {f['taken']:g} | "
                     f"{interval_text(f, steps)} | "
                     f"{f.get('bound', 'fixed') or '–'} | {benchlib.fs(f['durable_s'])} | "
                     f"{benchlib.fs(f['expected_loss_s'])} | {benchlib.fs(f['call_s'])} |")
-    failed = [f"| {config_name(group, k)} | error: {r['error']} | | | | | | | | | | |"
-              for group in ("auto", "fixed") for k, r in per[group].items() if "error" in r]
+    failed = [f"| {config_name(group, k)} | error in round {i + 1}: {r['error']} "
+              "| | | | | | | | | | |" for i, done in enumerate(per["rounds"])
+              for group in ("auto", "fixed") for k, r in done[group].items()
+              if "error" in r]
     return rows + failed
 
 
@@ -407,7 +455,7 @@ def config_name(group: str, key: str) -> str:
 def interval_text(f: Dict[str, Any], steps: int) -> str:
     if f["interval_steps"] is None:   # ``auto`` took none after step 0
         return f"none taken in {steps} steps"
-    return f"{f['interval_steps']} steps, {benchlib.fs(f['interval_s'])}"
+    return f"{f['interval_steps']:g} steps, {benchlib.fs(f['interval_s'])}"
 
 
 def versus_lines(fig: Dict[str, Any], steps: int) -> List[str]:
@@ -429,35 +477,63 @@ def versus_lines(fig: Dict[str, Any], steps: int) -> List[str]:
                 f"{benchlib.fs(a['expected_loss_s'])}")
         n = v["best_fixed"]
         if n is None:
-            out.append(head + "; no fixed N measured an overhead that low in its loop.")
-            continue
-        f = fig["fixed"][n]
-        ratio = "" if v["loss_ratio"] is None else \
-            f"; auto's is {v['loss_ratio']:.2f}× that"
-        out.append(head + f"; the best fixed N at no more overhead is `every={n}` "
-                   f"({pct(f['in_loop'])} in its loop), expected loss "
-                   f"{benchlib.fs(f['expected_loss_s'])}{ratio}.")
+            line = head + "; no fixed N measured an overhead that low in its loop."
+        else:
+            f = fig["fixed"][n]
+            ratio = "" if v["loss_ratio"] is None else \
+                f"; auto's is {v['loss_ratio']:.2f}× that"
+            line = (head + f"; the best fixed N at no more overhead is `every={n}` "
+                    f"({pct(f['in_loop'])} in its loop), expected loss "
+                    f"{benchlib.fs(f['expected_loss_s'])}{ratio}.")
+        out.append(line + rounds_text(fig, budget))
     return out
+
+
+def rounds_text(fig: Dict[str, Any], budget: str) -> str:
+    """Round by round: how often auto lost no more than that round's best fixed N, and
+    against which N, by how much."""
+    rounds = fig.get("rounds", [])
+    if len(rounds) < 2:
+        return ""
+    each = []
+    for r in rounds:
+        v = r["versus"].get(budget)
+        if v is None:
+            each.append("failed")
+        elif v["best_fixed"] is None:
+            each.append(f"{pct(r['auto'][budget]['in_loop'])}, no fixed N as cheap")
+        else:
+            ratio = "–" if v["loss_ratio"] is None else f"{v['loss_ratio']:.2f}×"
+            each.append(f"{pct(r['auto'][budget]['in_loop'])}, {ratio} "
+                        f"`every={v['best_fixed']}`")
+    return (f" Round by round, auto lost no more than that round's best fixed N at no "
+            f"more overhead in {fig['held_in_rounds'][budget]} of {len(rounds)} "
+            f"({'; '.join(each)}).")
 
 
 # --- driver -------------------------------------------------------------------------
 
 def one_size(args, label: str) -> Dict[str, Any]:
-    """Build the state, calibrate the step, warm up, then each budget and each fixed N,
-    with a loop without snapshots before the first and after each (this VM's speed drifts by
-    several percent over minutes: each configuration is set against its neighbours)."""
+    """Build the state, calibrate the step, warm up, then ``--rounds`` rounds of every
+    budget and every fixed N, the order reversed in every other round (a configuration
+    run late in one round runs early in the next), with a loop without snapshots before
+    each round and after the last (this VM's speed drifts by several percent over
+    minutes: each configuration is set against its round's two)."""
     model, opt = benchlib.build_state(benchlib.parse_size(label), args.threads)
     per: Dict[str, Any] = {"state_bytes": benchlib.nbytes_of(
         benchlib.state_tensors(model, opt))}
     work = per["matmuls_per_step"] = calibrate(args.step_ms / 1e3)
     per["warm_up_durable_s"] = warm_up(args, (model, opt))
     per["base"] = [run_loop(work, args.steps)]
-    per["auto"], per["fixed"] = {}, {}
+    per["rounds"] = []
     configs = [("auto", b) for b in args.budgets] + [(n, None) for n in args.every]
-    for every, budget in configs:
-        res = guarded(args, (model, opt), work, every, budget)
-        res["base_index"] = len(per["base"]) - 1   # the loop without snapshots before it
-        per["auto" if every == "auto" else "fixed"][str(budget or every)] = res
+    for r in range(args.rounds):
+        done: Dict[str, Dict[str, Any]] = {"auto": {}, "fixed": {}}
+        for every, budget in (configs if r % 2 == 0 else configs[::-1]):
+            res = guarded(args, (model, opt), work, every, budget)
+            res["base_index"] = len(per["base"]) - 1   # the round's first loop alone
+            done["auto" if every == "auto" else "fixed"][str(budget or every)] = res
+        per["rounds"].append(done)
         per["base"].append(run_loop(work, args.steps))
     return per
 
@@ -483,7 +559,8 @@ def run_all(args) -> Dict[str, Any]:
         print(f"{label}:", file=sys.stderr, flush=True)
         results[label] = one_size(args, label)
     benchlib.end_run(info, "bench_cadence.py", args.argv, probe=not args.no_probe)
-    cfg = {"steps": args.steps, "step_ms": args.step_ms, "threads": args.threads,
+    cfg = {"steps": args.steps, "rounds": args.rounds, "step_ms": args.step_ms,
+           "threads": args.threads,
            "budgets": args.budgets, "every": args.every, "mtbf": args.mtbf}
     return {"machine": info, "config": cfg, "results": results,
             "figures": {k: size_figures(r) for k, r in results.items()}}
@@ -501,6 +578,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     f"'default' for the client's (default {FULL['mtbf']})")
     ap.add_argument("--quick", action="store_true", help="a smoke run: " + ", ".join(
         f"--{k} {v}" for k, v in QUICK.items()) + " unless given")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="every configuration this many times, the order reversed in "
+                    "every other round; figures are medians (default 1)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tmp", default=tempfile.gettempdir(),
                     help="where the roots go (default the temp dir)")
@@ -521,8 +601,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.mtbf = None if args.mtbf == "default" else float(args.mtbf)
     except ValueError as e:
         ap.error(f"--budgets, --every, --mtbf: numbers, comma-separated ({e})")
-    if args.steps < 1 or min(args.every) < 1 or not all(0 < b < 1 for b in args.budgets):
-        ap.error("--steps and every N: at least 1; --budgets: fractions between 0 and 1")
+    if args.steps < 1 or args.rounds < 1 or min(args.every) < 1 or not all(0 < b < 1 for b in args.budgets):
+        ap.error("--steps, --rounds and every N: at least 1; --budgets: fractions between 0 and 1")
     return args
 
 

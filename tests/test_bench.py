@@ -348,17 +348,19 @@ def cadence_run(every, base_index, loop_s, durable, records=(), step_s=0.05,
 def cadence_results():
     record = {**FIRST, "step": 120, "interval_steps": 40, "interval_s": 1.9,
               "bound": "young-daly", "expected_loss_s": 1.4, "stall_s": 0.03}
+    # One round whose configurations each sit between their own two loops without
+    # snapshots (base_index): the neighbours are whichever two base_index names.
     return {"state_bytes": 100 << 20, "matmuls_per_step": 50,
-            # the loops without snapshots, before the first configuration and after each
             "base": [{"loop_s": s, "step_s": 0.05} for s in (10.0, 10.2, 10.0, 10.0, 9.8)],
-            "auto": {"0.01": cadence_run("auto", 0, 10.2, [0.4, 0.5, 0.6],
-                                         [FIRST, {**record, "step": 80}, record],
-                                         in_loop=0.01),
-                     "0.05": {"every": "auto", "budget": 0.05, "base_index": 1,
-                              "error": "OSError: full"}},
-            "fixed": {"10": cadence_run(10, 1, 11.0, [0.4, 0.4], in_loop=0.08),
-                      "40": cadence_run(40, 2, 10.3, [0.5], in_loop=0.02),
-                      "160": cadence_run(160, 3, 9.8, [0.5], in_loop=0.004)}}
+            "rounds": [{
+                "auto": {"0.01": cadence_run("auto", 0, 10.2, [0.4, 0.5, 0.6],
+                                             [FIRST, {**record, "step": 80}, record],
+                                             in_loop=0.01),
+                         "0.05": {"every": "auto", "budget": 0.05, "base_index": 1,
+                                  "error": "OSError: full"}},
+                "fixed": {"10": cadence_run(10, 1, 11.0, [0.4, 0.4], in_loop=0.08),
+                          "40": cadence_run(40, 2, 10.3, [0.5], in_loop=0.02),
+                          "160": cadence_run(160, 3, 9.8, [0.5], in_loop=0.004)}}]}
 
 
 def test_each_configuration_is_set_against_its_neighbours_and_its_best_fixed_n():
@@ -404,7 +406,8 @@ def test_the_section_names_the_rule_the_bound_and_a_failed_configuration():
            "40 steps, 2.00 s | young-daly | 500 ms | 1.50 s | 30 ms |" in text
     assert "| `every=160` | 9.80 s | -1.0% | 2.0% | +0.4% | 0.4% | 1 | 160 steps, " \
            "8.00 s | fixed |" in text
-    assert "| `auto`, overhead=0.05 | error: OSError: full |" in text
+    assert "| `auto`, overhead=0.05 | error in round 1: OSError: full |" in text
+    assert "Round by round" not in text                  # one round: nothing to count
     assert "CheckFreq's published bound, FAST '21: 3.5%" in text
     assert "interval 40 steps, 2.00 s set by `young-daly`, step 0's stall 140 ms " \
            "against 30 ms in the loop, cost per snapshot weighed (stall and slowdown) " \
@@ -417,7 +420,7 @@ def test_the_section_names_the_rule_the_bound_and_a_failed_configuration():
 
 def test_an_auto_run_that_took_none_after_step_0_says_so_and_names_no_rule():
     per = cadence_results()
-    per["auto"]["0.01"] = cadence_run("auto", 0, 10.1, [], [FIRST])
+    per["rounds"][0]["auto"]["0.01"] = cadence_run("auto", 0, 10.1, [], [FIRST])
     fig = bc.size_figures(per)
     auto = fig["auto"]["0.01"]
     assert auto["taken"] == 0 and auto["bound"] is None     # not step 0's "first"
@@ -429,3 +432,58 @@ def test_an_auto_run_that_took_none_after_step_0_says_so_and_names_no_rule():
     assert "no snapshot after step 0 in 200 steps, step 0's stall 140 ms against – in " \
            "the loop, cost per snapshot weighed (stall and slowdown) – (M 600 s from " \
            "option)" in line
+
+
+def test_rounds_reverse_the_order_and_each_starts_after_a_loop_alone(monkeypatch):
+    ran = []
+    monkeypatch.setattr(bc.benchlib, "build_state", lambda size, threads: (None, None))
+    monkeypatch.setattr(bc.benchlib, "state_tensors", lambda model, opt: [])
+    monkeypatch.setattr(bc.benchlib, "nbytes_of", lambda tensors: 0)
+    monkeypatch.setattr(bc, "calibrate", lambda step_s: 1)
+    monkeypatch.setattr(bc, "warm_up", lambda args, state: 0.0)
+    monkeypatch.setattr(bc, "run_loop", lambda work, steps: ran.append("none") or
+                        {"loop_s": 1.0, "step_s": 0.1})
+    monkeypatch.setattr(bc, "guarded", lambda args, state, work, every, budget:
+                        ran.append(f"{every}/{budget}") or {"every": every})
+    args = bc.parse(["--sizes", "1M", "--budgets", "0.01", "--every", "10,40",
+                     "--rounds", "3"])
+    per = bc.one_size(args, "1M")
+    assert ran == ["none", "auto/0.01", "10/None", "40/None", "none",
+                   "40/None", "10/None", "auto/0.01", "none",
+                   "auto/0.01", "10/None", "40/None", "none"]
+    # every configuration of round r is set against the loop alone before it (r) and after
+    assert [sorted({res["base_index"] for g in done.values() for res in g.values()})
+            for done in per["rounds"]] == [[0], [1], [2]]
+
+
+def test_over_rounds_each_figure_is_a_median_and_the_rounds_are_counted():
+    record = {**FIRST, "step": 120, "interval_steps": 40, "interval_s": 1.9,
+              "bound": "young-daly", "expected_loss_s": 1.4, "stall_s": 0.03}
+
+    def one_round(base_index, auto_in_loop, auto_durable, fixed_in_loop):
+        return {"auto": {"0.01": cadence_run("auto", base_index, 10.2, [auto_durable],
+                                             [FIRST, record], in_loop=auto_in_loop)},
+                "fixed": {"40": cadence_run(40, base_index, 10.3, [0.5],
+                                            in_loop=fixed_in_loop),
+                          "160": cadence_run(160, base_index, 9.8, [0.5],
+                                             in_loop=0.001)}}
+    # auto: an interval of 40 steps (1.0 s of loss) + D; every=40 loses 1.0 + 0.5 s.
+    per = {"base": [{"loop_s": 10.0, "step_s": 0.05}] * 4,
+           "rounds": [one_round(0, 0.010, 0.3, 0.012),   # 40 dearer: auto vs 160, held
+                      one_round(1, 0.010, 0.9, 0.008),   # vs 40: 1.9 / 1.5, not held
+                      one_round(2, 0.011, 0.4, 0.009)]}  # vs 40: 1.4 / 1.5, held
+    fig = bc.size_figures(per)
+    auto = fig["auto"]["0.01"]
+    assert auto["rounds"] == 3 and auto["bound"] == "young-daly"
+    assert auto["in_loop"] == pytest.approx(0.010)             # median of 10, 10, 11
+    assert auto["expected_loss_s"] == pytest.approx(1.0 + 0.4)  # median of the three
+    assert fig["fixed"]["40"]["in_loop"] == pytest.approx(0.009)
+    # by the medians: every=40 (+0.9%) is no dearer than auto (+1.0%) and loses 1.5 s
+    assert fig["versus"]["0.01"] == {"best_fixed": "40",
+                                     "loss_ratio": pytest.approx(1.4 / 1.5)}
+    assert [r["versus"]["0.01"]["best_fixed"] for r in fig["rounds"]] == \
+        ["160", "40", "40"]
+    assert fig["held_in_rounds"] == {"0.01": 2}
+    text = bc.rounds_text(fig, "0.01")
+    assert "in 2 of 3 (+1.0%, 0.29× `every=160`; +1.0%, 1.27× `every=40`; " \
+           "+1.1%, 0.93× `every=40`)" in text
