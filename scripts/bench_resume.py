@@ -2,6 +2,7 @@
 """Time to resume: how long a restarted trainer stands still before it trains again.
 
     python scripts/bench_resume.py [--sizes 1G,2G] [--reps 3] [--quick]
+                                   [--device cpu|cuda] [--batch 64]
                                    [--json PATH] [--doc docs/benchmarks.md]
 
 The state is scripts/benchlib.py's ``build_state``: an MLP of Linear(2048, 2048)
@@ -64,6 +65,13 @@ Goals, as ratios of medians of the same run (the targets table):
 - each method's cold restore over its own worker's raw read (bench_render's
   ``cold_against_own_raw``): snapd's ≤ 1.1× the best peer's, at every size.
 
+``--device cuda``: the state and the first update on the GPU (every restore copies
+to it; torch.load's file was saved from it and loads onto it). The timings wait for
+the kernels queued on the timed thread's stream; the background part of
+``restore(overlap=True)`` is waited for by the step's pre-hook, as in training. On a
+GPU a forward and backward of a batch of 64 rows take a few milliseconds: there is
+nothing to hide the moments behind unless ``--batch`` is near what training uses.
+
 ``--quick`` is a smoke run: a 32M state, one repetition.
 """
 
@@ -114,10 +122,19 @@ def first_update(model, opt, x) -> None:
     opt.step()
 
 
-def batch(rows: int):
+def batch(rows: int, device: str = "cpu"):
     import torch
     gen = torch.Generator().manual_seed(1234)
-    return torch.randn(rows, benchlib.WIDTH, generator=gen)
+    return torch.randn(rows, benchlib.WIDTH, generator=gen).to(device)
+
+
+def sync(device: str) -> None:
+    """Wait for the work queued on this thread's stream: a CUDA call returns before its
+    kernels end. That stream only: a background restore's copies on another stream
+    are waited for where the step's pre-hook waits, not here."""
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.current_stream().synchronize()
 
 
 def digest(model, opt) -> str:
@@ -126,14 +143,16 @@ def digest(model, opt) -> str:
     import xxhash
     h = xxhash.xxh3_64()
     for t in benchlib.state_tensors(model, opt):
-        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        h.update(memoryview(t.detach().cpu().contiguous().reshape(-1)
+                            .view(torch.uint8).numpy()))
     return h.hexdigest()
 
 
 def w_save(args) -> Dict[str, Any]:
     """Save the state three ways; the files, and the digest after its first update."""
     from snapd_client import Client
-    model, opt = benchlib.build_state(benchlib.parse_size(args.size), args.threads)
+    model, opt = benchlib.build_state(benchlib.parse_size(args.size), args.threads,
+                                      args.device)
     os.makedirs(args.root, exist_ok=True)
     res: Dict[str, Any] = {"state_bytes": benchlib.nbytes_of(
         benchlib.state_tensors(model, opt))}
@@ -153,7 +172,7 @@ def w_save(args) -> Dict[str, Any]:
     # build_state's gradients are not saved: a restarted trainer's backward starts
     # from none, and so does this one.
     opt.zero_grad(set_to_none=True)
-    first_update(model, opt, batch(args.batch))
+    first_update(model, opt, batch(args.batch, args.device))
     res["digest"] = digest(model, opt)
     return res
 
@@ -215,8 +234,8 @@ def w_restore(args) -> Dict[str, Any]:
     with open(args.saved) as f:
         saved = json.load(f)
     model, opt = benchlib.build_state(benchlib.parse_size(args.size), args.threads,
-                                      step=False)
-    x = batch(args.batch)
+                                      args.device, step=False)
+    x = batch(args.batch, args.device)
     dropped, files = method_files(args.worker, saved)
     res: Dict[str, Any] = {}
     if args.temp == "cold":
@@ -225,12 +244,16 @@ def w_restore(args) -> Dict[str, Any]:
         res["warmed_bytes"] = benchlib.warm_cache(dropped)
     restore, client = restorer(args.worker, args.temp, args.root, saved, model, opt)
     benchlib.train_briefly()
+    sync(args.device)
     f0, t0 = minor_faults(), time.perf_counter()
     restore()
+    sync(args.device)   # a restore's copies to the device are done when it is ready
     ready, f1 = time.perf_counter(), minor_faults()
     model(x).square().mean().backward()   # first_update's, timed in its two parts
+    sync(args.device)
     fb, f2 = time.perf_counter(), minor_faults()
     opt.step()
+    sync(args.device)
     done, f3 = time.perf_counter(), minor_faults()
     res.update(ready_s=ready - t0, first_update_s=done - t0, forward_backward_s=fb - ready,
                step_s=done - fb, faults=[f1 - f0, f2 - f1, f3 - f2])
@@ -254,7 +277,7 @@ def run_worker(args, worker: str, size: str, root: str, out: str,
     """One process (``--worker``): its JSON, or the error it ended with."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--size", size,
            "--root", root, "--out", out, "--threads", str(args.threads),
-           "--batch", str(args.batch)]
+           "--batch", str(args.batch), "--device", args.device]
     for k, v in extra.items():
         cmd += [f"--{k}", v]
     t0 = time.perf_counter()
@@ -304,13 +327,23 @@ def run_all(args) -> Dict[str, Any]:
         for size in args.sizes:
             print(f"size {size} ({args.reps} of each restore)", file=sys.stderr)
             sizes[size] = run_size(args, size, base)
+            if args.json:   # a run cut short still leaves the sizes it finished
+                with open(args.json, "w") as f:
+                    json.dump({"partial": True, "sizes": sizes}, f)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     benchlib.end_run(info, "bench_resume.py", args.argv, probe=not args.no_probe)
     config = {"sizes": args.sizes, "reps": args.reps, "threads": args.threads,
-              "batch": args.batch}
+              "batch": args.batch, "device": device_name(args.device)}
     return {"machine": info, "config": config, "sizes": sizes,
             "figures": {s: figures(r) for s, r in sizes.items()}}
+
+
+def device_name(device: str) -> str:
+    if not device.startswith("cuda"):
+        return device
+    import torch
+    return f"{device} ({torch.cuda.get_device_name()}, CUDA {torch.version.cuda})"
 
 
 # --- the figures (pure) ---------------------------------------------------------------
@@ -442,7 +475,7 @@ def report(data: Dict[str, Any]) -> str:
              "started process, timed from the call that restores to its return (*ready*) "
              "and to the end of the first `optimizer.step()` after one forward and "
              f"backward (a batch of {cfg['batch']} rows; *first update*). State: the MLP "
-             "+ AdamW of scripts/benchlib.py, "
+             f"+ AdamW of scripts/benchlib.py on {cfg.get('device', 'cpu')}, "
              f"{cfg['threads']} torch threads; medians of {cfg['reps']} processes per "
              "cell. Hot: torch.load's and DCP's files in the page cache, snapd from its "
              "daemon's copy; cold: the files dropped from the page cache, snapd without "
@@ -514,6 +547,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=64,
                     help="rows of the first update's batch (default 64)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu",
+                    help="where the state and the first update live: cpu (default) or "
+                    "cuda (restores copy to the device; timings wait for its kernels)")
     ap.add_argument("--timeout", type=float, default=900,
                     help="seconds one process may take (default 900)")
     ap.add_argument("--tmp", default=tempfile.gettempdir(),
