@@ -2,7 +2,8 @@
 """Automatic cadence: what ``snapshot(step)`` after every step costs with ``every="auto"``.
 
     python scripts/bench_cadence.py [--sizes 100M,1G] [--steps 1600] [--budgets 0.01,0.05]
-                                    [--every 25,100,400] [--mtbf 600] [--quick]
+                                    [--every 25,100,400] [--mtbf 600] [--rounds 1]
+                                    [--quick]
                                     [--json PATH] [--doc docs/benchmarks.md]
 
 One run, one training loop per configuration, all in this process, on the MLP + AdamW
@@ -12,13 +13,18 @@ default 1: the daemon has the other core). A step is a fixed amount of work: as 
 that a daemon taking CPU from the loop makes its steps longer (a step that spins for
 a fixed time would hide that). The configurations, each over ``--steps`` steps:
 
-- *no snapshots*: the loop alone, run before the first configuration and after each
-  one; a configuration's overhead is against the mean of the two it sits between,
+- *no snapshots*: the loop alone, run before each round and after the last; a
+  configuration's overhead is against the mean of the two its round sits between,
   and how far those two differ (*drift*) is the noise floor of that figure;
 - ``every="auto", overhead=B`` for each budget B (``--budgets``): ``snapshot(step)``
   after every step, the cadence deciding which calls take one (snapd_client/
   cadence.py; docs/operations.md, "Snapshot cadence");
 - ``every=N`` for each N of ``--every``: a snapshot when ``step % N == 0``.
+
+``--rounds R`` runs every configuration R times, the order reversed in every other
+round, so that the machine's drift falls on each alike; each figure is then the
+median over the rounds, and each budget's ``auto`` is set against the best fixed N
+both by those medians and round by round (how many rounds it held in).
 
 Per size, one untimed snapshot by a throwaway client comes first (the VM's first
 touch of new memory is paid there, not by the first configuration). Each snapd
@@ -333,7 +339,8 @@ def versus(auto: Dict[str, Dict[str, Any]], fixed: Dict[str, Dict[str, Any]]
 def held_in(v: Dict[str, Any]) -> bool:
     """Auto lost no more per failure than the best fixed N at no more overhead (or no
     fixed N was that cheap)."""
-    return v["best_fixed"] is None or (v["loss_ratio"] is not None and v["loss_ratio"] <= 1)
+    ratio = v["loss_ratio"]
+    return v["best_fixed"] is None or (ratio is not None and ratio <= 1)
 
 
 def median_figures(figs: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -402,16 +409,17 @@ def describe(cfg: Dict[str, Any]) -> List[str]:
         f"{cfg['threads']})`, calls `snapshot(step)` after every step; the state is "
         "scripts/benchlib.py's MLP + AdamW. Per size, one untimed snapshot by a "
         "throwaway client first (this VM's first touch of new memory). "
-        f"Configurations, in {cfg.get('rounds', 1)} round(s), the order reversed in every "
-        "other round: no snapshots (before each round and after the last), "
+        f"Configurations, in {cfg.get('rounds', 1)} round(s), the order reversed in "
+        "every other round: no snapshots (before each round and after the last), "
         f"`every=\"auto\"` with {mtbf} and "
         "the overhead budget shown, and fixed `every=N`; each snapd one on a fresh root "
         "and daemon, `keep_last=2`, its snapshot of step 0 (daemon, arena) taken and "
         "waited on before the timed loop. *Overhead*: loop time / loop time without "
         "snapshots − 1, against the mean of the two loops without snapshots run just "
-        "before and just after its round (this VM's speed drifts over minutes); *drift*: how far "
-        "those two differ, the noise floor of that overhead. *In loop*: the same loop "
-        "against its own undisturbed steps (those neither overlapping a snapshot's "
+        "before and just after its round (this VM's speed drifts over minutes); "
+        "*drift*: how far those two differ, the noise floor of that overhead. "
+        "*In loop*: the same loop against its own undisturbed steps (those neither "
+        "overlapping a snapshot's "
         "call-to-durable window nor starting within two steps after one): loop time / "
         "(steps × their mean) − 1, a baseline measured in the same seconds, so the "
         "drift over minutes cancels; its *drift* is how far the mean undisturbed step "
@@ -601,8 +609,10 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.mtbf = None if args.mtbf == "default" else float(args.mtbf)
     except ValueError as e:
         ap.error(f"--budgets, --every, --mtbf: numbers, comma-separated ({e})")
-    if args.steps < 1 or args.rounds < 1 or min(args.every) < 1 or not all(0 < b < 1 for b in args.budgets):
-        ap.error("--steps, --rounds and every N: at least 1; --budgets: fractions between 0 and 1")
+    if args.steps < 1 or args.rounds < 1 or min(args.every) < 1 or \
+            not all(0 < b < 1 for b in args.budgets):
+        ap.error("--steps, --rounds and every N: at least 1; --budgets: fractions "
+                 "between 0 and 1")
     return args
 
 

@@ -451,7 +451,7 @@ def test_rounds_reverse_the_order_and_each_starts_after_a_loop_alone(monkeypatch
     assert ran == ["none", "auto/0.01", "10/None", "40/None", "none",
                    "40/None", "10/None", "auto/0.01", "none",
                    "auto/0.01", "10/None", "40/None", "none"]
-    # every configuration of round r is set against the loop alone before it (r) and after
+    # each configuration of round r is set against the loops alone before and after it
     assert [sorted({res["base_index"] for g in done.values() for res in g.values()})
             for done in per["rounds"]] == [[0], [1], [2]]
 
