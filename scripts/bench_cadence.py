@@ -537,7 +537,7 @@ def one_size(args, label: str) -> Dict[str, Any]:
     configs = [("auto", b) for b in args.budgets] + [(n, None) for n in args.every]
     for r in range(args.rounds):
         done: Dict[str, Dict[str, Any]] = {"auto": {}, "fixed": {}}
-        for every, budget in (configs if r % 2 == 0 else configs[::-1]):
+        for every, budget in benchlib.round_order(configs, r):
             res = guarded(args, (model, opt), work, every, budget)
             res["base_index"] = len(per["base"]) - 1   # the round's first loop alone
             done["auto" if every == "auto" else "fixed"][str(budget or every)] = res

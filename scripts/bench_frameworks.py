@@ -65,7 +65,7 @@ DEFAULT_BATCH = {"lightning": 8, "transformers": 2}
 
 def order(round_: int) -> tuple:
     """The ways of one round: forward in even rounds, backward in odd ones."""
-    return WAYS if round_ % 2 == 0 else tuple(reversed(WAYS))
+    return benchlib.round_order(WAYS, round_)
 
 
 def child_config(args, framework: str, way: str, base: str, round_: int) -> Dict[str, Any]:

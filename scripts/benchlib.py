@@ -97,6 +97,12 @@ def median(xs) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
+def round_order(items, round_: int) -> tuple:
+    """The order of one round of a bench that repeats its configurations: forward in
+    even rounds, backward in odd ones, so that the machine's drift falls on each alike."""
+    return tuple(items) if round_ % 2 == 0 else tuple(reversed(items))
+
+
 # --- files and the page cache -------------------------------------------------------
 
 def files_under(path: str) -> List[str]:
