@@ -17,11 +17,13 @@ What a snapshot costs is more than its stall: while the daemon writes it, it sha
 the machine with the trainer (CPU, memory bandwidth), and the steps taken meanwhile
 run slower. Each snapshot's cost, delta, is its stall plus that slowdown: the time the
 steps run while it was in flight took beyond the same steps at the step time measured
-with nothing in flight. The first snapshot of a process also pays one-time set-up (the
-staging arena, the daemon's first contact), so it stands for delta only until a
-second one, a probe taken as soon as the first is durable (and the client says its
-staging memory is faulted in whole: a copy into pages still faulting in is set-up
-too), is measured.
+with nothing in flight. A snapshot copied into staging memory still faulting in (or
+into an arena it has to make) pays one-time set-up besides: so the process's first
+waits, up to ``FIRST_WAIT_S`` of training, for the client to say its staging memory
+is ready (``first_waits``), and then measures a steady cost like any other. A first
+taken before that (the wait ran out, or it may not wait: many ranks, ``max_loss``)
+stands for delta only until a second one, a probe taken as soon as the first is
+durable and the staging memory is ready, is measured.
 
 Pure logic: no I/O, no torch, an injected clock. The client calls :meth:`Cadence.decide`
 at every ``snapshot(step)`` and reports back with :meth:`Cadence.taken` and
@@ -46,6 +48,7 @@ __all__ = ["Cadence", "Decision", "DEFAULT_MTBF_S", "daly_interval", "mtbf_from_
 DEFAULT_MTBF_S = 24 * 3600.0  # M when neither the run's history nor mtbf= gives one
 STEP_WINDOW = 16              # step-time samples whose median is the step time
 COST_WINDOW = 5               # durable snapshots whose median cost is delta
+FIRST_WAIT_S = 60.0           # training the first snapshot waits for staging memory
 
 
 @dataclass(frozen=True)
@@ -164,18 +167,22 @@ class Cadence:
     ``overhead``: the fraction of training time snapshots may cost; ``max_loss``:
     the most seconds of training a failure may cost (None: no limit); ``mtbf``: M in
     seconds, used when ``history`` (the wall times of this run's interruptions, two or
-    more) cannot give it; ``clock``: seconds, monotonic (injected by tests).
+    more) cannot give it; ``clock``: seconds, monotonic (injected by tests);
+    ``first_waits``: the first snapshot waits for ``settled`` (at most
+    ``FIRST_WAIT_S`` of training) and, taken settled, is a steady one: no probe.
     """
 
     def __init__(self, *, overhead: float = 0.01, max_loss: Optional[float] = None,
                  mtbf: Optional[float] = None, history: Sequence[float] = (),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 first_waits: bool = False) -> None:
         _check_positive("overhead", overhead, below=1.0)
         _check_positive("max_loss", max_loss)
         _check_positive("mtbf", mtbf)
         self.overhead = float(overhead)
         self.max_loss = None if max_loss is None else float(max_loss)
         self.mtbf_s, self.mtbf_from = choose_mtbf(history, mtbf)
+        self.first_waits = first_waits
         self._clock = clock
         self._lock = threading.Lock()
         self._step_times: Deque[float] = deque(maxlen=STEP_WINDOW)
@@ -184,6 +191,9 @@ class Cadence:
         self._costs: Deque[float] = deque(maxlen=COST_WINDOW)  # steady snapshots'
         self._first_stall: Optional[float] = None   # the process's first snapshot's
         self._first_step: Optional[int] = None
+        self._first_settled = False   # the first was decided with the staging ready
+        # The first, when it paid set-up: left out of delta, and a probe follows it.
+        self._setup_step: Optional[int] = None
         # Snapshots taken and not yet durable: step -> _InFlight; and those durable
         # since the last call, whose cost waits for the step they became durable in.
         self._in_flight: Dict[int, _InFlight] = {}
@@ -195,7 +205,8 @@ class Cadence:
         self._last_taken: Optional[int] = None
         # The overhead budget's ledger: the training timed so far, what the snapshots
         # after the process's first cost (stalls, then slowdowns as they settle), and
-        # the training timed when the newest was taken.
+        # the training timed when the newest was taken. The first is left out, steady
+        # or not: the ledger starts there (measuring a cost takes one snapshot).
         self._trained = 0.0
         self._spent = 0.0
         self._trained_at_last = 0.0
@@ -221,7 +232,7 @@ class Cadence:
         if self._costs:
             return statistics.median(self._costs)
         steady = [f.stall for s, f in {**self._settled, **self._in_flight}.items()
-                  if s != self._first_step]
+                  if s != self._setup_step]
         if steady:
             return statistics.median(steady)
         return self._first_stall
@@ -234,7 +245,7 @@ class Cadence:
             self._time_step(step)
             delta = self._delta()
             if delta is None:
-                return self._first()
+                return self._first(settled)
             if settled and self._probe_due():
                 return Decision(True, 0.0, 1, "probe", self._durable[1], self.mtbf_s,
                                 self.mtbf_from, delta)
@@ -260,6 +271,8 @@ class Cadence:
             stall = max(0.0, float(stall_s))
             if self._first_stall is None:
                 self._first_stall, self._first_step = stall, step
+                if not self._first_settled:
+                    self._setup_step = step
             else:
                 self._spent += stall
             self._trained_at_last = self._trained
@@ -319,19 +332,25 @@ class Cadence:
                 self._warned = True
             return sentence
 
-    def _first(self) -> Decision:
+    def _first(self, settled: bool) -> Decision:
         # No stall measured yet: nothing to weigh, so the first call takes one (and,
-        # should it not be taken after all, the next call tries again).
-        return Decision(self._last_taken is None, 0.0, 1, "first", self._durable[1],
-                        self.mtbf_s, self.mtbf_from, None)
+        # should it not be taken after all, the next call tries again), unless it
+        # waits for the staging memory: a copy into pages still faulting in measures
+        # set-up, and then a probe must follow; waiting is cheaper than that snapshot.
+        waits = self.first_waits and not settled and self._trained < FIRST_WAIT_S
+        self._first_settled = self.first_waits and settled
+        return Decision(self._last_taken is None and not waits, 0.0, 1, "first",
+                        self._durable[1], self.mtbf_s, self.mtbf_from, None)
 
     def _probe_due(self) -> bool:
-        """Only the first snapshot is measured, it is durable, and a step has run
-        undisturbed since: take a second now, to measure what a steady one costs.
-        Many ranks follow rank 0's interval instead (one step after the first)."""
+        """Only the first snapshot is measured, it paid set-up, it is durable, and a
+        step has run undisturbed since: take a second now, to measure what a steady
+        one costs. Many ranks follow rank 0's interval instead (one step after the
+        first)."""
         return (self._applied_steps is None and not self._costs
-                and self._last_taken == self._first_step
-                and self._durable[0] >= self._first_step and bool(self._idle_times))
+                and self._setup_step is not None
+                and self._last_taken == self._setup_step
+                and self._durable[0] >= self._setup_step and bool(self._idle_times))
 
     def _idle_step(self) -> Optional[float]:
         return statistics.median(self._idle_times) if self._idle_times else None
@@ -357,9 +376,10 @@ class Cadence:
                 elif not self._busy_in_sample:
                     self._idle_times.append(training / steps)
         for settled_step, done in self._settled.items():
-            if settled_step != self._first_step:
-                slowdown = done.slowdown(self._idle_step())
+            slowdown = done.slowdown(self._idle_step())
+            if settled_step != self._setup_step:
                 self._costs.append(done.stall + slowdown)
+            if settled_step != self._first_step:
                 self._spent += slowdown
         self._settled.clear()
         self._previous_call = (step, now)

@@ -232,9 +232,9 @@ class Handoff:
 
     @property
     def staging_settled(self) -> bool:
-        """The staging arena, once made, is faulted in whole: the next snapshot's
-        stall is a steady one (what the cadence's probe must measure)."""
-        return self.arena is None or self.arena.faulted_in
+        """The staging arena is made and faulted in whole: the next snapshot's stall
+        is a steady one (what the cadence's first snapshot or probe must measure)."""
+        return self.arena is not None and self.arena.faulted_in
 
     def _new_arena(self, conn: DaemonConnection, need: int,
                    background: bool = False) -> None:

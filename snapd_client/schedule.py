@@ -98,8 +98,9 @@ class Schedule:
     names this client's attempt of the run there (:func:`scope`: the same on every
     rank).
     ``clock``: monotonic seconds, the cadence's (injected by tests). ``settled``:
-    whether a snapshot now would cost a steady one (the staging arena faulted in
-    whole), so that the cadence's probe measures that and not the set-up.
+    whether a snapshot now would cost a steady one (the staging arena made and faulted
+    in whole), so that the cadence's first snapshot (one rank, no ``max_loss``) or
+    else its probe measures that and not the set-up.
     """
 
     def __init__(self, options: Options, *, rank: int = 0, world_size: int = 1,
@@ -143,8 +144,12 @@ class Schedule:
             return step % every == 0
         if self.cadence is None:
             o = self.options
+            # The first waits for steady staging memory, unless the ranks must agree
+            # on its step (each learns its own memory's state at its own time) or
+            # max_loss is set (the wait would be training at risk before any snapshot).
             self.cadence = Cadence(overhead=o.overhead, max_loss=o.max_loss, mtbf=o.mtbf,
-                                   history=tuple(self._history()), clock=self.clock)
+                                   history=tuple(self._history()), clock=self.clock,
+                                   first_waits=not self.many and o.max_loss is None)
         if self._unread is not None and step > self._unread:
             self._follow(step, wait=True)
         self.decision = self.cadence.decide(step, settled=self._settled())

@@ -10,8 +10,8 @@ import math
 import pytest
 
 from snapd.errors import InvalidOption
-from snapd_client.cadence import (DEFAULT_MTBF_S, Cadence, Decision, daly_interval,
-                                  mtbf_from_history)
+from snapd_client.cadence import (DEFAULT_MTBF_S, FIRST_WAIT_S, Cadence, Decision,
+                                  daly_interval, mtbf_from_history)
 
 
 class Clock:
@@ -376,6 +376,77 @@ def test_the_probe_waits_until_the_staging_memory_is_faulted_in_whole():
     assert [d.take for d in decisions] == [False, False, False, True, False]
     assert [d.bound for d in decisions[:3]] == ["overhead"] * 3
     assert decisions[3].bound == "probe"
+
+
+def first_waiting(cadence, clock, steps, *, ready_at, step_s, stall_s, durable_steps):
+    """Steps 0 .. ``steps`` - 1 with the staging memory ready from step ``ready_at``:
+    a taken snapshot stalls ``stall_s`` and is durable ``durable_steps`` steps later,
+    every step trains ``step_s``. Returns the steps taken and every decision."""
+    taken, decisions, due = [], [], {}
+    for step in range(steps):
+        decision = cadence.decide(step, settled=step >= ready_at)
+        decisions.append(decision)
+        if decision.take:
+            clock.now += stall_s
+            cadence.taken(step, stall_s)
+            due[step + durable_steps] = step
+            taken.append(step)
+        clock.now += step_s
+        if step in due:
+            cadence.durable(due.pop(step), durable_steps * step_s)
+    return taken, decisions
+
+
+def test_the_first_waits_for_ready_staging_memory_and_then_needs_no_probe():
+    # Its pages faulting in, the first would measure set-up; it waits for them, and
+    # so costs what any later one does: delta from it at once, no probe, and the
+    # next one a whole budget's interval later (the first is left out of the ledger).
+    clock = Clock()
+    cadence = Cadence(overhead=0.01, mtbf=600.0, clock=clock, first_waits=True)
+    taken, decisions = first_waiting(cadence, clock, 600, ready_at=30, step_s=0.05,
+                                     stall_s=0.05, durable_steps=10)
+    assert [d.take for d in decisions[:31]] == [False] * 30 + [True]
+    assert {d.bound for d in decisions[:31]} == {"first"}
+    assert "probe" not in {d.bound for d in decisions}
+    # Durable at step 40; from step 41 on delta is its stall, and the interval
+    # Daly's for it, about 7.7 s (the 1 % budget asks only 5 s).
+    later = decisions[41]
+    assert later.delta_s == 0.05
+    assert (later.bound, later.interval_s) == ("young-daly",
+                                               pytest.approx(daly(0.05, 600.0)))
+    assert taken[1] - taken[0] == later.interval_steps == round(daly(0.05, 600.0) / 0.05)
+    # A tighter budget binds with no debt carried from the first: 0.05 s / 0.001.
+    clock = Clock()
+    cadence = Cadence(overhead=0.001, mtbf=600.0, clock=clock, first_waits=True)
+    taken, decisions = first_waiting(cadence, clock, 2500, ready_at=3, step_s=0.05,
+                                     stall_s=0.05, durable_steps=10)
+    assert taken[:2] == [3, 3 + 1000]
+    assert decisions[taken[1]].bound == "overhead"
+
+
+def test_a_first_that_waited_its_limit_is_taken_and_then_probed():
+    # Staging memory slow to say ready: the first waits FIRST_WAIT_S of training at
+    # most, then pays its set-up, and a probe measures a steady cost once it is
+    # durable and the memory is ready.
+    clock = Clock()
+    cadence = Cadence(overhead=0.01, mtbf=600.0, clock=clock, first_waits=True)
+    step_s = 1.0
+    limit = math.ceil(FIRST_WAIT_S / step_s)
+    taken, decisions = first_waiting(cadence, clock, limit + 20, ready_at=limit + 5,
+                                     step_s=step_s, stall_s=0.05, durable_steps=2)
+    assert taken[:2] == [limit, limit + 5]
+    assert decisions[limit].bound == "first"
+    assert decisions[limit + 5].bound == "probe"
+
+
+def test_without_first_waits_the_first_is_taken_at_once_as_before():
+    clock = Clock()
+    cadence = Cadence(overhead=0.01, mtbf=600.0, clock=clock)
+    taken, decisions = first_waiting(cadence, clock, 40, ready_at=30, step_s=0.05,
+                                     stall_s=0.05, durable_steps=10)
+    # The first at once, set-up and all; the probe when the memory is ready.
+    assert taken[:2] == [0, 30]
+    assert decisions[30].bound == "probe"
 
 
 def test_the_slowdown_while_a_snapshot_is_written_counts_as_its_cost():

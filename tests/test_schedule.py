@@ -377,23 +377,32 @@ def test_a_cadence_option_out_of_range_is_refused_naming_the_field(given, field,
     assert str(caught.value).startswith(text)
 
 
-def test_the_probe_waits_for_the_schedules_settled_signal():
-    # The client hands the schedule whether its staging memory is faulted in whole;
-    # the probe (a snapshot right after the first is durable) waits for it.
+def test_the_first_waits_for_the_schedules_settled_signal_and_no_probe_follows():
+    # The client hands the schedule whether its staging memory is made and faulted in
+    # whole; one rank with no max_loss takes its first snapshot once it is (a steady
+    # one), and the next only at a measured interval: no probe.
     clock, settled = Clock(), [False]
     schedule = Schedule(Options(every="auto", mtbf=600.0), clock=clock,
                         settled=lambda: settled[0])
-    assert schedule.decide(0)
-    clock.advance(5.0)   # its stall
-    schedule.cadence.taken(0, 5.0)
-    schedule.cadence.durable(0, 0.5)
     taken = []
-    for step in range(1, 8):
+    for step in range(0, 60):
         clock.advance(0.05)
         settled[0] = step >= 5
         if schedule.decide(step):
-            assert schedule.decision.bound == "probe"
-            taken.append(step)
+            taken.append((step, schedule.decision.bound))
             clock.advance(0.05)
             schedule.cadence.taken(step, 0.05)
-    assert taken == [5]
+            schedule.cadence.durable(step, 0.1)
+    assert taken == [(5, "first")]
+
+
+@pytest.mark.parametrize("options, world_size", [
+    ({"max_loss": 30.0}, 1),   # the wait would be training at risk before any snapshot
+    ({}, 2),                   # every rank must take the same first step
+])
+def test_under_max_loss_or_many_ranks_the_first_does_not_wait(options, world_size):
+    clock, settled = Clock(), [False]
+    schedule = Schedule(Options(every="auto", mtbf=600.0, **options), clock=clock,
+                        settled=lambda: settled[0], world_size=world_size)
+    assert schedule.decide(0) and schedule.decision.bound == "first"
+    assert not schedule.cadence.first_waits
