@@ -277,11 +277,33 @@ def expected_loss(interval_s: Optional[float], durable_s: Optional[float]
     return interval_s / 2 + durable_s
 
 
+def taken_intervals(taken: List[Dict[str, Any]]) -> List[int]:
+    """The intervals, in steps, the loop's snapshots were taken at: from step 0's
+    (durable before the loop) to the first, and between each two after."""
+    steps = [0] + [t["step"] for t in taken]
+    return [b - a for a, b in zip(steps, steps[1:])]
+
+
+def measured_loss(intervals: List[int], step_s: float, durable_s: Optional[float]
+                  ) -> Optional[float]:
+    """Training lost per failure on average over the intervals the loop took. A
+    failure at a random instant falls in an interval of I steps with a chance of I / ΣI
+    and loses I / 2 of it on average: Σ I² / (2 ΣI) steps, plus D. For equal
+    intervals (every=N) that is N / 2 + D, as :func:`expected_loss` has it; uneven
+    ones lose more than their mean's half, since the long ones hold more of the
+    failures. The time after the last snapshot is left out: where the loop stops is
+    not the cadence's choice."""
+    if not intervals or durable_s is None:
+        return None
+    return sum(i * i for i in intervals) / (2 * sum(intervals)) * step_s + durable_s
+
+
 def summarize(res: Dict[str, Any], bases: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One configuration's figures: overhead against the mean of the loops without
     snapshots run just before and just after it (and how far those two differ: the
     drift the overhead cannot tell from its own cost), snapshots taken, the interval
-    (steps and seconds at the loop's median step), its rule, D and the expected loss."""
+    (steps and seconds at the loop's median step), its rule, D and the expected loss:
+    over the intervals taken, and (``final_loss_s``) at the final interval alone."""
     taken = res["taken"]
     durable = median([t["durable_s"] for t in taken if "durable_s" in t])
     before, after = (bases[res["base_index"]]["loop_s"],
@@ -312,7 +334,10 @@ def summarize(res: Dict[str, Any], bases: List[Dict[str, Any]]) -> Dict[str, Any
         steps = res["every"]
     out["interval_steps"] = steps
     out["interval_s"] = None if steps is None else steps * res["step_s"]
-    out["expected_loss_s"] = expected_loss(out["interval_s"], durable)
+    out["final_loss_s"] = expected_loss(out["interval_s"], durable)
+    intervals = taken_intervals(taken)
+    out["mean_interval_steps"] = sum(intervals) / len(intervals) if intervals else None
+    out["expected_loss_s"] = measured_loss(intervals, res["step_s"], durable)
     return out
 
 
@@ -445,7 +470,11 @@ def describe(cfg: Dict[str, Any]) -> List[str]:
         "the timed loop. *Interval*: in steps (for `auto`, the cadence's final one, "
         "from its newest `cadence` log record of the timed loop) and in "
         "seconds at the loop's median step. *D*: median time from snapshot() to "
-        "durable. *Expected loss*: lost training per failure, interval / 2 + D. "
+        "durable. *Expected loss*: lost training per failure at a random instant, "
+        "over the intervals the loop's snapshots were taken at (step 0 to the first, "
+        "then each to the next): Σ I² / (2 ΣI) + D, which is N / 2 + D for `every=N`; "
+        "`auto` is set against fixed N by this figure (its final interval alone, "
+        "interval / 2 + D, is given beside it). "
         "Each figure is the median over the rounds (the commonest bound), and `auto` "
         "is set against fixed N both by those medians and round by round. "
         "All figures are from one run."]
@@ -483,6 +512,12 @@ def interval_text(f: Dict[str, Any], steps: int) -> str:
     return f"{f['interval_steps']:g} steps, {benchlib.fs(f['interval_s'])}"
 
 
+def mean_interval_text(f: Dict[str, Any]) -> str:
+    mean = f.get("mean_interval_steps")
+    return "no interval taken" if mean is None else f"intervals taken {mean:.0f} steps " \
+        "on average"
+
+
 def versus_lines(fig: Dict[str, Any], steps: int) -> List[str]:
     out = []
     for budget, a in fig["auto"].items():
@@ -496,8 +531,9 @@ def versus_lines(fig: Dict[str, Any], steps: int) -> List[str]:
                 f"{pct(a['overhead'])} against the loops without snapshots (budget "
                 f"{float(budget) * 100:.0f}%; CheckFreq's published bound, FAST '21: "
                 f"{CHECKFREQ_BOUND * 100:.1f}%), {chose} (M {seconds(a.get('mtbf_s'))} "
-                f"from {a.get('mtbf_from')}), expected loss "
-                f"{benchlib.fs(a['expected_loss_s'])}")
+                f"from {a.get('mtbf_from')}), {mean_interval_text(a)}, expected loss "
+                f"{benchlib.fs(a['expected_loss_s'])} (at its final interval alone "
+                f"{benchlib.fs(a.get('final_loss_s'))})")
         n = v["best_fixed"]
         if n is None:
             line = head + "; no fixed N measured an overhead that low in its loop."

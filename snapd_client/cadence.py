@@ -240,7 +240,8 @@ class Cadence:
     def decide(self, step: int, settled: bool = True) -> Decision:
         """Whether ``step`` takes a snapshot, and the interval as estimated now.
         ``settled``: a snapshot now would cost a steady one (the client's staging
-        memory is faulted in whole); the probe waits for it."""
+        memory is made and faulted in whole); the probe waits for it, and so does the
+        first under ``first_waits``."""
         with self._lock:
             self._time_step(step)
             delta = self._delta()

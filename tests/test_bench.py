@@ -340,8 +340,9 @@ def cadence_run(every, base_index, loop_s, durable, records=(), step_s=0.05,
                 in_loop=0.0):
     return {"every": every, "base_index": base_index, "loop_s": loop_s, "step_s": step_s,
             "in_loop": {"overhead": in_loop, "drift": 0.004, "calm_steps": 150},
-            "taken": [{"step": 40 * (i + 1), "call_s": 0.03, "waited_s": 0.0,
-                       "durable_s": d} for i, d in enumerate(durable)],
+            "taken": [{"step": (40 if every == "auto" else every) * (i + 1),
+                       "call_s": 0.03, "waited_s": 0.0, "durable_s": d}
+                      for i, d in enumerate(durable)],
             "cadence": list(records)}
 
 
@@ -375,6 +376,8 @@ def test_each_configuration_is_set_against_its_neighbours_and_its_best_fixed_n()
     # the cadence's final interval in steps, at the loop's own median step
     assert auto["interval_s"] == pytest.approx(40 * 0.05)
     assert auto["expected_loss_s"] == pytest.approx(1.0 + 0.5)
+    assert auto["final_loss_s"] == pytest.approx(1.0 + 0.5)
+    assert auto["mean_interval_steps"] == 40
     assert auto["bound"] == "young-daly" and auto["cadence_expected_loss_s"] == 1.4
     assert auto["mtbf_s"] == 600.0 and auto["first_stall_s"] == 0.14
     assert "0.05" not in fig["auto"]                     # failed: reported, not summed
@@ -389,6 +392,28 @@ def test_each_configuration_is_set_against_its_neighbours_and_its_best_fixed_n()
     # (against the loops without snapshots every=40 reads cheaper than auto: drift)
     assert fig["versus"]["0.01"]["best_fixed"] == "160"
     assert fig["versus"]["0.01"]["loss_ratio"] == pytest.approx(1.5 / (4.0 + 0.5))
+
+
+def test_the_expected_loss_is_taken_over_the_intervals_the_loop_took():
+    # Equal intervals: half of one, plus D, as the formula at N has it.
+    assert bc.taken_intervals([{"step": 40}, {"step": 80}]) == [40, 40]
+    assert bc.measured_loss([40, 40], 0.05, 0.5) == pytest.approx(bc.expected_loss(
+        40 * 0.05, 0.5))
+    # Uneven ones: a failure falls in the long one three times as often, so the loss
+    # is (10² + 30²) / (2 × 40) = 12.5 steps, more than the mean's half (10).
+    assert bc.taken_intervals([{"step": 10}, {"step": 40}]) == [10, 30]
+    assert bc.measured_loss([10, 30], 0.1, 0.2) == pytest.approx(1.25 + 0.2)
+    assert bc.measured_loss([], 0.1, 0.2) is None
+    assert bc.measured_loss([10], 0.1, None) is None
+    # auto is set against fixed N by it, its final interval given beside it.
+    per = cadence_results()
+    run = per["rounds"][0]["auto"]["0.01"]
+    run["taken"] = [{**t, "step": s} for t, s in zip(run["taken"], (10, 40, 120))]
+    auto = bc.size_figures(per)["auto"]["0.01"]
+    assert auto["expected_loss_s"] == pytest.approx(
+        (10 ** 2 + 30 ** 2 + 80 ** 2) / (2 * 120) * 0.05 + 0.5)
+    assert auto["final_loss_s"] == pytest.approx(40 * 0.05 / 2 + 0.5)
+    assert auto["mean_interval_steps"] == 40
 
 
 def test_the_section_names_the_rule_the_bound_and_a_failed_configuration():
@@ -411,7 +436,8 @@ def test_the_section_names_the_rule_the_bound_and_a_failed_configuration():
     assert "CheckFreq's published bound, FAST '21: 3.5%" in text
     assert "interval 40 steps, 2.00 s set by `young-daly`, step 0's stall 140 ms " \
            "against 30 ms in the loop, cost per snapshot weighed (stall and slowdown) " \
-           "– (M 600 s from option)" in text
+           "– (M 600 s from option), intervals taken 40 steps on average, expected loss " \
+           "1.50 s (at its final interval alone 1.50 s)" in text
     assert "measured +1.0% in its loop, +1.0% against the loops without snapshots" in text
     assert "the best fixed N at no more overhead is `every=160` (+0.4% in its loop)" \
         in text
