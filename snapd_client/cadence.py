@@ -320,9 +320,9 @@ class Cadence:
         since the first have cost ``spent``, which ``spent / overhead`` seconds of
         training pay for. Beyond the training timed up to the newest snapshot, that
         much more must run before the next one's own ``delta / overhead`` starts:
-        the probe (one snapshot more, once) is paid back, and an interval cut short by
-        rounding to whole steps is made up at the next. Never negative: training run
-        under the budget earns no burst of snapshots later."""
+        a probe, where one is taken (one snapshot more, once), is paid back, and an
+        interval cut short by rounding to whole steps is made up at the next. Never
+        negative: training run under the budget earns no burst of snapshots later."""
         return max(0.0, self._spent / self.overhead - self._trained_at_last)
 
     def warning(self) -> Optional[str]:
