@@ -23,12 +23,16 @@ Figures, per framework (medians over the rounds):
   the ratios own / none and snapd / none;
 - the overhead per checkpoint: (window of the way - window of none) / checkpoints
   in the window, each round's ways compared with each other;
+- snapd's overhead per snapshot in its own run: its window against its own calm
+  steps (none overlapping a snapshot's call-to-durable span or the step after it),
+  which the machine's speed from one process to the next does not move;
 - snapd's stall: what each ``snapshot()`` call cost the training thread, as the
   client logs it (the ``staged`` event of the state log; the first snapshot, which
   may start the daemon and touches the staging arena first, apart);
 - the reference: ``copy_`` of the same state into preallocated memory, timed in the
   snapd child after its fit (each copy after 50 ms of matmuls);
-- the target: snapd's overhead per snapshot at most 1.1x that copy.
+- the target: snapd's overhead per snapshot at most 1.1x that copy, judged in its own
+  run where the window has calm steps, else between runs.
 """
 
 from __future__ import annotations
@@ -152,6 +156,30 @@ def in_window(steps: List[int], win: List[int]) -> List[int]:
     return [s for s in steps if win[0] <= s < win[1]]
 
 
+def in_run_overhead(snapd: Dict[str, Any], win: List[int]) -> Dict[str, Any]:
+    """snapd's overhead per snapshot against its own run's undisturbed steps, the
+    estimate that the machine's speed from one process to the next does not move
+    (bench_cadence.py's *in loop*, here per snapshot): a window step is disturbed when
+    it overlaps a snapshot's call-to-durable span (from the call's start to its
+    ``committed`` record; to the run's end for one never committed) or starts within
+    one median step after one; the others are calm. Overhead per snapshot: (window
+    time - window steps x the calm steps' mean) / snapshots in the window; None with
+    fewer than two calm steps (a window too short for it)."""
+    stamped, walls, times = snapd["stamped"], snapd["step_walls"], snapd["step_times"]
+    guard = median(times)
+    spans = [(s["staged_at"] - s["stall_s"], s["durable_at"] if s["durable_at"] is not None
+              else walls[-1]) for s in snapd["snapshots"]]
+    steps = [(walls[i], walls[i + 1], times[i]) for i in range(len(times))
+             if win[0] <= stamped[i] < win[1]]
+    calm = [t for a, b, t in steps
+            if not any(a < end + guard and b > start for start, end in spans)]
+    taken = in_window([s["step"] for s in snapd["snapshots"]], win)
+    if len(calm) < 2 or not taken:
+        return {"per_snapshot_s": None, "calm_steps": len(calm)}
+    excess = sum(t for _, _, t in steps) - len(steps) * sum(calm) / len(calm)
+    return {"per_snapshot_s": excess / len(taken), "calm_steps": len(calm)}
+
+
 def one_round(ways: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     """One round's figures: each way against none, in the same round."""
     if any("error" in ways.get(w, {"error": "missing"}) for w in WAYS):
@@ -164,6 +192,8 @@ def one_round(ways: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     first = snapd["snapshots"][0] if snapd["snapshots"] else {}
     copy = median(snapd["copy_s"])
     per_snapshot = (snapd["window_s"] - none["window_s"]) / len(taken) if taken else None
+    own_run = in_run_overhead(snapd, win)
+    in_run = own_run["per_snapshot_s"]
     return {
         "fit_s": {w: ways[w]["fit_s"] for w in WAYS},
         "window_s": {w: ways[w]["window_s"] for w in WAYS},
@@ -182,6 +212,8 @@ def one_round(ways: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         "copy_s": copy,
         "overhead_vs_copy": per_snapshot / copy if per_snapshot is not None and copy
         else None,
+        "in_run_per_snapshot_s": in_run, "calm_steps": own_run["calm_steps"],
+        "in_run_vs_copy": in_run / copy if in_run is not None and copy else None,
         "snapshots": [s["step"] for s in snapd["snapshots"]], "in_window": len(taken),
         "saves": own["saves"], "saves_in_window": len(saved),
         "state_bytes": snapd["state_bytes"], "layers": snapd["layers"],
@@ -211,12 +243,17 @@ def summarize(rounds: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
         out[group] = {w: med(group, w) for w in ("own", "snapd")}
     for key in ("step_s", "own_per_checkpoint_s", "snapd_per_snapshot_s",
                 "daemon_cpu_per_snapshot_s", "stall_s",
-                "waited_s", "first_stall_s", "copy_s", "overhead_vs_copy"):
+                "waited_s", "first_stall_s", "copy_s", "overhead_vs_copy",
+                "in_run_per_snapshot_s", "in_run_vs_copy", "calm_steps"):
         out[key] = med(key)
     for key in ("snapshots", "in_window", "saves", "saves_in_window", "state_bytes",
                 "layers"):
         out[key] = done[0][key]
-    ratio = out["overhead_vs_copy"]
+    # The verdict by the run's own calm steps where the window has them: between two
+    # processes the same step's time differs by more than a snapshot costs.
+    ratio = out["in_run_vs_copy"] if out["in_run_vs_copy"] is not None \
+        else out["overhead_vs_copy"]
+    out["target_by"] = "in_run" if out["in_run_vs_copy"] is not None else "between"
     out["target_met"] = None if ratio is None else ratio <= TARGET
     return out
 
@@ -237,6 +274,10 @@ def batch_text(cfg: Dict[str, Any]) -> str:
     return f"{light} (Lightning) and {hf} × {cfg['seq']} tokens (Trainer)"
 
 
+def times(ratio: Optional[float]) -> str:
+    return "–" if ratio is None else f"{ratio:.2f}×"
+
+
 def report(data: Dict[str, Any]) -> str:
     cfg, summ = data["config"], data["summary"]
     n, first, last = cfg["every"], *window(cfg["every"], cfg["steps"])
@@ -254,8 +295,14 @@ def report(data: Dict[str, Any]) -> str:
              f"the checkpoints at steps {', '.join(str(s) for s in range(2 * n, last, n))} "
              "and what each costs the steps after it (the daemon's start and the first "
              "checkpoint, the first to touch its staging memory or files, are before "
-             "it; the first snapshot's stall is shown apart). *Per checkpoint*: (the way's window - none's) / "
-             "checkpoints in the window. *Stall*: the `snapshot()` call as the client "
+             "it; the first snapshot's stall is shown apart). *Per checkpoint*, "
+             "*between runs*: (the way's window - none's) / "
+             "checkpoints in the window. *In its own run*: snapd's window against its "
+             "own calm steps, those neither overlapping a snapshot's span from its call "
+             "to its `committed` record nor starting within one step after it: (window "
+             "- window steps × their mean) / snapshots in the window; the same step's "
+             "time differs from one process to the next by more than a snapshot costs, "
+             "so the target is judged by this figure where the window has calm steps. *Stall*: the `snapshot()` call as the client "
              "logs it. *Daemon CPU*: the daemon's user + system time over the window, "
              "per snapshot in it (on a machine with few cores, time the trainer may "
              "lose to it). *copy_*: the same state copied into preallocated memory in the "
@@ -277,22 +324,25 @@ def report(data: Dict[str, Any]) -> str:
             f"{fr(w['own'], w['none'])} | {fr(w['snapd'], w['none'])} | "
             f"{fs(f['none'])} / {fs(f['own'])} / {fs(f['snapd'])} | "
             f"{fr(f['own'], f['none'])} | {fr(f['snapd'], f['none'])} |")
-    lines += ["", "| framework | own checkpoint | own, per checkpoint | snapd, per snapshot | "
-              "snapshot() stall (median in window) | first snapshot's stall | daemon CPU "
-              f"per snapshot | copy_ of the state | snapd per snapshot / copy_ | ≤ {TARGET}× |",
+    lines += ["", "| framework | own checkpoint | own, per checkpoint | snapd, per snapshot: "
+              "between runs / in its own run | snapshot() stall (median in window) | "
+              "first snapshot's stall | daemon CPU per snapshot | copy_ of the state | "
+              f"snapd per snapshot / copy_: between / in run | ≤ {TARGET}× |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for fw, s in summ.items():
         if "error" in s:
             continue
         met = {True: "pass", False: "**fail**", None: "–"}[s["target_met"]]
-        if s["target_met"] and s["overhead_vs_copy"] < 0:
-            met = "pass (below 0: the run's noise)"   # snapd's window shorter than none's
-        ratio = "–" if s["overhead_vs_copy"] is None else f"{s['overhead_vs_copy']:.2f}×"
+        judged = s["in_run_vs_copy"] if s["target_by"] == "in_run" else s["overhead_vs_copy"]
+        if s["target_met"] and judged < 0:
+            met = "pass (below 0: the run's noise)"   # shorter than the calm steps'
         lines.append(
             f"| {LABEL[fw]} | {OWN[fw]} | {fs(s['own_per_checkpoint_s'])} | "
-            f"{fs(s['snapd_per_snapshot_s'])} | {fs(s['stall_s'])} | "
+            f"{fs(s['snapd_per_snapshot_s'])} / {fs(s['in_run_per_snapshot_s'])} | "
+            f"{fs(s['stall_s'])} | "
             f"{fs(s['first_stall_s'])} | {fs(s['daemon_cpu_per_snapshot_s'])} | "
-            f"{fs(s['copy_s'])} | {ratio} | {met} |")
+            f"{fs(s['copy_s'])} | {times(s['overhead_vs_copy'])} / "
+            f"{times(s['in_run_vs_copy'])} | {met} |")
     lines.append("")
     for fw, s in summ.items():
         if "error" not in s:

@@ -51,17 +51,20 @@ def window(every: int, steps: int) -> tuple:
 
 
 class Stamps:
-    """Each step's start (``perf_counter``), and at the window's two ends the CPU
+    """Each step's start (``perf_counter``, and the wall clock the state log stamps its
+    records with), and at the window's two ends the CPU
     time this process and the run's snapd daemon (when there is one) have used: what
     the daemon's writing takes from a machine's cores while training runs."""
 
     def __init__(self, root: str, marks: tuple) -> None:
         self.root, self.marks = root, marks
         self.starts: Dict[int, float] = {}
+        self.walls: Dict[int, float] = {}
         self.cpu: Dict[int, Dict[str, Any]] = {}
 
     def start(self, step: int) -> None:
         self.starts[step] = time.perf_counter()
+        self.walls[step] = time.time()
         if step in self.marks:
             self.cpu[step] = {"trainer": time.process_time(), "daemon": self._daemon()}
 
@@ -82,6 +85,7 @@ class Stamps:
                 # each step's time, from its start to the next one's (its checkpoint in)
                 "step_times": [self.starts[j] - self.starts[i]
                                for i, j in zip(steps, steps[1:])],
+                "stamped": steps, "step_walls": [self.walls[s] for s in steps],
                 "trainer_cpu_s": b["trainer"] - a["trainer"],
                 "daemon_cpu_s": None if a["daemon"] is None or b["daemon"] is None
                 else b["daemon"] - a["daemon"]}
@@ -90,12 +94,17 @@ class Stamps:
 def snapshot_stalls(root: str) -> List[Dict[str, Any]]:
     """What snapshot() cost the training thread, as the client logged it: the
     ``staged`` event of each snapshot (``stall``: the call's time; ``waited``: the part
-    spent waiting for a free staging slot)."""
+    spent waiting for a free staging slot; ``staged_at``: its wall time, at the call's
+    end), and ``durable_at``, the wall time its ``committed`` event was logged (None
+    for one not committed)."""
     from snapd.statelog import read_records
+    records = list(read_records(os.path.join(root, RUN), 0))
+    durable = {r["step"]: float(r["time"]) for r in records
+               if r.get("kind") == "snapshot" and r.get("event") == "committed"}
     return [{"step": r["step"], "stall_s": float(r["stall"]),
-             "waited_s": float(r.get("waited") or 0.0)}
-            for r in read_records(os.path.join(root, RUN), 0)
-            if r.get("kind") == "snapshot" and r.get("event") == "staged"]
+             "waited_s": float(r.get("waited") or 0.0), "staged_at": float(r["time"]),
+             "durable_at": durable.get(r["step"])}
+            for r in records if r.get("kind") == "snapshot" and r.get("event") == "staged"]
 
 
 def copy_stalls(tensors, reps: int = 3) -> List[float]:
