@@ -317,6 +317,7 @@ def summarize(res: Dict[str, Any], bases: List[Dict[str, Any]]) -> Dict[str, Any
                            "loop_s": res["loop_s"], "step_s": res["step_s"],
                            "taken": len(taken), "durable_s": durable,
                            "call_s": median([t["call_s"] for t in taken]),
+                           "skip_call_s": res.get("skip_call_s"),
                            "waited_s": max([t["waited_s"] for t in taken], default=None)}
     if res["every"] == "auto":
         # The decision of the newest snapshot of the timed loop; step 0's is "first"
@@ -474,7 +475,10 @@ def describe(cfg: Dict[str, Any]) -> List[str]:
         "over the intervals the loop's snapshots were taken at (step 0 to the first, "
         "then each to the next): Σ I² / (2 ΣI) + D, which is N / 2 + D for `every=N`; "
         "`auto` is set against fixed N by this figure (its final interval alone, "
-        "interval / 2 + D, is given beside it). "
+        "interval / 2 + D, is given beside it). *snapshot() when not*: the median "
+        "call that took none, right after a step's matmuls (a cost in every step, "
+        "so the in-loop figure, whose baseline steps hold it too, leaves it out, and "
+        "the overhead against loops without snapshots holds it). "
         "Each figure is the median over the rounds (the commonest bound), and `auto` "
         "is set against fixed N both by those medians and round by round. "
         "All figures are from one run."]
@@ -482,10 +486,11 @@ def describe(cfg: Dict[str, Any]) -> List[str]:
 
 def config_table(fig: Dict[str, Any], per: Dict[str, Any], steps: int) -> List[str]:
     rows = ["| snapshots | loop | overhead | drift | in loop | drift in loop | taken | "
-            "interval | bound | D | expected loss per failure | snapshot() when taken |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "interval | bound | D | expected loss per failure | snapshot() when taken | "
+            "when not |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             f"| none ({len(per['base'])} loops) | {benchlib.fs(fig['base_s'])} (mean) | | "
-            f"{fig['noise'] * 100:.1f}% (max − min) | | | | | | | | |"]
+            f"{fig['noise'] * 100:.1f}% (max − min) | | | | | | | | | |"]
     named = [(config_name("auto", b), f) for b, f in fig["auto"].items()]
     named += [(config_name("fixed", n), f) for n, f in fig["fixed"].items()]
     for name, f in named:
@@ -494,12 +499,17 @@ def config_table(fig: Dict[str, Any], per: Dict[str, Any], steps: int) -> List[s
                     f"{pct(f['in_loop_drift']).lstrip('+')} | {f['taken']:g} | "
                     f"{interval_text(f, steps)} | "
                     f"{f.get('bound', 'fixed') or '–'} | {benchlib.fs(f['durable_s'])} | "
-                    f"{benchlib.fs(f['expected_loss_s'])} | {benchlib.fs(f['call_s'])} |")
+                    f"{benchlib.fs(f['expected_loss_s'])} | {benchlib.fs(f['call_s'])} | "
+                    f"{microseconds(f.get('skip_call_s'))} |")
     failed = [f"| {config_name(group, k)} | error in round {i + 1}: {r['error']} "
-              "| | | | | | | | | | |" for i, done in enumerate(per["rounds"])
+              "| | | | | | | | | | | |" for i, done in enumerate(per["rounds"])
               for group in ("auto", "fixed") for k, r in done[group].items()
               if "error" in r]
     return rows + failed
+
+
+def microseconds(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x * 1e6:.0f} µs"
 
 
 def config_name(group: str, key: str) -> str:

@@ -34,7 +34,6 @@ the lock).
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 import time
 from collections import deque
@@ -214,12 +213,14 @@ class Cadence:
         self._applied_steps: Optional[int] = None  # rank 0's, once set
         self._warning: Optional[str] = None
         self._warned = False
+        self._bounded_for: Optional[Tuple[Tuple[float, float, float],
+                                          Tuple[float, str, Optional[Unreachable]]]] = None
 
     @property
     def step_s(self) -> Optional[float]:
         """The measured step time (seconds of training per step); None until known."""
         with self._lock:
-            return statistics.median(self._step_times) if self._step_times else None
+            return _median(self._step_times) if self._step_times else None
 
     @property
     def stall_s(self) -> Optional[float]:
@@ -230,11 +231,11 @@ class Cadence:
 
     def _delta(self) -> Optional[float]:
         if self._costs:
-            return statistics.median(self._costs)
+            return _median(self._costs)
         steady = [f.stall for s, f in {**self._settled, **self._in_flight}.items()
                   if s != self._setup_step]
         if steady:
-            return statistics.median(steady)
+            return _median(steady)
         return self._first_stall
 
     def decide(self, step: int, settled: bool = True) -> Decision:
@@ -251,9 +252,7 @@ class Cadence:
                 return Decision(True, 0.0, 1, "probe", self._durable[1], self.mtbf_s,
                                 self.mtbf_from, delta)
             durable = self._durable[1]
-            tau, bound, conflict = bounded_interval(
-                delta, durable, self.mtbf_s, self.overhead, self.max_loss,
-                owed=self._owed())
+            tau, bound, conflict = self._bounded(delta, durable, self._owed())
             if conflict is not None and not self._warned and self._warning is None:
                 self._warning = unreachable_sentence(self.max_loss, durable, conflict)
             # Under max_loss the steps are rounded down: the bound is a promise.
@@ -265,6 +264,17 @@ class Cadence:
             take = self._last_taken is None or step - self._last_taken >= acting
             return Decision(take, tau, self._own_steps, bound, tau / 2 + durable,
                             self.mtbf_s, self.mtbf_from, delta)
+
+    def _bounded(self, delta: float, durable: float, owed: float
+                 ) -> Tuple[float, str, Optional[Unreachable]]:
+        """bounded_interval() for these inputs, worked out again only when one has
+        changed: they move at a snapshot's events, and this runs at every step."""
+        key = (delta, durable, owed)
+        if self._bounded_for is None or self._bounded_for[0] != key:
+            self._bounded_for = (key, bounded_interval(delta, durable, self.mtbf_s,
+                                                       self.overhead, self.max_loss,
+                                                       owed=owed))
+        return self._bounded_for[1]
 
     def taken(self, step: int, stall_s: float) -> None:
         """A snapshot was taken at ``step`` and stalled training ``stall_s`` seconds."""
@@ -354,7 +364,7 @@ class Cadence:
                 and self._durable[0] >= self._setup_step and bool(self._idle_times))
 
     def _idle_step(self) -> Optional[float]:
-        return statistics.median(self._idle_times) if self._idle_times else None
+        return _median(self._idle_times) if self._idle_times else None
 
     def _time_step(self, step: int) -> None:
         """One step-time sample from the clock since the previous call, per step and
@@ -371,18 +381,19 @@ class Cadence:
                 training = max(0.0, now - previous_time - self._stalled_since_call)
                 self._trained += training
                 self._step_times.append(training / steps)
-                charged = {**self._settled, **self._in_flight}
-                if self._busy_in_sample and charged:
-                    charged[min(charged)].add(training, steps)
-                elif not self._busy_in_sample:
+                if not self._busy_in_sample:
                     self._idle_times.append(training / steps)
-        for settled_step, done in self._settled.items():
-            slowdown = done.slowdown(self._idle_step())
-            if settled_step != self._setup_step:
-                self._costs.append(done.stall + slowdown)
-            if settled_step != self._first_step:
-                self._spent += slowdown
-        self._settled.clear()
+                elif self._settled or self._in_flight:
+                    charged = {**self._settled, **self._in_flight}
+                    charged[min(charged)].add(training, steps)
+        if self._settled:
+            for settled_step, done in self._settled.items():
+                slowdown = done.slowdown(self._idle_step())
+                if settled_step != self._setup_step:
+                    self._costs.append(done.stall + slowdown)
+                if settled_step != self._first_step:
+                    self._spent += slowdown
+            self._settled.clear()
         self._previous_call = (step, now)
         self._stalled_since_call = 0.0
         self._busy_in_sample = bool(self._in_flight)
@@ -391,7 +402,7 @@ class Cadence:
         """tau in steps at the measured step time (rounded down when ``down``); until a
         step time is measured (or the clock has not moved), the previous estimate
         stands."""
-        step_time = statistics.median(self._step_times) if self._step_times else 0.0
+        step_time = _median(self._step_times) if self._step_times else 0.0
         if step_time <= 0:
             return self._own_steps
         return max(1, math.floor(tau / step_time) if down else round(tau / step_time))
@@ -415,6 +426,14 @@ class _InFlight:
         if idle_step is None or self.steps == 0:
             return 0.0
         return max(0.0, self.training - idle_step * self.steps)
+
+
+def _median(values: Iterable[float]) -> float:
+    """The median of a few values (statistics.median's, with less work per call: the
+    cadence takes two at every step)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _check_positive(name: str, value: Optional[float], below: Optional[float] = None

@@ -131,10 +131,12 @@ class SnapshotHandle:
     @classmethod
     def not_taken(cls, step: int) -> "SnapshotHandle":
         """The handle of a call that took no snapshot: done at once, nothing to wait
-        for, no outcome to record."""
-        handle = cls(step)
-        handle.taken, handle._settled = False, True
-        handle._event.set()
+        for, no outcome to record. Made for nearly every call under ``every``, so it
+        shares one event, set for good, and one lock with every other (nothing ever
+        reopens it), instead of making its own."""
+        handle = cls.__new__(cls)
+        handle.__dict__.update(_NOT_TAKEN)
+        handle.step, handle._callbacks = step, []
         return handle
 
     def add_done_callback(self, callback: Callable[["SnapshotHandle"], None]) -> None:
@@ -195,6 +197,9 @@ class SnapshotHandle:
     def reopen(self, waiter: Optional[Waiter]) -> None:
         """In flight again: a retry of this lost snapshot (its staged bytes, resubmitted
         to a new daemon, whose ``waiter`` watches it). Its outcome replaces the loss."""
+        if not self.taken:   # its event is every not-taken handle's
+            raise RuntimeError(f"snapshot handle of step {self.step}: no snapshot was "
+                               "taken, so there is none to retry")
         with self._lock:
             self._error, self.result, self.outcome_unknown = None, None, False
             self._reported = self.warned = self._settled = False
@@ -269,3 +274,17 @@ class SnapshotHandle:
                  else "skipped" if self.skipped else "durable" if self.done()
                  else "in flight")
         return f"<SnapshotHandle step={self.step} {state}>"
+
+
+def _not_taken_fields() -> Dict[str, Any]:
+    """A not-taken handle's attributes but its step and callbacks: those of a handle
+    made the ordinary way, settled, with a shared event and lock."""
+    model = SnapshotHandle(0)
+    model.taken, model._settled = False, True
+    model._event.set()
+    fields = dict(model.__dict__)
+    del fields["step"], fields["_callbacks"]
+    return fields
+
+
+_NOT_TAKEN = _not_taken_fields()

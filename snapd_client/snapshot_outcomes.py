@@ -122,7 +122,8 @@ class Outcomes:
         (what it lost, what is retried on a new one), a snapshot that did not commit.
         Once per snapshot: a failure wait() already raised is not warned of. Parts
         pending a global commit are looked for on disk first."""
-        self.check_parts()
+        if self._parts:   # else nothing to look for (read unlocked: the next call sees it)
+            self.check_parts()
         notes = self.handoff.take_notes() if self.handoff is not None else []
         while self._failures:
             handle = self._failures.popleft()

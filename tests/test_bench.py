@@ -343,6 +343,7 @@ def cadence_run(every, base_index, loop_s, durable, records=(), step_s=0.05,
             "taken": [{"step": (40 if every == "auto" else every) * (i + 1),
                        "call_s": 0.03, "waited_s": 0.0, "durable_s": d}
                       for i, d in enumerate(durable)],
+            "skip_call_s": 0.00008 if every == "auto" else 0.00005,
             "cadence": list(records)}
 
 
@@ -428,9 +429,9 @@ def test_the_section_names_the_rule_the_bound_and_a_failed_configuration():
     assert text.startswith(bc.SECTION)
     assert "| none (5 loops) | 10.00 s (mean) | | 4.0% (max − min) |" in text
     assert "| `auto`, overhead=0.01 | 10.20 s | +1.0% | 2.0% | +1.0% | 0.4% | 3 | " \
-           "40 steps, 2.00 s | young-daly | 500 ms | 1.50 s | 30 ms |" in text
+           "40 steps, 2.00 s | young-daly | 500 ms | 1.50 s | 30 ms | 80 µs |" in text
     assert "| `every=160` | 9.80 s | -1.0% | 2.0% | +0.4% | 0.4% | 1 | 160 steps, " \
-           "8.00 s | fixed |" in text
+           "8.00 s | fixed |" in text and "| 50 µs |" in text
     assert "| `auto`, overhead=0.05 | error in round 1: OSError: full |" in text
     assert "Round by round" not in text                  # one round: nothing to count
     assert "CheckFreq's published bound, FAST '21: 3.5%" in text
