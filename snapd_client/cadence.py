@@ -34,6 +34,7 @@ the lock).
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -220,7 +221,7 @@ class Cadence:
     def step_s(self) -> Optional[float]:
         """The measured step time (seconds of training per step); None until known."""
         with self._lock:
-            return _median(self._step_times) if self._step_times else None
+            return statistics.median(self._step_times) if self._step_times else None
 
     @property
     def stall_s(self) -> Optional[float]:
@@ -231,11 +232,11 @@ class Cadence:
 
     def _delta(self) -> Optional[float]:
         if self._costs:
-            return _median(self._costs)
+            return statistics.median(self._costs)
         steady = [f.stall for s, f in {**self._settled, **self._in_flight}.items()
                   if s != self._setup_step]
         if steady:
-            return _median(steady)
+            return statistics.median(steady)
         return self._first_stall
 
     def decide(self, step: int, settled: bool = True) -> Decision:
@@ -364,7 +365,7 @@ class Cadence:
                 and self._durable[0] >= self._setup_step and bool(self._idle_times))
 
     def _idle_step(self) -> Optional[float]:
-        return _median(self._idle_times) if self._idle_times else None
+        return statistics.median(self._idle_times) if self._idle_times else None
 
     def _time_step(self, step: int) -> None:
         """One step-time sample from the clock since the previous call, per step and
@@ -402,7 +403,7 @@ class Cadence:
         """tau in steps at the measured step time (rounded down when ``down``); until a
         step time is measured (or the clock has not moved), the previous estimate
         stands."""
-        step_time = _median(self._step_times) if self._step_times else 0.0
+        step_time = statistics.median(self._step_times) if self._step_times else 0.0
         if step_time <= 0:
             return self._own_steps
         return max(1, math.floor(tau / step_time) if down else round(tau / step_time))
@@ -426,14 +427,6 @@ class _InFlight:
         if idle_step is None or self.steps == 0:
             return 0.0
         return max(0.0, self.training - idle_step * self.steps)
-
-
-def _median(values: Iterable[float]) -> float:
-    """The median of a few values (statistics.median's, with less work per call: the
-    cadence takes two at every step)."""
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _check_positive(name: str, value: Optional[float], below: Optional[float] = None

@@ -4,11 +4,8 @@ a handle of its own (snapd_client/handle.py)."""
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 
-from snapd_client.cadence import _median
 from snapd_client.handle import SnapshotHandle
 
 
@@ -41,9 +38,3 @@ def test_a_not_taken_handle_cannot_be_reopened_so_the_shared_event_stays_set():
 def test_a_not_taken_handle_has_every_attribute_an_ordinary_one_has():
     ordinary = SnapshotHandle(5)
     assert set(vars(SnapshotHandle.not_taken(5))) == set(vars(ordinary))
-
-
-@pytest.mark.parametrize("values", [[3.0], [2.0, 1.0], [5.0, 1.0, 4.0],
-                                    [0.4, 0.1, 0.3, 0.2], [1.0, 1.0, 2.0, 9.0, 0.5]])
-def test_the_cadences_median_is_statistics_median(values):
-    assert _median(values) == statistics.median(values)
