@@ -257,8 +257,7 @@ def in_loop_overhead(marks: List[float], windows: List[tuple], guard_s: float
     before or after by several percent, cancels; *drift* here is how far the mean
     undisturbed step of the loop's first half differs from its second half's."""
     steps = list(zip(marks, marks[1:]))
-    calm = [b - a for a, b in steps
-            if not any(a < end + guard_s and b > start for start, end in windows)]
+    calm = benchlib.calm_steps(steps, windows, guard_s)
     if len(calm) < 2:
         return {"overhead": None, "drift": None, "calm_steps": len(calm)}
     mean = sum(calm) / len(calm)

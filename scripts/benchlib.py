@@ -97,6 +97,15 @@ def median(xs) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
+def calm_steps(steps: List[tuple], spans: List[tuple], guard_s: float) -> List[float]:
+    """The durations of the calm ones among ``steps`` ((start, end) each): those that
+    neither overlap a snapshot's ``spans`` ((from, to): its call to durable) nor start
+    within ``guard_s`` after one. Their mean is what a step costs undisturbed, measured
+    in the same seconds as the loop (bench_cadence.py, bench_frameworks.py)."""
+    return [b - a for a, b in steps
+            if not any(a < end + guard_s and b > start for start, end in spans)]
+
+
 def round_order(items, round_: int) -> tuple:
     """The order of one round of a bench that repeats its configurations: forward in
     even rounds, backward in odd ones, so that the machine's drift falls on each alike."""
