@@ -22,6 +22,10 @@ import lora  # noqa: E402  (tests/lora.py)
 from snapd_client import Client  # noqa: E402
 
 D, RANK = 512, 8
+# One thread, as the other jobs: a resumed run is compared bit for bit with a run of
+# another process, and a matmul split over threads may sum in another order there
+# (this job ran side by side with another trainer, the resume alone).
+torch.set_num_threads(1)
 
 
 def main() -> None:
