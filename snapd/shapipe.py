@@ -9,7 +9,9 @@ staging arena slot, or compressed bytes), which stay unchanged until the snapsho
 committed, and the digest is taken before the manifest is written.
 
 The order of :meth:`update` calls is the order hashed: file order, as ``sha256sum``
-reads the file.
+reads the file. Each piece is hashed holding one of the process's CPU lanes
+(snapd/cpulanes.py): on a machine of few cores, the hashing of every file written at
+once takes one core, not one each.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ import queue
 import threading
 from typing import Any, Optional
 
+from snapd.cpulanes import Lanes
+
 _END = object()
 
 
 class Sha256Pipe:
     """``update`` hands bytes to the hashing thread and returns at once; ``digest``
     waits for every byte handed over and returns the SHA-256. ``close`` ends the
-    thread without a digest (the write failed)."""
+    thread without a digest (the write failed). ``lanes``: held while a piece is
+    hashed."""
 
-    def __init__(self) -> None:
+    def __init__(self, lanes: Lanes) -> None:
+        self._lanes = lanes
         self._sha = hashlib.sha256()
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._error: Optional[BaseException] = None
@@ -41,7 +47,8 @@ class Sha256Pipe:
                 return
             if self._error is None:
                 try:
-                    self._sha.update(data)
+                    with self._lanes:
+                        self._sha.update(data)
                 except BaseException as e:   # re-raised by digest(), on the writer's thread
                     self._error = e
 

@@ -29,6 +29,7 @@ from snapd.compression import CompressionPolicy
 from snapd.errors import CorruptSnapshot, SnapdError, SnapshotExists
 from snapd.options import Options
 from snapd.plan import ObjectPlan, SnapshotPlan, TensorSource
+from snapd.cpulanes import Lanes, shared as shared_lanes
 from snapd.shapipe import Sha256Pipe
 from snapd.reader import SnapshotReader, read_commit
 from snapd.store import DAMAGED_PREFIX, TMP_PREFIX, RunStore
@@ -47,11 +48,16 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
 
     With ``opts.sha256`` the file's SHA-256 is taken as its bytes pass, in file order
     (header, each chunk, the zeros after each), never by reading the file back, on a
-    thread beside the writes (snapd/shapipe.py)."""
+    thread beside the writes (snapd/shapipe.py).
+
+    What needs a CPU (chunks encoded and digested, frozen chunks identified, the
+    SHA-256) holds one of the process's CPU lanes while it runs, and none while the
+    disk writes (snapd/cpulanes.py)."""
     name = f"{obj.name}{fmt.TENSOR_FILE_SUFFIX}"
     policy = CompressionPolicy(opts.compression)
     file_digest = fmt.FileDigest(fmt.FORMAT_VERSION)
-    sha = Sha256Pipe() if opts.sha256 else None
+    lanes = shared_lanes()
+    sha = Sha256Pipe(lanes) if opts.sha256 else None
     entries, own = [], 0
     out = BlockFile(os.path.join(directory, name))
     try:
@@ -63,14 +69,15 @@ def _write_object_file(directory: str, obj: ObjectPlan, opts: Options,
             if not t.stored:   # replicated, written by another rank: no bytes here
                 entries.append(_entry(t, [], 0))
                 continue
-            found = _committed_bytes(obj.name, t, opts, resolver)
+            with lanes:
+                found = _committed_bytes(obj.name, t, opts, resolver)
             if isinstance(found, tuple):
                 where, entry = found
                 entries.append({**_entry(t, entry["chunks"], entry["xxh3"]), "src_at": where})
                 continue
             own += 1
             entries.append(_write_tensor(out, t, found, policy, opts, file_digest, progress,
-                                         sha))
+                                         lanes, sha))
         out.sync()
     except BaseException:
         if sha is not None:
@@ -127,19 +134,23 @@ def _committed_bytes(obj: str, t: TensorSource, opts: Options,
 
 def _write_tensor(out: BlockFile, t: TensorSource, ids: list, policy: CompressionPolicy,
                   opts: Options, file_digest: fmt.FileDigest,
-                  progress: Progress, sha: Optional[Sha256Pipe] = None) -> Dict[str, Any]:
+                  progress: Progress, lanes: Lanes,
+                  sha: Optional[Sha256Pipe] = None) -> Dict[str, Any]:
     """One tensor's chunks appended to the object's file; returns its entry. ``sha``:
-    the file's SHA-256, fed each chunk's stored bytes and the zeros after it."""
-    level = policy.level_for(t.data, opts.chunk_bytes)
+    the file's SHA-256, fed each chunk's stored bytes and the zeros after it.
+    ``lanes``: held while a chunk is encoded and digested, not while it is written."""
+    with lanes:   # a chunk compressed as a sample, when compression is "auto"
+        level = policy.level_for(t.data, opts.chunk_bytes)
     chunks, raw_digest = [], xxhash.xxh3_64()
     for (chunk_id, _), start in zip(ids, range(0, len(t.data), opts.chunk_bytes)):
         raw = t.data[start:start + opts.chunk_bytes]
-        stored, codec = fmt.encode_chunk(raw, level)
-        if codec == fmt.CODEC_RAW:
-            digest = _raw_chunk_digest(raw, raw_digest)
-        else:
-            digest = fmt.checksum(stored)
-            raw_digest.update(raw)  # just compressed: still in cache
+        with lanes:
+            stored, codec = fmt.encode_chunk(raw, level)
+            if codec == fmt.CODEC_RAW:
+                digest = _raw_chunk_digest(raw, raw_digest)
+            else:
+                digest = fmt.checksum(stored)
+                raw_digest.update(raw)  # just compressed: still in cache
         offset = out.append(stored)
         _sha_update(sha, stored, out.end - offset - len(stored))
         file_digest.chunk(stored, digest)

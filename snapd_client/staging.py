@@ -58,6 +58,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from snapd.cpulanes import usable_cpus
 from snapd.errors import InsufficientSpace, SnapdError
 from snapd.format import CHUNK_ALIGN, align_up
 from snapd.names import SHM_DIR, arena_prefix
@@ -95,14 +96,6 @@ def layout(tensors: Sequence[torch.Tensor],
 
 def slot_size_for(needed: int) -> int:
     return max(SLOT_ROUND, align_up(needed, SLOT_ROUND))
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _is_byte_run(t: torch.Tensor) -> bool:
