@@ -37,7 +37,7 @@ def usable_cpus() -> int:
 
 class Lanes:
     """At most ``count`` holders at once: ``with lanes: work()``. ``peak`` is the most
-    that held a lane at once so far (what tests and ``snapd watch`` may read)."""
+    that held a lane at once so far (what the tests read)."""
 
     def __init__(self, count: int) -> None:
         if count < 1:
