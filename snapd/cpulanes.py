@@ -36,28 +36,19 @@ def usable_cpus() -> int:
 
 
 class Lanes:
-    """At most ``count`` holders at once: ``with lanes: work()``. ``peak`` is the most
-    that held a lane at once so far (what the tests read)."""
+    """At most ``count`` holders at once: ``with lanes: work()``."""
 
     def __init__(self, count: int) -> None:
         if count < 1:
             raise ValueError(f"Lanes({count}): at least one lane")
         self.count = count
-        self.peak = 0
         self._free = threading.Semaphore(count)
-        self._lock = threading.Lock()
-        self._held = 0
 
     def __enter__(self) -> "Lanes":
         self._free.acquire()
-        with self._lock:
-            self._held += 1
-            self.peak = max(self.peak, self._held)
         return self
 
     def __exit__(self, *exc) -> None:
-        with self._lock:
-            self._held -= 1
         self._free.release()
 
 

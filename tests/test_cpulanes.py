@@ -23,20 +23,27 @@ from helpers import plan_for
 
 
 class RecordedLanes(Lanes):
-    """Lanes that note which thread held one, from when to when."""
+    """Lanes that note which thread held one, from when to when, and the most held at
+    once (``peak``)."""
 
     def __init__(self, count: int) -> None:
         super().__init__(count)
         self.spans, self._mine = [], threading.local()
+        self.peak, self._held, self._lock = 0, 0, threading.Lock()
 
     def __enter__(self):
         super().__enter__()
+        with self._lock:
+            self._held += 1
+            self.peak = max(self.peak, self._held)
         self._mine.since = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         me = threading.current_thread()
         self.spans.append(((me.name, me.ident), self._mine.since, time.perf_counter()))
+        with self._lock:
+            self._held -= 1
         super().__exit__(*exc)
 
 
