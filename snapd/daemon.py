@@ -56,6 +56,7 @@ import psutil
 from snapd import diskguard, signing, stderrlog, protocol as p, retention
 from snapd.arena_map import HotCache, reclaim_dead_arenas
 from snapd.commit import Commit, CommitService
+from snapd.cpulanes import shared as shared_lanes
 from snapd.errors import AlreadyServing, SnapdError
 from snapd.hotwhy import never_held, not_held_because
 from snapd.options import DAEMON_OPTIONS, Options
@@ -474,7 +475,9 @@ class Daemon:
                 "options": {n: getattr(self.options, n) for n in DAEMON_OPTIONS},
                 "idle_seconds": round(self.idle_seconds(), 3),
                 "idle_limit_seconds": self._idle_limit(self._keeps_nothing()),
-                "hot_bytes": self.hot_cache.held_bytes()}
+                "hot_bytes": self.hot_cache.held_bytes(),
+                # The CPUs its hashing keeps off: where its clients' trainers run.
+                "cpus_kept_free": sorted(shared_lanes().kept)}
 
     def _progress(self, sub: Submission) -> Dict[str, Any]:
         return {"run": sub.run, "rank": sub.rank, "step": sub.step,

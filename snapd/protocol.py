@@ -88,7 +88,9 @@ class Attach:
 
 @dataclass
 class Submit:
-    """Hand off one staged snapshot; the plan's tensors point into ``slot``."""
+    """Hand off one staged snapshot; the plan's tensors point into ``slot``.
+    ``cpu``: the CPU the training thread called ``snapshot()`` on, which the daemon's
+    hashing keeps free (snapd/cpulanes.py); None (absent, an older client): none."""
     op = "submit"
     run: str
     rank: int
@@ -96,6 +98,7 @@ class Submit:
     slot: int
     plan: Dict[str, Any]
     options: Dict[str, Any] = field(default_factory=dict)
+    cpu: Optional[int] = None
 
 
 @dataclass

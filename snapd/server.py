@@ -37,6 +37,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 from snapd import protocol as p
 from snapd.arena_map import MappedArena, check_arena_owner, hot_segment_name
+from snapd.cpulanes import shared as shared_lanes
 from snapd.lobby import LOBBY_SIZE, Lobby, Replay, Waiting
 from snapd.errors import (DaemonUnavailable, InvalidOption, ProtocolError, ProtocolMismatch,
                           SnapdError)
@@ -291,6 +292,7 @@ class Connection:
                 self.handler.log(f"client pid {self.pid} run {self.run!r} rank "
                                  f"{self.rank} {why}")
             if self.run:
+                shared_lanes().keep_free((self.run, self.rank), None)
                 self.handler.client_left(self.run, self.rank, clean=self.finished)
 
     def _next_frame(self, first: bool = False) -> Dict[str, Any]:
@@ -385,6 +387,10 @@ class Connection:
         if arena is None:
             raise SnapdError(f"no arena attached for run {m.run!r} rank {m.rank}; "
                              "attach one before submit", field="slot")
+        if m.cpu is not None and (not isinstance(m.cpu, int) or isinstance(m.cpu, bool)
+                                  or m.cpu < 0):
+            raise SnapdError(f"submit cpu {m.cpu!r}: the CPU the trainer runs on, an "
+                             "int >= 0, or nil", field="cpu")
         check_descriptor(m.plan, m.run, m.rank, m.step)
         options = submit_options(self.handler.options, m.options)
         arena.acquire(m.slot)
@@ -396,6 +402,7 @@ class Connection:
             arena.release(m.slot)
             raise
         sub = Submission(self, arena, m.slot, view, plan, m.plan, options)
+        shared_lanes().keep_free((m.run, m.rank), m.cpu)
         try:
             # Queue and reply under the order lock: the committed event (queued
             # under the same lock) cannot overtake this accepted reply.

@@ -47,6 +47,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from snapd import protocol as proto
+from snapd.cpulanes import current_cpu
 from snapd.errors import (DaemonStartFailed, DaemonUnavailable, InsufficientSpace,
                           OptionMismatch, ProtocolMismatch, SnapdError)
 from snapd.names import SHM_DIR
@@ -85,6 +86,9 @@ class Handoff:
         self._closing = False                 # close() began: no more warm-up
         self.recovery = Recovery(store, self._cond)  # what a lost daemon takes with it
         self.stager = Stager(options.mode)    # copy order, fence, overlap thread
+        # The CPU the latest snapshot() was called on, sent with each submit (the
+        # stager's thread may send it): the daemon keeps its hashing off that CPU.
+        self.trainer_cpu: Optional[int] = None
 
     # --- snapshot ------------------------------------------------------------------
 
@@ -95,6 +99,7 @@ class Handoff:
         that cannot be started at all (DaemonStartFailed) or that refuses this client
         (OptionMismatch, ProtocolMismatch): no snapshot can be taken.
         """
+        self.trainer_cpu = current_cpu()   # the daemon's hashing keeps off it
         self.stager.synchronize()
         self._join_warm_up()
         offsets, need = layout(capture.tensors, capture.carried)  # copied bytes only
@@ -173,7 +178,8 @@ class Handoff:
         try:
             conn.send_request(proto.Submit(self.store.run, self.rank, handle.step, slot,
                                            desc, {k: getattr(self.options, k)
-                                                  for k in SUBMIT_OPTIONS}), refused)
+                                                  for k in SUBMIT_OPTIONS},
+                                           self.trainer_cpu), refused)
         except Exception as e:  # the handle reports it; the trainer carries on
             if isinstance(e, DaemonUnavailable) and conn.lost is not None:
                 self.recovery.unsent(handle)

@@ -137,11 +137,12 @@ class Arena:
         self.size = self.slot_bytes * slots
         self.name = f"{arena_prefix(os.getpid())}{secrets.token_hex(4)}"
         self.path = os.path.join(SHM_DIR, self.name)
-        self._map = self._create(allocate=not background)
+        self._map, fd = self._create(allocate=not background)
         self._u8: Optional[torch.Tensor] = torch.frombuffer(self._map, dtype=torch.uint8)
         # Every page faulted in before the first copy (prefault.py): now, or, with
-        # ``background``, on a thread of prefault's that ready() finishes.
-        self._prefault = Prefault(self._u8.data_ptr(), self.size)
+        # ``background``, on a thread of prefault's that ready() finishes. It writes
+        # the pages through the file first, and closes the descriptor once done.
+        self._prefault = Prefault(self._u8.data_ptr(), self.size, fd)
         self._registered = False
         self._register_tried = False
         self._stream = None
@@ -153,7 +154,9 @@ class Arena:
             if self._helper_count else None
         self.fault_in(background)
 
-    def _create(self, allocate: bool) -> mmap.mmap:
+    def _create(self, allocate: bool) -> Tuple[mmap.mmap, int]:
+        """The file, mapped, and its descriptor, which the fault-in writes through
+        and then closes (the mapping keeps the file)."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # fallocate, not ftruncate: a full /dev/shm is an error here, never a
@@ -163,14 +166,13 @@ class Arena:
                 os.posix_fallocate(fd, 0, self.size)
             else:
                 os.ftruncate(fd, self.size)
-            return mmap.mmap(fd, self.size)
+            return mmap.mmap(fd, self.size), fd
         except OSError as e:
+            os.close(fd)
             os.unlink(self.path)
             cls = InsufficientSpace if e.errno == errno.ENOSPC else SnapdError
             raise cls(f"{self.path}: cannot allocate a {self.size}-byte staging arena "
                       f"({e}); free space in {SHM_DIR} or use slots=1") from e
-        finally:
-            os.close(fd)  # the mapping keeps the file; one descriptor, briefly
 
     @property
     def closed(self) -> bool:

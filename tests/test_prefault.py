@@ -3,11 +3,13 @@ that no fork ever sees, and from track() without a thread of the warm-up's own."
 
 from __future__ import annotations
 
+import os
 import threading
 
+import pytest
 import torch
 
-from snapd import protocol as proto
+from snapd import cpulanes, protocol as proto
 from snapd_client import Client, prefault
 from snapd_client.staging import Arena
 
@@ -37,6 +39,36 @@ def test_a_background_fault_in_maps_every_page_before_the_first_copy(monkeypatch
         assert not prefault_threads()
     finally:
         arena.close()
+
+
+def test_the_fault_in_runs_off_the_cpu_of_the_thread_that_started_it(monkeypatch):
+    """The trainer's thread starts the fault-in: every piece the background thread
+    faults in, it faults in on the process's other CPUs, and the trainer's thread
+    stays where it may run."""
+    cpus = cpulanes.process_cpus()
+    if len(cpus) < 2:
+        pytest.skip("one CPU: there is no other to move to (CI runs on two)")
+    trainer = max(cpus)
+    monkeypatch.setattr(prefault, "current_cpu", lambda: trainer)  # where start() runs
+    monkeypatch.setattr(prefault, "PIECE", 1 << 20)
+    seen, real = [], prefault.populate
+
+    def populate(address, nbytes):
+        if threading.current_thread().name == "snapd-prefault":
+            seen.append(frozenset(os.sched_getaffinity(0)))
+        real(address, nbytes)
+
+    monkeypatch.setattr(prefault, "populate", populate)
+    mine = os.sched_getaffinity(0)
+    arena = Arena(8 << 20, slots=2, background=True)
+    try:
+        for thread in prefault_threads():   # started by the arena, on this thread
+            thread.join(60)
+        assert arena.faulted_in and not prefault_threads()
+    finally:
+        arena.close()
+    assert len(seen) == 16 and set(seen) == {cpus - {trainer}}
+    assert os.sched_getaffinity(0) == mine
 
 
 def test_a_copy_waits_for_its_own_slots_pages_and_the_rest_goes_on(monkeypatch):

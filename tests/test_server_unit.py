@@ -13,8 +13,9 @@ import msgpack
 import pytest
 import torch
 
-from snapd import protocol as p
+from snapd import cpulanes, protocol as p
 from snapd.arena_map import MappedArena, HotCache, hot_segment_name, validate_shm_name
+from snapd.cpulanes import Lanes
 from snapd.daemon import Daemon, WriteQueue
 from snapd.errors import SnapdError
 from snapd.options import Options
@@ -276,6 +277,27 @@ def test_submit_outside_slot_is_an_error_reply(shm):
     assert conn.arenas[("r", 0)].busy == {0}
     sock.close()
     thread.join(5)
+
+
+def test_a_submit_keeps_its_trainers_cpu_free_until_the_client_leaves(shm, monkeypatch):
+    lanes = Lanes(1, cpus=frozenset({0, 1}))
+    monkeypatch.setattr(cpulanes, "_shared", lanes)
+    handler = FakeHandler()
+    name = segment(shm, size=SLOT)
+    sock, conn, thread = connected(handler)
+    ask(sock, p.Hello(p.PROTOCOL_VERSION, 1, "r"), 1)
+    conn.arenas[("r", 0)] = MappedArena(name, SLOT, 1, shm_dir=str(shm))  # attach, in shm
+    for rid, bad in enumerate(("1", -1, True, 1.0), start=2):
+        reply = ask(sock, p.Submit("r", 0, 1, 0, descriptor(), cpu=bad), rid)
+        assert reply["op"] == "error" and reply["field"] == "cpu", reply
+        assert "int >= 0" in reply["message"] and conn.arenas[("r", 0)].busy == set()
+    assert lanes.kept == frozenset()
+    reply = ask(sock, p.Submit("r", 0, 1, 0, descriptor(), cpu=1), 9)
+    assert reply == {"op": "accepted", "re": 9, "step": 1}
+    assert lanes.kept == {1}
+    sock.close()
+    thread.join(5)
+    assert lanes.kept == frozenset()
 
 
 # --- one write, as the daemon does it -----------------------------------------------------

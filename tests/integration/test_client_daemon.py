@@ -196,6 +196,32 @@ def test_client_starts_a_daemon_that_outlives_it(env):
     again.close()
 
 
+def test_the_daemon_hashes_off_the_cpu_its_trainer_runs_on(harness, tmp_path):
+    """A daemon started on every CPU; a trainer on one: each submit names that CPU,
+    the daemon keeps its hashing off it while the client is connected, and forgets
+    it when the client leaves."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("one CPU: none to keep free (CI runs on two)")
+    root = str(tmp_path / "root")
+    harness.start(root)
+    trainer = max(cpus)
+    probe = DaemonProbe(root)
+    os.sched_setaffinity(0, {trainer})   # this thread is the trainer
+    try:
+        model, opt = make_model()
+        client = Client(root, "cpus")
+        client.track(model=model, optimizer=opt)
+        client.snapshot(1).wait()
+        assert probe.status()["cpus_kept_free"] == [trainer]
+        client.close()
+        wait_until(lambda: probe.status()["cpus_kept_free"] == [], 60,
+                   "the daemon to forget the CPU of a client that left")
+    finally:
+        os.sched_setaffinity(0, cpus)
+        probe.close()
+
+
 TRAINER = textwrap.dedent("""
     import json, os, signal, sys, torch, xxhash
     from snapd_client import Client
