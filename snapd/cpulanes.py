@@ -25,9 +25,9 @@ lanes (:meth:`Lanes.keep_free`): a thread that takes a lane first moves itself o
 the CPUs the run's trainers were last seen on, while others remain. Why: the
 scheduler otherwise wakes the daemon's threads on the trainer's CPU and, to balance
 the two, moves the trainer to the other one. A moved thread leaves behind its
-caches and the pages it freed, which wait in the old CPU's free lists; its next
-allocations take other pages, and on a virtual machine that hands freed memory back
-to its host those are faulted in from the host. Measured on a 2-CPU VM, a
+caches and, as far as the measurements below tell, the pages it freed, which wait in
+the old CPU's free lists; its next allocations take other pages, and on a virtual
+machine that hands freed memory back to its host those are faulted in from the host. Measured on a 2-CPU VM, a
 GPT-2 Trainer step (whose gradients, freed and reallocated at every step, are 400 MB
 of fresh pages) that the scheduler moved during a snapshot's write spent 0.5-1.4 s
 more zeroing pages, after one of the first snapshots of every run (5 of 5 runs);
