@@ -27,12 +27,13 @@ scheduler otherwise wakes the daemon's threads on the trainer's CPU and, to bala
 the two, moves the trainer to the other one. A moved thread leaves behind its
 caches and, as far as the measurements below tell, the pages it freed, which wait in
 the old CPU's free lists; its next allocations take other pages, and on a virtual
-machine that hands freed memory back to its host those are faulted in from the host. Measured on a 2-CPU VM, a
-GPT-2 Trainer step (whose gradients, freed and reallocated at every step, are 400 MB
-of fresh pages) that the scheduler moved during a snapshot's write spent 0.5-1.4 s
-more zeroing pages, after one of the first snapshots of every run (5 of 5 runs);
-with the daemon kept off the trainer's CPU, in none (2 runs, and 5 rounds of
-scripts/bench_frameworks.py; docs/benchmarks.md, "The trainer's CPU kept free").
+machine that hands freed memory back to its host those are faulted in from the host.
+Measured on a 2-CPU VM, a GPT-2 Trainer step (whose gradients, freed and reallocated
+at every step, are 400 MB of fresh pages) that the scheduler moved during a
+snapshot's write spent 0.5-1.4 s more zeroing pages, after one of the first
+snapshots of every run (5 of 5 runs); with the daemon kept off the trainer's CPU,
+in none (2 runs, and 5 rounds of scripts/bench_frameworks.py; docs/benchmarks.md,
+"The trainer's CPU kept free").
 """
 
 from __future__ import annotations
